@@ -1,0 +1,16 @@
+"""fp4pass: rewrite MXFP4 models into NVFP4, calibrate NVFP4 activations, and prove the result.
+
+Public surface (SPEC.md)::
+
+    import fp4pass
+    mx = fp4pass.MXFP4Tensor.quantize(x)                 # E2M1 + E8M0 per 32
+    nv = fp4pass.NVFP4Tensor.quantize(x)                 # E2M1 + E4M3 per 16 + FP32 global scale
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, method="auto")
+"""
+
+from fp4pass.errors import FP4PassError
+from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, ScaleRule
+
+__version__ = "0.1.0"
+
+__all__ = ["FP4PassError", "MXFP4Tensor", "NVFP4Tensor", "ScaleRule", "__version__"]

@@ -1,0 +1,83 @@
+"""Benchmarks: every figure is a ratio to a baseline measured in the same process, on the same bytes.
+
+Each module here (one per area: formats, convert, onnx, diff, calib) defines ``BENCHMARKS``, a list of
+functions ``bench(device: torch.device, quick: bool) -> list[BenchResult]``. ``fp4pass bench`` runs them all.
+A ratio is ``seconds / baseline_seconds``: lower is better, 1.0 means as fast as the baseline.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["BenchResult", "measure", "run_benchmarks", "format_table", "AREAS"]
+
+AREAS = ("formats", "convert", "onnx", "diff", "calib")
+
+
+@dataclass
+class BenchResult:
+    """One measurement: ``seconds`` for ``name`` against ``baseline_seconds`` for ``baseline``."""
+
+    name: str
+    seconds: float
+    baseline: str
+    baseline_seconds: float
+    goal: float | None = None  # the ratio the issue asks for (<=), if any
+    extra: dict = field(default_factory=dict)  # throughput, bytes, peak memory, ...
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.baseline_seconds if self.baseline_seconds > 0 else float("inf")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "met": None if self.goal is None else self.ratio <= self.goal}
+
+
+def measure(fn: Callable[[], object], repeat: int = 5, device: torch.device | None = None) -> float:
+    """Best wall time of ``repeat`` calls (after one warm-up), synchronizing CUDA around each call."""
+
+    def sync():
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_benchmarks(device: torch.device, quick: bool = False, areas=AREAS, log=print) -> list[BenchResult]:
+    results: list[BenchResult] = []
+    for area in areas:
+        try:
+            module = importlib.import_module(f"fp4pass.bench.{area}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"fp4pass.bench.{area}":
+                raise
+            continue
+        for bench in module.BENCHMARKS:
+            for result in bench(device, quick):
+                log(format_row(result))
+                results.append(result)
+    return results
+
+
+def format_row(r: BenchResult) -> str:
+    goal = "" if r.goal is None else f"  goal <= {r.goal:g}x {'met' if r.ratio <= r.goal else 'MISSED'}"
+    extra = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+    return f"{r.name:<44} {r.seconds * 1e3:10.2f} ms  {r.ratio:7.2f}x {r.baseline}{goal}  {extra}"
+
+
+def format_table(results: list[BenchResult]) -> str:
+    header = f"{'benchmark':<44} {'time':>13}  {'ratio':>7} baseline"
+    return "\n".join([header, *(format_row(r) for r in results)])

@@ -1,0 +1,40 @@
+"""``fp4pass bench``: the benchmarks the issues name, each a ratio to a baseline run in the same process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from fp4pass.bench import AREAS, format_table, run_benchmarks
+from fp4pass.io import write_json
+
+EPILOG = """examples:
+  fp4pass bench                      # everything, on CPU and CUDA where present
+  fp4pass bench --quick --area formats --json bench.json
+"""
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("bench", parents=[common], help="run the benchmarks (ratios to same-process baselines)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--area", action="append", choices=AREAS, help="only these areas (repeatable)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fp4pass bench: note: CUDA requested but not available; running on CPU", file=sys.stderr)
+    use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if use_cuda else [])
+    results = []
+    for device in devices:
+        results += run_benchmarks(device, args.quick, args.area or AREAS, log=lambda row: print(row, file=sys.stderr))
+    print(format_table(results))
+    if args.json:
+        write_json(args.json, {"devices": [str(d) for d in devices], "results": [r.to_json() for r in results]})
+    return 0
