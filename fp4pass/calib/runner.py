@@ -1,0 +1,284 @@
+"""The calibration run: stream data through the model, collect activation statistics, pick the scales.
+
+Steps (ModelOpt's staging: targets -> session -> collect -> compute):
+
+1. Targets: the activation input of every quantizable consumer of an FP4 weight
+   (:func:`fp4pass.onnx.patterns.find_fp4_consumers`: MatMul / Gemm / Einsum, and QMoE's input), each
+   activation once however many consumers it feeds. Declined, with the reason: an activation blocked along
+   another axis than its last (Gemm transA=1, MatMul with the weight as input A, an Einsum whose activation
+   does not contract its last axis), a constant, one inside a subgraph.
+2. Session: a copy of the model lowered for onnxruntime (:func:`fp4pass.onnx.lower.lower_for_ort`, exact)
+   with the targets added as graph outputs, run by :func:`fp4pass.onnx.runtime.make_session` (CUDA EP when
+   present).
+3. Collect: one ``session.run`` per feed; each target's batch goes into its
+   :class:`~fp4pass.calib.stats.ActivationStats` (reduced in torch, on the GPU when torch has one); the
+   activations themselves are dropped after each batch.
+4. Compute: the calibrator turns the statistics into ``g_amax``; the report adds B_min/B_max, the fractions
+   of blocks that go subnormal / saturate at that g_amax, and the SNR on the held sample.
+
+Data (``data``):
+
+- a path to one ``.npz``: arrays named after the graph inputs; each array is fed whole (its first axis is
+  the batch the model sees), or cut along the first axis into ``batch_size`` pieces when that is given;
+- a path to a folder: every ``*.npz`` in it, in name order, loaded one file at a time (never all at once);
+- an iterable of feed dicts ``{input_name: array}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from fp4pass.calib.calibrators import HeadroomCalibrator, make_calibrator, quantization_error
+from fp4pass.calib.calibrators import E4M3_NORMAL_WINDOW
+from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
+from fp4pass.calib.stats import ActivationStats
+from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
+from fp4pass.progress import progress
+
+__all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "iter_feeds", "CalibrationTarget", "CalibrationDataError"]
+
+log = logging.getLogger(__name__)
+
+
+class CalibrationDataError(FP4PassError):
+    """Calibration data that does not fit the model: a missing input, a wrong dtype, NaN/Inf, no files."""
+
+
+@dataclass
+class CalibrationTarget:
+    """An activation to calibrate: its value name and the consumer nodes that quantize it."""
+
+    name: str
+    consumers: list[str]
+
+
+def _einsum_contracts_last(node: ir.Node, activation_input: int) -> bool:
+    attr = node.attributes.get("equation")
+    if attr is None:
+        return False
+    equation = attr.value.replace(" ", "")
+    if "->" not in equation or "..." in equation.split("->")[0].split(",")[activation_input][-1:]:
+        return False
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or not terms[activation_input]:
+        return False
+    last = terms[activation_input][-1]
+    return last in terms[1 - activation_input] and last not in out
+
+
+def activation_axis_reason(node: ir.Node, activation_input: int) -> str | None:
+    """Why this consumer's activation is not blocked along its last axis (None when it is)."""
+    op = node.op_type
+    if op == "Gemm":
+        trans_a = node.attributes.get("transA")
+        if activation_input != 0 or (trans_a is not None and trans_a.value):
+            return "Gemm activation is transposed (reduction axis is not its last)"
+    elif op == "MatMul" and activation_input != 0:
+        return "MatMul activation is input B (reduction axis is not its last)"
+    elif op == "Einsum" and not _einsum_contracts_last(node, activation_input):
+        return "Einsum does not contract the activation's last axis"
+    return None
+
+
+def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[dict]]:
+    """(targets, declined): the activations to calibrate, in graph order, and those declined with a reason."""
+    from fp4pass.onnx.patterns import find_fp4_consumers
+
+    targets: dict[str, CalibrationTarget] = {}
+    declined: list[dict] = []
+    top_level = {id(node) for node in model.graph}
+    for node, activation_input, _weight in find_fp4_consumers(model):
+        value = node.inputs[activation_input] if activation_input < len(node.inputs) else None
+        label = node.name or node.op_type
+        reason = None
+        if value is None:
+            reason = "no activation input"
+        elif id(node) not in top_level:
+            reason = "consumer is inside a subgraph"
+        elif value.const_value is not None and not value.is_graph_input():
+            reason = f"activation {value.name!r} is a constant"
+        else:
+            reason = activation_axis_reason(node, activation_input)
+        if reason:
+            declined.append({"node": label, "activation": value.name if value is not None else None, "reason": reason})
+            continue
+        targets.setdefault(value.name, CalibrationTarget(value.name, [])).consumers.append(label)
+    return list(targets.values()), declined
+
+
+# -- data ------------------------------------------------------------------------------------------------
+
+
+def _check_feed(feed: dict, inputs: dict[str, ir.Value], where: str) -> dict[str, np.ndarray]:
+    missing = [name for name in inputs if name not in feed]
+    if missing:
+        raise CalibrationDataError(f"{where}: no array for graph input {missing[0]!r} "
+                                   f"(has: {', '.join(sorted(feed)) or 'nothing'})")
+    extra = sorted(set(feed) - set(inputs))
+    if extra:
+        log.warning("%s: arrays %s are not graph inputs; ignored", where, ", ".join(extra))
+    checked = {}
+    for name, value in inputs.items():
+        array = np.asarray(feed[name])
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            index = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+            raise NonFiniteError(f"{where}: array {name!r} holds {array[index]} at index {index}")
+        expected = value.dtype.numpy() if value.dtype is not None else array.dtype
+        if array.dtype != expected:
+            if array.dtype.kind != np.dtype(expected).kind:
+                raise CalibrationDataError(f"{where}: array {name!r} is {array.dtype}, graph input wants {expected}")
+            array = array.astype(expected)
+        checked[name] = array
+    return checked
+
+
+def iter_feeds(data, inputs: dict[str, ir.Value], batch_size: int | None = None) -> Iterator[tuple[str, dict]]:
+    """Yield (where, feed) pairs from an .npz path, a folder of .npz files, or an iterable of dicts."""
+
+    def split(where: str, feed: dict) -> Iterator[tuple[str, dict]]:
+        feed = _check_feed(feed, inputs, where)
+        if not batch_size:
+            yield where, feed
+            return
+        rows = {a.shape[0] if a.ndim else 1 for a in feed.values()}
+        if len(rows) != 1:
+            raise CalibrationDataError(f"{where}: arrays differ in their first axis {sorted(rows)}; cannot batch")
+        (n,) = rows
+        for start in range(0, n, batch_size):
+            yield f"{where}[{start}:{start + batch_size}]", {k: v[start:start + batch_size] for k, v in feed.items()}
+
+    def npz(path: Path) -> Iterator[tuple[str, dict]]:
+        try:
+            with np.load(path, allow_pickle=False) as arrays:
+                feed = {name: arrays[name] for name in arrays.files}
+        except (OSError, ValueError) as exc:
+            raise CalibrationDataError(f"{path}: not a readable .npz ({exc})") from None
+        yield from split(str(path), feed)
+
+    if isinstance(data, (str, os.PathLike)):
+        path = Path(data)
+        if path.is_dir():
+            files = sorted(path.glob("*.npz"))
+            if not files:
+                raise CalibrationDataError(f"{path}: folder holds no .npz files")
+            for file in files:
+                yield from npz(file)
+        elif path.is_file():
+            yield from npz(path)
+        else:
+            raise CalibrationDataError(f"{path}: no such file or folder")
+        return
+    if isinstance(data, dict):
+        data = [data]
+    for i, feed in enumerate(data):
+        if not isinstance(feed, dict):
+            raise CalibrationDataError(f"calibration feed #{i}: expected a dict of arrays, got {type(feed).__name__}")
+        yield from split(f"calibration feed #{i}", feed)
+
+
+# -- session ---------------------------------------------------------------------------------------------
+
+
+def _session(model: ir.Model, names: list[str], provider: str):
+    """An onnxruntime session over a lowered copy of ``model`` whose outputs include ``names``."""
+    from fp4pass.onnx.lower import lower_for_ort
+    from fp4pass.onnx.runtime import make_session
+
+    lowered = lower_for_ort(model)
+    values = {v.name: v for node in lowered.graph for v in node.outputs}
+    outputs = {v.name for v in lowered.graph.outputs}
+    for name in names:
+        if name in outputs or name not in values:
+            continue
+        lowered.graph.outputs.append(values[name])
+    return make_session(lowered, provider)
+
+
+def _stats_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+
+def calibrate_model(model, data, calibrator="max", provider: str = "auto", *, activations: list[str] | None = None,
+                    batch_size: int | None = None, device=None, show_progress: bool | None = False,
+                    **calibrator_options) -> ActivationScales:
+    """Calibrate the NVFP4 activation scales of ``model`` on ``data`` (module docstring).
+
+    ``model``: an ``onnx_ir.Model`` (or anything :func:`fp4pass.onnx.loading.load` reads); it is not changed.
+    ``calibrator``: "max" | "percentile" | "headroom" | "mse" or a :class:`Calibrator`; ``calibrator_options``
+    go to its constructor (rho, margin, percentile, ...). ``activations``: calibrate these tensors instead of
+    the FP4 consumers' inputs. Returns :class:`ActivationScales` (``.report()`` has the per-activation report).
+    """
+    if not isinstance(model, ir.Model):
+        from fp4pass.onnx.loading import load
+
+        model = load(model).model
+    method = make_calibrator(calibrator, **calibrator_options)
+    if activations is None:
+        targets, declined = calibration_targets(model)
+        for entry in declined:
+            log.info("calibration: node %s declined: %s", entry["node"], entry["reason"])
+    else:
+        targets = [CalibrationTarget(name, []) for name in activations]
+    if not targets:
+        raise ModelError("no activation to calibrate: no MatMul/Gemm/Einsum/QMoE consumes an FP4 weight")
+    graph_inputs = {v.name: v for v in model.graph.inputs if v.const_value is None or v.name not in model.graph.initializers}
+    names = [t.name for t in targets]
+    known = {v.name for node in model.graph for v in node.outputs} | set(graph_inputs)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ModelError(f"activation {unknown[0]!r} is not a tensor of the model's main graph")
+    run_names = [n for n in names if n not in graph_inputs]
+
+    session, provider_used, note = _session(model, run_names, provider)
+    if note:
+        log.info("calibration: %s", note)
+    device = torch.device(device) if device is not None else _stats_device()
+    stats = {n: ActivationStats(n, device=device, abs_histogram=method.needs_abs_histogram,
+                                reservoir=method.reservoir, top_k=method.top_k) for n in names}
+    batches = 0
+    for where, feed in progress(iter_feeds(data, graph_inputs, batch_size), desc="calibrate", enabled=show_progress):
+        results = dict(zip(run_names, session.run(run_names, feed))) if run_names else {}
+        for name in names:
+            value = feed[name] if name in graph_inputs else results[name]
+            try:
+                stats[name].update(torch.from_numpy(np.ascontiguousarray(value)))
+            except NonFiniteError as exc:
+                raise NonFiniteError(f"{where}: {exc}") from None
+        batches += 1
+    if batches == 0:
+        raise CalibrationDataError("calibration data holds no feed")
+    scales = ActivationScales(method.name, provider=provider_used, batches=batches)
+    for name in names:
+        scales.tensors[name] = _scale_for(stats[name], method)
+    return scales
+
+
+def _scale_for(stats: ActivationStats, method) -> ActivationScale:
+    g_amax, note = method.compute(stats)
+    bounds = method if isinstance(method, HeadroomCalibrator) else HeadroomCalibrator()
+    b_min, b_max = bounds.bounds(stats)
+    nonzero = stats.block_histogram.total
+    subnormal = saturated = snr = None
+    if nonzero and g_amax > 0:
+        subnormal = stats.block_histogram.fraction_below(g_amax / E4M3_NORMAL_WINDOW)
+        saturated = 0.0 if g_amax >= stats.amax_value else 1.0 - stats.block_histogram.fraction_below(g_amax)
+        blocks, weights = stats.sample.weighted()
+        signal, error = quantization_error(blocks, weights, g_amax)
+        snr = None if error == 0 else float(10 * np.log10(signal / error)) if signal > 0 else float("-inf")
+    return ActivationScale(
+        amax=stats.amax_value, g_amax=float(g_amax), input_scale=input_scale_from_g_amax(g_amax),
+        b_min=float(b_min or 0.0), b_max=float(b_max or 0.0), blocks=stats.blocks,
+        zero_blocks=int(stats.zero_blocks), subnormal_fraction=subnormal, saturated_fraction=saturated,
+        snr_db=snr, note=note)

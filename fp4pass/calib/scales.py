@@ -1,0 +1,127 @@
+"""Calibrated NVFP4 activation scales and their file, SCALES.json (SPEC.md).
+
+One :class:`ActivationScale` per activation tensor (the graph tensor fed to a quantized consumer)::
+
+    input_scale = g_amax / (6 * 448)        FP32; ModelOpt's / TensorRT's activation ``input_scale``,
+                                            a multiplier applied on dequantize (1.0 when g_amax is 0)
+
+``g_amax`` is what the calibrator chose, ``amax`` the literal max |x| seen, ``b_min`` / ``b_max`` the robust
+low / high percentiles of the per-16-block amaxes (p1 over blocks within 1e6 of B_max, and p99.99), ``blocks``
+the number of 16-blocks seen. The file::
+
+    {"calibrator": "max", "tensors": {NAME: {"amax", "g_amax", "input_scale", "b_min", "b_max", "blocks"}}}
+
+The report fields (zero / subnormal / saturated block fractions, SNR of the quantized activation on the
+calibration sample) travel in :meth:`ActivationScales.report`, not in SCALES.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fp4pass.errors import FP4PassError
+from fp4pass.formats import E2M1_MAX, E4M3_MAX
+from fp4pass.io import write_json
+
+__all__ = ["ActivationScale", "ActivationScales", "ScalesFileError", "input_scale_from_g_amax"]
+
+_FILE_KEYS = ("amax", "g_amax", "input_scale", "b_min", "b_max", "blocks")
+
+
+class ScalesFileError(FP4PassError):
+    """A SCALES.json that cannot be read or does not hold what SPEC.md says it holds."""
+
+
+def input_scale_from_g_amax(g_amax: float) -> float:
+    """g_amax / (6*448) rounded to FP32 (as ``NVFP4Tensor``'s global scale is); 1.0 for g_amax = 0."""
+    import numpy as np
+
+    if g_amax <= 0:
+        return 1.0
+    return float(np.float32(np.float32(g_amax) / np.float32(E2M1_MAX * E4M3_MAX)))
+
+
+@dataclass
+class ActivationScale:
+    """The calibrated global scale of one activation, with the numbers behind it.
+
+    Units: every field is in the activation's own units (absolute values), except ``blocks`` (a count),
+    the ``*_fraction`` fields (of the non-zero 16-blocks) and ``snr_db`` (dB, 10*log10(sum x^2 / sum err^2)).
+    """
+
+    amax: float
+    g_amax: float
+    input_scale: float
+    b_min: float
+    b_max: float
+    blocks: int
+    zero_blocks: int = 0
+    subnormal_fraction: float | None = None  # blocks whose E4M3 scale b*448/g_amax falls below 2^-6
+    saturated_fraction: float | None = None  # blocks with amax above g_amax (clipped)
+    snr_db: float | None = None  # quantized vs float, on the calibration sample; None when exact
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return {key: getattr(self, key) for key in _FILE_KEYS}
+
+    def report(self, name: str) -> dict:
+        return {"name": name, **self.to_json(), "zero_blocks": self.zero_blocks,
+                "subnormal_fraction": self.subnormal_fraction, "saturated_fraction": self.saturated_fraction,
+                "snr_db": self.snr_db, "note": self.note}
+
+    @classmethod
+    def from_json(cls, entry: dict, name: str = "?", where: str = "SCALES.json") -> "ActivationScale":
+        if not isinstance(entry, dict):
+            raise ScalesFileError(f"{where}: tensor {name!r}: expected an object, got {type(entry).__name__}")
+        missing = [key for key in _FILE_KEYS if key not in entry]
+        if missing:
+            raise ScalesFileError(f"{where}: tensor {name!r}: missing {', '.join(missing)}")
+        values = {}
+        for key in _FILE_KEYS:
+            value = entry[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ScalesFileError(f"{where}: tensor {name!r}: {key} must be a finite number, got {value!r}")
+            values[key] = int(value) if key == "blocks" else float(value)
+        if values["input_scale"] <= 0 or values["g_amax"] < 0:
+            raise ScalesFileError(f"{where}: tensor {name!r}: input_scale must be > 0 and g_amax >= 0")
+        return cls(**values)
+
+
+@dataclass
+class ActivationScales:
+    """The calibration of a model: ``tensors`` maps each activation name to its :class:`ActivationScale`."""
+
+    calibrator: str
+    tensors: dict[str, ActivationScale] = field(default_factory=dict)
+    provider: str | None = None  # the onnxruntime provider that ran the calibration (not saved)
+    batches: int = 0  # feeds run (not saved)
+
+    def to_json(self) -> dict:
+        return {"calibrator": self.calibrator, "tensors": {n: s.to_json() for n, s in self.tensors.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "SCALES.json") -> "ActivationScales":
+        if not isinstance(data, dict) or "tensors" not in data or not isinstance(data["tensors"], dict):
+            raise ScalesFileError(f"{where}: expected {{\"calibrator\": ..., \"tensors\": {{...}}}}")
+        tensors = {name: ActivationScale.from_json(entry, name, where) for name, entry in data["tensors"].items()}
+        return cls(str(data.get("calibrator", "unknown")), tensors)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write SCALES.json atomically (fp4pass.io)."""
+        write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ActivationScales":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ScalesFileError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_json(data, where=str(path))
+
+    def report(self) -> list[dict]:
+        """Per activation: g_amax, B_min/B_max, block fractions, SNR (the calibration report of issue 6)."""
+        return [scale.report(name) for name, scale in self.tensors.items()]

@@ -1,0 +1,64 @@
+"""``fp4pass calibrate``: run calibration data through a model and write SCALES.json."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fp4pass.io import refuse_overwrite, write_json
+
+EPILOG = """examples:
+  fp4pass calibrate model.onnx --data calib.npz -o scales.json
+  fp4pass calibrate model.onnx --data calib_dir/ -o scales.json --calibrator headroom --rho 8192
+  fp4pass calibrate model.onnx --data calib.npz -o scales.json --calibrator percentile --percentile 99.999
+  fp4pass convert model.onnx -o out.onnx --scales scales.json      # reuse the calibration
+
+--data: one .npz whose arrays are named after the graph inputs (each array fed whole, or cut along its
+first axis with --batch-size), or a folder of such .npz files, read one at a time.
+"""
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("calibrate", parents=[common], help="calibrate NVFP4 activation scales (SCALES.json)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="IN.onnx")
+    p.add_argument("--data", required=True, metavar="DATA.npz|DIR", help="calibration inputs")
+    p.add_argument("-o", "--output", required=True, metavar="SCALES.json")
+    p.add_argument("--calibrator", choices=["max", "percentile", "headroom", "mse"], default="max",
+                   help="how g_amax is chosen (default: max, seed 003's recommendation)")
+    p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--percentile", type=float, help="percentile calibrator: pXX of |x| (default 99.999)")
+    p.add_argument("--rho", type=float, help="headroom: g_amax >= rho * B_min, rho in (0, 28672) (default 16384)")
+    p.add_argument("--margin", type=float, help="headroom: g_amax >= margin * B_max (default 1)")
+    p.add_argument("--batch-size", type=int, help="cut each array along its first axis into batches of this size")
+    p.add_argument("--activation", action="append", metavar="NAME",
+                   help="calibrate this tensor (repeatable) instead of the inputs of FP4 consumers")
+    p.add_argument("--report", metavar="REPORT.json", help="write the per-activation calibration report")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from fp4pass.calib import calibrate_model
+    from fp4pass.onnx.loading import load
+
+    refuse_overwrite(args.output, args.model)
+    options = {"percentile": args.percentile} if args.calibrator == "percentile" else {}
+    if args.calibrator == "headroom":
+        options = {"rho": args.rho, "margin": args.margin}
+    model = load(args.model).model
+    scales = calibrate_model(model, args.data, calibrator=args.calibrator, provider=args.provider,
+                             activations=args.activation, batch_size=args.batch_size,
+                             show_progress=None if not args.quiet else False, **options)
+    scales.save(args.output)
+    if args.report:
+        write_json(args.report, {"calibrator": scales.calibrator, "provider": scales.provider,
+                                 "batches": scales.batches, "tensors": scales.report()})
+    print(f"{'activation':<32} {'g_amax':>11} {'B_min':>10} {'B_max':>10} {'subnorm':>8} {'satur':>7} {'SNR dB':>7}")
+    for row in scales.report():
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{row['name']:<32} {row['g_amax']:>11.5g} {row['b_min']:>10.4g} {row['b_max']:>10.4g} "
+              f"{fmt(row['subnormal_fraction'], '>8.2%')} {fmt(row['saturated_fraction'], '>7.2%')} "
+              f"{fmt(row['snr_db'], '>7.2f')}")
+    print(f"fp4pass calibrate: {len(scales.tensors)} activations, {scales.batches} batches on {scales.provider} "
+          f"-> {args.output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,27 @@
+"""``fp4pass inspect``: list the FP4 weights of a model and forecast which convert losslessly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG = """examples:
+  fp4pass inspect models/moe.onnx
+  fp4pass inspect big/model.onnx --json > fp4.json
+"""
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("inspect", parents=[common], help="list FP4 weights, exponent spread, lossless forecast",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="IN.onnx")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from fp4pass.onnx.inspection import format_inspection, inspect
+
+    info = inspect(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0

@@ -1,0 +1,36 @@
+"""``fp4pass study``: seed 000's 27 scenarios x every MXFP4 -> NVFP4 method, as a table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from fp4pass.io import write_json
+from fp4pass.study import format_study_table, run_study
+
+EPILOG = """examples:
+  fp4pass study                      # the table on stdout (CPU: well under a minute)
+  fp4pass study --json study.json --device cuda
+"""
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("study", parents=[common], help="MSE of every conversion method on 27 tensor scenarios",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="OUT.json", help="write the study as JSON (SPEC.md keys)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fp4pass study: note: CUDA requested but not available; running on CPU", file=sys.stderr)
+    use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
+    device = torch.device("cuda" if use_cuda else "cpu")
+    study = run_study(device, show_progress=None if not args.quiet else False)
+    print(format_study_table(study))
+    if args.json:
+        write_json(args.json, study)
+    return 0

@@ -1,0 +1,147 @@
+"""The four MXFP4 -> NVFP4 methods, each choosing one FP32 global scale S per group (module ``layout``).
+
+Notation: block b of an MX tensor has exponent k_b; k_max/k_min over the blocks that hold a value;
+spread = k_max - k_min. A block's nibbles stay valid at block scale s = 2^(k_b)/S when s is an exact E4M3 value.
+
+1. ``requant`` (seed 000 Algo 1): S = amax/(6*448), then plain NVFP4 quantization of the dequantized values.
+2. ``verbatim`` (Algo 2): S = 2^m, every nibble kept, block scale 2^clamp(k_b - m, -9, 8) (out-of-window
+   blocks snapped). m_rule ``midpoint``: m = floor((k_max + k_min + 1)/2); ``search``: the m minimizing the
+   closed-form snap error sum_b (sum_i e2m1_i^2) * (2^k_b - 2^(m + clamp(k_b - m, -9, 8)))^2.
+3. ``hybrid`` (Algo 3): m = k_max - 8; blocks with k_b - m in [-9, 8] verbatim (lossless when spread <= 17),
+   every other 16-half requantized on its own with S = 2^m.
+4. ``auto``: groups with spread <= 17 take hybrid's lossless path (no code is unpacked). Every other group
+   tries the candidate global scales
+       2^(k_max-8) (hybrid's),  2^(k_max-8)/c for c in 1.125..1.75,  2^(k_max-7)/c for c in 1.125..1.875,
+       amax/(6*448) (requant's),
+   and at each S every 16-half takes its verbatim scale when exact, else the least-SSE E4M3 code among the
+   standard one and its two neighbours. The S of least total SSE wins. Since hybrid's and requant's S are
+   candidates and their per-half choices are among the options, auto's SSE <= min(requant, hybrid) per group.
+   S = 2^m/c keeps the verbatim path exact for the blocks where 2^(k_b-m)*c is still an E4M3 value.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fp4pass.convert.halves import encode_halves
+from fp4pass.convert.layout import E4M3_POW2_CODES, EMPTY_K, GroupLayout, exact_pow2
+from fp4pass.formats.codecs import check_finite
+from fp4pass.formats import MXFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, global_scale_from_amax, pack_nibbles, unpack_nibbles
+
+__all__ = ["verbatim_scales", "choose_m", "group_amax", "encode_rows", "auto_candidates", "select_scales"]
+
+log = logging.getLogger(__name__)
+
+# E4M3 mantissas c > 1: S = 2^m/c keeps s = 2^(k-m)*c an E4M3 value (c <= 1.75 at the top exponent 8).
+MANTISSAS = tuple(1 + i / 8 for i in range(1, 8))
+
+
+def verbatim_scales(scales: torch.Tensor, m_rows: torch.Tensor, halves_per_block: int) -> torch.Tensor:
+    """E8M0 codes [n, B] and per-row m [n] -> E4M3 codes [n, B*h] of 2^clamp(k - m, -9, 8), straight from exponents."""
+    lut = torch.tensor(E4M3_POW2_CODES, dtype=torch.uint8, device=scales.device)
+    e = (scales.to(torch.int32) - 127 - m_rows.to(torch.int32).unsqueeze(-1)).clamp(-9, 8) + 9
+    codes = lut[e]
+    return codes.repeat_interleave(halves_per_block, dim=-1) if halves_per_block > 1 else codes
+
+
+def _decode(codes, scales, layout: GroupLayout, lo: int, hi: int) -> torch.Tensor:
+    """float32 values of rows lo:hi; raises when they overflow FP32 (E8M0 >= 2^126 with large codes)."""
+    values = MXFP4Tensor(codes[lo:hi], scales[lo:hi], layout.mx_block).dequantize()
+    check_finite(values, f"{layout.name}: MXFP4 values of rows {lo}..{hi - 1} overflow float32 (cannot requantize)")
+    return values
+
+
+def _rows(codes, scales, layout: GroupLayout, lo: int, hi: int):
+    """Decoded values [n, K], element codes [n, K] and per-half exponent [n, K/16] for rows lo:hi."""
+    element = unpack_nibbles(codes[lo:hi])
+    k = scales[lo:hi].to(torch.int32) - 127
+    values = _decode(codes, scales, layout, lo, hi)
+    return values, element, k.repeat_interleave(layout.halves_per_block, dim=-1)
+
+
+def group_amax(codes, scales, layout: GroupLayout, group_ids, chunks) -> torch.Tensor:
+    """max |x| per group [G] float32 (0 for groups not in ``group_ids``), chunked over ``chunks``."""
+    amax = torch.zeros(layout.groups, dtype=torch.float32, device=codes.device)
+    for lo, hi in chunks:
+        values = _decode(codes, scales, layout, lo, hi)
+        row_amax = values.abs().amax(-1)
+        groups = torch.arange(lo, hi, device=codes.device) // layout.rows_per_group
+        amax.scatter_reduce_(0, groups, row_amax, reduce="amax")
+    return amax
+
+
+def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks) -> torch.Tensor:
+    """Verbatim exponent m per group (int64 [G]); rules in the module docstring."""
+    empty = k_max == EMPTY_K
+    mid = torch.div(k_max + k_min + 1, 2, rounding_mode="floor").to(torch.int64)
+    mid = torch.where(empty, torch.zeros_like(mid), mid)
+    if rule == "midpoint":
+        return mid
+    # Weight per (group, exponent): W[g, k] = sum over blocks of sum_i e2m1_i^2 (E2M1 squares, exact in float64).
+    device = codes.device
+    weight = torch.zeros(layout.groups * 256, dtype=torch.float64, device=device)
+    for lo, hi in chunks:
+        element = decode_e2m1(unpack_nibbles(codes[lo:hi])).double()
+        block_energy = element.square().reshape(hi - lo, -1, layout.mx_block).sum(-1)
+        groups = (torch.arange(lo, hi, device=device) // layout.rows_per_group).unsqueeze(-1)
+        weight.index_add_(0, (groups * 256 + scales[lo:hi].long()).flatten(), block_energy.flatten())
+    weight = weight.reshape(layout.groups, 256)[:, :255]
+    k = torch.arange(-127, 128, device=device, dtype=torch.float64)
+    m = torch.arange(-136, 137, device=device, dtype=torch.float64)
+    snapped = m.unsqueeze(-1) + (k.unsqueeze(0) - m.unsqueeze(-1)).clamp(-9, 8)  # [M, 255]
+    penalty = (torch.exp2(k).unsqueeze(0) - torch.exp2(snapped)).square()  # exact powers of two in float64
+    objective = weight @ penalty.T  # [G, M]
+    best = objective.amin(-1, keepdim=True)
+    # among the minimizers, the m closest to the midpoint (lossless groups have a whole interval of them)
+    distance = (m.unsqueeze(0) - mid.unsqueeze(-1).double()).abs()
+    distance = torch.where(objective <= best, distance, torch.full_like(distance, float("inf")))
+    chosen = m[distance.argmin(-1)].to(torch.int64)
+    return torch.where(empty, torch.zeros_like(chosen), chosen)
+
+
+def encode_rows(codes, scales, layout: GroupLayout, lo: int, hi: int, row_scale: torch.Tensor, *,
+                allow_verbatim: bool, neighbours: int, decoded=None):
+    """Encode rows lo:hi at global scales ``row_scale`` [n]: (packed codes [n, K/2], E4M3 codes [n, K/16], SSE [n]).
+
+    ``decoded``: the ``_rows`` tuple of these rows when the caller already has it (several candidate S).
+    """
+    values, element, k_half = decoded if decoded is not None else _rows(codes, scales, layout, lo, hi)
+    n = hi - lo
+    halves = layout.k // NV_BLOCK_SIZE
+    choice = encode_halves(
+        values.reshape(-1, NV_BLOCK_SIZE), k_half.reshape(-1), element.reshape(-1, NV_BLOCK_SIZE),
+        row_scale.repeat_interleave(halves), allow_verbatim=allow_verbatim, neighbours=neighbours,
+    )
+    packed = pack_nibbles(choice.element_codes.reshape(n, layout.k))
+    return packed, choice.scale_codes.reshape(n, halves), choice.sse.reshape(n, halves).sum(-1)
+
+
+def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Candidate global scales [L, C] float32 for the lossy groups (module docstring, hybrid's first)."""
+    hybrid = exact_pow2(k_max - 8)
+    above = exact_pow2(k_max - 7)
+    columns = [hybrid]
+    columns += [hybrid / c for c in MANTISSAS if c <= 1.75]
+    columns += [above / c for c in MANTISSAS]
+    columns.append(global_scale_from_amax(amax))
+    return torch.stack(columns, dim=-1)
+
+
+def select_scales(codes, scales, layout: GroupLayout, group_ids: torch.Tensor, candidates: torch.Tensor,
+                  chunks_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """Total SSE [L, C] of every candidate S for the groups ``group_ids`` [L]; returns (best S [L], SSE [L, C])."""
+    device = codes.device
+    local = torch.full((layout.groups,), -1, dtype=torch.long, device=device)
+    local[group_ids] = torch.arange(group_ids.numel(), device=device)
+    total = torch.zeros(candidates.shape, dtype=torch.float64, device=device)
+    for lo, hi in chunks_of(group_ids.tolist()):
+        row_local = local[torch.arange(lo, hi, device=device) // layout.rows_per_group]
+        decoded = _rows(codes, scales, layout, lo, hi)
+        for c in range(candidates.shape[1]):
+            _, _, row_sse = encode_rows(codes, scales, layout, lo, hi, candidates[row_local, c],
+                                        allow_verbatim=True, neighbours=1, decoded=decoded)
+            total[:, c].index_add_(0, row_local, row_sse)
+    best = total.argmin(-1)  # first minimum: hybrid's S wins ties
+    return candidates.gather(1, best.unsqueeze(-1)).squeeze(-1), total

@@ -1,0 +1,107 @@
+"""The statistics of one conversion (SPEC.md keys), measured on the tensors actually produced.
+
+- ``mse``: mean of (x_nv - x_mx)^2 over all elements, x_mx = ``mx.dequantize()`` (float64 accumulation).
+- ``max_abs_err``: max |x_nv - x_mx|.
+- ``snr_db``: 10 log10(sum x_mx^2 / sum (x_nv - x_mx)^2); None when the conversion is lossless.
+- ``blocks16_verbatim``: 16-halves whose E2M1 nibbles were kept and whose values are reproduced exactly;
+  ``blocks16_requantized``: the rest (requantized, or for ``verbatim`` snapped to a clamped scale).
+- ``global_scale``: the FP32 global scales (dequant multipliers), flattened, one per group.
+- ``mse_vs_reference``: mean (x_nv - reference)^2, only when a reference tensor was given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, NV_BLOCK_SIZE
+
+__all__ = ["ConversionStats", "measure_stats"]
+
+
+@dataclass
+class ConversionStats:
+    blocks16_total: int
+    blocks16_verbatim: int
+    blocks16_requantized: int
+    global_scale: list[float]
+    mse: float
+    max_abs_err: float
+    snr_db: float | None
+    method_used: str
+    mse_vs_reference: float | None = None
+    extra: dict = field(default_factory=dict, repr=False)  # diagnostics, not part of the SPEC keys
+
+    def to_json(self) -> dict:
+        out = {
+            "blocks16_total": self.blocks16_total,
+            "blocks16_verbatim": self.blocks16_verbatim,
+            "blocks16_requantized": self.blocks16_requantized,
+            "global_scale": list(self.global_scale),
+            "mse": self.mse,
+            "max_abs_err": self.max_abs_err,
+            "snr_db": self.snr_db,
+            "method_used": self.method_used,
+        }
+        if self.mse_vs_reference is not None:
+            out["mse_vs_reference"] = self.mse_vs_reference
+        return out
+
+    def __getitem__(self, key: str):  # dict-style access, as the SPEC describes stats as a mapping
+        return self.to_json()[key]
+
+    def keys(self):
+        return self.to_json().keys()
+
+
+def lossless_stats(total_halves: int, global_scale: torch.Tensor, method: str) -> ConversionStats:
+    """Stats of a conversion proven lossless by construction (every half verbatim): nothing to measure."""
+    return ConversionStats(total_halves, total_halves, 0, global_scale.flatten().tolist(), 0.0, 0.0, None, method)
+
+
+def measure_stats(
+    mx_codes: torch.Tensor,
+    mx_scales: torch.Tensor,
+    mx_block: int,
+    nv_codes: torch.Tensor,
+    nv_scales: torch.Tensor,
+    row_global_scale: torch.Tensor,
+    reference: torch.Tensor | None,
+    method: str,
+    global_scale: torch.Tensor,
+    chunks,
+) -> ConversionStats:
+    """Dequantize both sides chunk by chunk (rows ``chunks`` of the flat 2-D views) and compare."""
+    sse = signal = ref_sse = 0.0
+    max_err = 0.0
+    verbatim = 0
+    total = 0
+    for lo, hi in chunks:
+        x_mx = MXFP4Tensor(mx_codes[lo:hi], mx_scales[lo:hi], mx_block).dequantize()
+        g = row_global_scale[lo:hi].unsqueeze(-1)
+        half_vals = _nv_dequant_rows(nv_codes[lo:hi], nv_scales[lo:hi], g)
+        err = half_vals.double() - x_mx.double()
+        sse += float(err.square().sum())
+        signal += float(x_mx.double().square().sum())
+        max_err = max(max_err, float(err.abs().max())) if err.numel() else max_err
+        same = (nv_codes[lo:hi] == mx_codes[lo:hi]).reshape(hi - lo, -1, NV_BLOCK_SIZE // 2).all(-1)
+        exact = (err == 0).reshape(hi - lo, -1, NV_BLOCK_SIZE).all(-1)
+        verbatim += int((same & exact).sum())
+        total += same.numel()
+        if reference is not None:
+            ref = reference.reshape(-1, reference.shape[-1])[lo:hi].to(half_vals.device).double()
+            ref_sse += float((half_vals.double() - ref).square().sum())
+    n = total * NV_BLOCK_SIZE
+    mse = sse / n if n else 0.0
+    snr = None if sse == 0 else (10 * math.log10(signal / sse) if signal > 0 else -math.inf)
+    return ConversionStats(
+        total, verbatim, total - verbatim, global_scale.flatten().tolist(), mse, max_err, snr, method,
+        (ref_sse / n if n else 0.0) if reference is not None else None,
+    )
+
+
+def _nv_dequant_rows(codes: torch.Tensor, scales: torch.Tensor, row_global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 dequant of rows with a per-row global scale [n, 1]: e2m1 * (e4m3 * S), as NVFP4Tensor.dequantize."""
+    return NVFP4Tensor(codes, scales, row_global_scale.reshape(-1)).dequantize()

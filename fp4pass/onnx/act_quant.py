@@ -1,0 +1,204 @@
+"""Insert calibrated NVFP4 activation quantizers in front of the consumers of FP4 weights.
+
+For each calibrated activation x (``ActivationScales.tensors``) with ``input_scale = g_amax / (6*448)``
+(a multiplier applied on dequantize, ModelOpt/TensorRT convention), one quantizer is inserted, however many
+consumers read x, and only the FP4 consumers' activation inputs are rewired to it (other readers of x keep
+the float x). Names of everything already in the graph stay as they were; new names start with ``{x}_nvfp4``.
+
+1. ``target="trt"`` (TensorRT's importer form, as ModelOpt exports it)::
+
+       x_fp4, s_e4m3 = trt::TRT_FP4DynamicQuantize(x, g; axis=-1, block_size=16, scale_type=17)
+       s_f           = DequantizeLinear(s_e4m3, g_dq)                       E4M3 block scales * g_dq
+       x_hat         = DequantizeLinear(x_fp4, s_f; axis=-1, block_size=16)
+
+   ``g`` is a scalar FP32 initializer = input_scale (TensorRT requires block 16, the FP8 E4M3 scale type 17
+   and a scalar initializer global scale).
+2. ``target="reference"``: :func:`fp4pass.onnx.emulate.nvfp4_fake_quant`, standard ops, bit-exact with
+   ``NVFP4Tensor.quantize(x, global_scale=input_scale).dequantize()``; runs under onnxruntime and onnx.reference.
+3. ``scale_form="alpha"``: the dequantize carries no activation global scale (g_dq = 1, the consumer sees
+   E2M1 x E4M3 only) and each consumer's alpha initializer (``alphas``: consumer node name -> initializer
+   name, scalar or per-expert [E]) is multiplied by input_scale, once per initializer. An activation with a
+   consumer missing from ``alphas`` (it fell back to dq) keeps its scale in the DQ, and the report says so.
+
+Declined, with the reason in the report: an activation no FP4 consumer reads, an activation not blocked along
+its last axis (:func:`fp4pass.calib.runner.activation_axis_reason`), a last dim that is not a multiple of 16.
+Activations in FLOAT16/BFLOAT16 are cast to FLOAT around the quantizer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from fp4pass.calib.runner import activation_axis_reason
+from fp4pass.calib.scales import ActivationScales
+from fp4pass.errors import ModelError, UsageError
+from fp4pass.formats import NV_BLOCK_SIZE
+from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
+
+__all__ = ["insert_activation_quantizers", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+
+log = logging.getLogger(__name__)
+
+TRT_DOMAIN = "trt"
+TRT_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
+TARGETS = ("trt", "reference")
+SCALE_FORMS = ("dq", "alpha")
+TRT_MIN_OPSET = 23  # DequantizeLinear with FLOAT4E2M1 input
+FP4_MIN_IR = 11
+
+
+def _scalar(name: str, value: float) -> ir.Value:
+    return ir.Value(name=name, const_value=ir.tensor(np.asarray(value, dtype=np.float32), name=name),
+                    type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+
+
+def _trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+    quantize = ir.node(TRT_QUANTIZE_OP, [x, g], domain=TRT_DOMAIN, num_outputs=2, name=f"{prefix}/quantize",
+                       attributes={"axis": -1, "block_size": NV_BLOCK_SIZE, "scale_type": ir.DataType.FLOAT8E4M3FN.value})
+    x_fp4, s_e4m3 = quantize.outputs
+    x_fp4.name, s_e4m3.name = f"{prefix}/x_fp4", f"{prefix}/scale_e4m3"
+    x_fp4.type = ir.TensorType(ir.DataType.FLOAT4E2M1)
+    s_e4m3.type = ir.TensorType(ir.DataType.FLOAT8E4M3FN)
+    if x.shape is not None:
+        x_fp4.shape = x.shape
+        dims = list(x.shape.dims)
+        if dims and isinstance(dims[-1], int):
+            s_e4m3.shape = ir.Shape([*dims[:-1], dims[-1] // NV_BLOCK_SIZE])
+    dq_scale = ir.node("DequantizeLinear", [s_e4m3, g_dq], name=f"{prefix}/dequantize_scale")
+    s_f = dq_scale.outputs[0]
+    s_f.name, s_f.type, s_f.shape = f"{prefix}/scale", ir.TensorType(ir.DataType.FLOAT), s_e4m3.shape
+    dq_x = ir.node("DequantizeLinear", [x_fp4, s_f], name=f"{prefix}/dequantize",
+                   attributes={"axis": -1, "block_size": NV_BLOCK_SIZE})
+    x_hat = dq_x.outputs[0]
+    x_hat.name, x_hat.type, x_hat.shape = f"{prefix}/fake_quant", ir.TensorType(ir.DataType.FLOAT), x.shape
+    return [quantize, dq_scale, dq_x], x_hat
+
+
+def _consumers_by_activation(model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
+    from fp4pass.onnx.patterns import find_fp4_consumers
+
+    groups: dict[str, list[tuple[ir.Node, int]]] = {}
+    for node, index, _weight in find_fp4_consumers(model):
+        value = node.inputs[index] if index is not None and index < len(node.inputs) else None
+        if value is not None:
+            groups.setdefault(value.name, []).append((node, index))
+    return groups
+
+
+def _ensure_opset(model: ir.Model, target: str) -> None:
+    need = TRT_MIN_OPSET if target == "trt" else MIN_OPSET
+    if model.opset_imports.get("", 1) < need:
+        log.info("activation quantizers: default opset raised from %s to %d", model.opset_imports.get(""), need)
+        model.opset_imports[""] = need
+    if target == "trt":
+        model.opset_imports.setdefault(TRT_DOMAIN, 1)
+        if (model.ir_version or 0) < FP4_MIN_IR:
+            model.ir_version = FP4_MIN_IR
+
+
+def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, target: str = "trt",
+                                 scale_form: str = "dq", alphas: dict[str, str] | None = None) -> list[dict]:
+    """Insert one NVFP4 quantizer per calibrated activation, in place (module docstring); return the report.
+
+    Report entries: ``{"activation", "consumers", "input_scale", "g_amax", "target", "scale_form",
+    "inserted": bool, "reason", "alphas"}``.
+    """
+    if target not in TARGETS:
+        raise UsageError(f"activation quantizers: target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if scale_form not in SCALE_FORMS:
+        raise UsageError(f"activation quantizers: scale_form must be dq or alpha, got {scale_form!r}")
+    if scale_form == "alpha" and alphas is None:
+        raise UsageError("activation quantizers: scale_form 'alpha' needs the consumers' alpha initializers")
+    graph = model.graph
+    groups = _consumers_by_activation(model)
+    order = {id(node): i for i, node in enumerate(graph)}
+    scaled_alphas: dict[str, float] = {}
+    report: list[dict] = []
+    for name, scale in scales.tensors.items():
+        entry = {"activation": name, "consumers": [], "input_scale": scale.input_scale, "g_amax": scale.g_amax,
+                 "target": target, "scale_form": scale_form, "inserted": False, "reason": None, "alphas": []}
+        report.append(entry)
+        uses = [(node, index) for node, index in groups.get(name, []) if id(node) in order]
+        usable = [(n, i) for n, i in uses if activation_axis_reason(n, i) is None]
+        if not usable:
+            entry["reason"] = (activation_axis_reason(*uses[0]) if uses else
+                               "no FP4 consumer (MatMul/Gemm/Einsum/QMoE) in the main graph reads it")
+            continue
+        x = usable[0][0].inputs[usable[0][1]]
+        dims = list(x.shape.dims) if x.shape is not None else []
+        if dims and isinstance(dims[-1], int) and dims[-1] % NV_BLOCK_SIZE:
+            entry["reason"] = f"last dim {dims[-1]} is not a multiple of 16"
+            continue
+        prefix = f"{name}_nvfp4"
+        nodes: list[ir.Node] = []
+        x_in = x
+        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+            cast = ir.node("Cast", [x], attributes={"to": ir.DataType.FLOAT}, name=f"{prefix}/to_float")
+            x_in = cast.outputs[0]
+            x_in.name, x_in.type, x_in.shape = f"{prefix}/x_float", ir.TensorType(ir.DataType.FLOAT), x.shape
+            nodes.append(cast)
+        g = _scalar(f"{prefix}/input_scale", scale.input_scale)
+        graph.register_initializer(g)
+        form = scale_form
+        if form == "alpha" and any((n.name or n.op_type) not in alphas for n, _ in usable):
+            form = "dq"  # a consumer without an alpha initializer (fell back to dq): one quantizer serves all
+            entry["reason"] = "alpha form: a consumer has no alpha initializer; activation scale kept in the DQ"
+        entry["scale_form"] = form
+        if form == "alpha":
+            g_dq = _scalar(f"{prefix}/dequant_scale_one", 1.0) if target == "trt" else None
+            if g_dq is not None:
+                graph.register_initializer(g_dq)
+        else:
+            g_dq = g
+        if target == "trt":
+            new_nodes, x_hat = _trt_quantizer(x_in, g, g_dq, prefix)
+        else:
+            tape = ir.tape.Tape()
+            x_hat = nvfp4_fake_quant(tape, x_in, g, name=name, **({"dequant_scale": None} if form == "alpha" else {}))
+            new_nodes = list(tape.nodes)
+            for init in tape.initializers:
+                graph.register_initializer(init)
+        nodes += new_nodes
+        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+            back = ir.node("Cast", [x_hat], attributes={"to": x.dtype}, name=f"{prefix}/to_{x.dtype.name.lower()}")
+            x_hat = back.outputs[0]
+            x_hat.name, x_hat.type, x_hat.shape = f"{prefix}/x_hat", ir.TensorType(x.dtype), x.shape
+            nodes.append(back)
+        first = min((node for node, _ in usable), key=lambda n: order[id(n)])
+        graph.insert_before(first, nodes)
+        for node, index in usable:
+            node.replace_input_with(index, x_hat)
+            entry["consumers"].append(node.name or node.op_type)
+            if form == "alpha":
+                entry["alphas"].append(_scale_alpha(graph, node, alphas, scale.input_scale, scaled_alphas))
+        entry["inserted"] = True
+        declined = [n.name for n, i in uses if (n, i) not in usable]
+        if declined:
+            entry["reason"] = f"not quantized for {', '.join(declined)}: {activation_axis_reason(*uses[0])}"
+    if any(e["inserted"] for e in report):
+        _ensure_opset(model, target)
+    return report
+
+
+def _scale_alpha(graph: ir.Graph, node: ir.Node, alphas: dict[str, str], input_scale: float,
+                 done: dict[str, float]) -> str:
+    """Multiply the consumer's alpha initializer by ``input_scale`` (once per initializer)."""
+    label = node.name or node.op_type
+    alpha_name = alphas.get(label)
+    if alpha_name is None:
+        raise ModelError(f"node {label}: scale_form 'alpha' but no alpha initializer is named for it")
+    if alpha_name in done:
+        if done[alpha_name] != input_scale:
+            raise ModelError(f"alpha initializer {alpha_name!r} is shared by consumers of activations with "
+                             f"different input scales ({done[alpha_name]} vs {input_scale})")
+        return alpha_name
+    alpha = graph.initializers.get(alpha_name)
+    if alpha is None or alpha.const_value is None:
+        raise ModelError(f"node {label}: alpha initializer {alpha_name!r} is not in the graph")
+    values = alpha.const_value.numpy().astype(np.float32) * np.float32(input_scale)
+    alpha.const_value = ir.tensor(values, name=alpha_name)
+    done[alpha_name] = input_scale
+    return alpha_name

@@ -1,0 +1,95 @@
+"""``fp4pass.onnx.inspect``: the FP4 weights of a model, their pattern and shape, and a lossless forecast.
+
+For each MXFP4 weight (and per expert of a 3-D [E, N, K] weight), with k_j = E8M0 code - 127 over the blocks
+of 32 that hold a non-zero E2M1 code::
+
+    spread = k_max - k_min
+    lossless = spread <= 17
+
+because a global scale S = 2^(k_max - 8) puts every block scale 2^(k_j - m) among E4M3's 18 exact powers of two
+2^-9..2^8 exactly when the spread is at most 17 (FACTS.md, seed 000). The forecast is a sufficient condition:
+``--method auto`` may still find a lossless non-power-of-two global scale where it says false.
+``lossless_per_tensor_scale`` is the same test with one global scale for all experts (ModelOpt's merged cast).
+Tensors are read one at a time (external data streams), so this runs on models larger than RAM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fp4pass.onnx import loading
+from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.rewrite_common import WeightConversion
+
+__all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
+
+LOSSLESS_SPREAD = 17
+
+
+def _range(k: np.ndarray, holds: np.ndarray) -> tuple[int | None, int | None]:
+    if not holds.any():
+        return None, None
+    return int(k[holds].min()), int(k[holds].max())
+
+
+def _spread_entry(k: np.ndarray, holds: np.ndarray) -> dict:
+    k_min, k_max = _range(k, holds)
+    spread = 0 if k_min is None else k_max - k_min
+    return {"k_min": k_min, "k_max": k_max, "spread": spread, "lossless": spread <= LOSSLESS_SPREAD}
+
+
+def inspect(model_or_path) -> dict:
+    """``{"model", "tensors": [{"name", "node", "pattern", "slot", "shape", "experts", "k_min", "k_max",
+    "spread", "lossless", "lossless_per_tensor_scale", "per_expert": [{"expert", "k_min", "k_max", "spread",
+    "lossless"}]}], "declined": [...], "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``."""
+    loaded = loading.load(model_or_path)
+    records, declined = find_mxfp4(loaded.model)
+    tensors = []
+    for record in records:
+        conv = WeightConversion(record, "auto")
+        mx = conv.mx()
+        k = mx.exponents.numpy().astype(np.int64)
+        packed = mx.codes.numpy().reshape(*k.shape, 16)
+        holds = ((packed & 0x77) != 0).any(-1)  # a non-zero magnitude in either nibble of any byte of the block
+        whole = _spread_entry(k, holds)
+        entry = {"name": record.name, "node": record.node.name, "pattern": record.pattern, "slot": record.slot,
+                 "shape": list(record.shape), "experts": record.experts}
+        if record.experts is None:
+            entry.update(whole, lossless_per_tensor_scale=whole["lossless"], per_expert=[])
+        else:
+            per_expert = [{"expert": e, **_spread_entry(k[e], holds[e])} for e in range(record.experts)]
+            entry.update(
+                k_min=whole["k_min"], k_max=whole["k_max"], spread=whole["spread"],
+                lossless=all(p["lossless"] for p in per_expert),
+                lossless_per_tensor_scale=whole["lossless"], per_expert=per_expert,
+            )
+        tensors.append(entry)
+    experts = [p for t in tensors for p in t["per_expert"]]
+    return {
+        "model": str(loaded.path) if loaded.path else f"<{loaded.kind}>",
+        "tensors": tensors,
+        "declined": [d.to_json() for d in declined],
+        "summary": {"tensors": len(tensors), "lossless": sum(t["lossless"] for t in tensors),
+                    "experts": len(experts), "experts_lossless": sum(p["lossless"] for p in experts)},
+    }
+
+
+def format_inspection(info: dict) -> str:
+    """A human-readable table of :func:`inspect`'s result."""
+    lines = [f"{info['model']}: {info['summary']['tensors']} MXFP4 tensors, {info['summary']['lossless']} forecast "
+             "lossless (per-expert global scales)"]
+    header = f"{'tensor':<32} {'pattern':<7} {'shape':<18} {'k range':<12} {'spread':>6}  lossless"
+    lines.append(header)
+    for t in info["tensors"]:
+        k_range = "-" if t["k_min"] is None else f"{t['k_min']}..{t['k_max']}"
+        lossless = "yes" if t["lossless"] else "no"
+        if t["experts"]:
+            lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \
+                        f" one scale for all: {'yes' if t['lossless_per_tensor_scale'] else 'no'})"
+        lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {k_range:<12} {t['spread']:>6}  {lossless}")
+        for p in t["per_expert"]:
+            if not p["lossless"]:
+                lines.append(f"{'':<4}expert {p['expert']}: k {p['k_min']}..{p['k_max']}, spread {p['spread']} > 17: lossy")
+    for d in info["declined"]:
+        lines.append(f"declined {d['pattern']} node {d['node']!r} ({d['tensor']}): {d['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,383 @@
+"""Exact lowering of FP4 graph patterns into ops onnxruntime 1.31 runs on CPU and CUDA.
+
+onnxruntime has no DequantizeLinear kernel for FLOAT4E2M1 and runs QMoE's FP4 modes on CUDA only (FACTS.md).
+``lower_for_ort`` returns a copy of the model where every such pattern computes the same numbers with ops it
+does run. Passes, in the order they run:
+
+1. :class:`LowerTRTFP4DynamicQuantize` - the TensorRT activation quantizer
+   ``trt::TRT_FP4DynamicQuantize(x, g) -> (x_fp4, s_e4m3); DQ(s_e4m3, g') -> s_f; DQ(x_fp4, s_f, block 16)``
+   becomes the standard-op emulation of :mod:`fp4pass.onnx.emulate`: y = e2m1(x / (s*g)) * (s*g'), with
+   s = e4m3(clip(block_amax/(6g), 2^-9, 448)). ``g' = g`` in the ``dq`` form; in the ``alpha`` form the
+   scales' DQ carries another scale (or none, a Cast) and the global scale sits on a Mul after the consumer,
+   which stays as it is.
+2. :class:`LowerQMoEFP4` - ``com.microsoft::QMoE`` with ``quant_type`` 'fp4' (E8M0 per 32) or 'nvfp4' (E4M3
+   per 16) becomes the float ``com.microsoft::MoE``, its weights dequantized in the graph by
+   GatherBlockQuantized: W[e] = e2m1(code) * (block_scale * fc_global_scale[e]), the product formed in FP32
+   (the NVFP4Tensor convention; a scale of 2^k times 1.0 is exact, so MXFP4 is exact in any order).
+3. :class:`LowerFP4DequantizeLinear` - ``DequantizeLinear(W FLOAT4E2M1 [.., N, K], S, axis=-1, block_size=B)``
+   with W an initializer becomes ``com.microsoft::GatherBlockQuantized(W, arange(dim0), S_f, gather_axis=0,
+   quantize_axis=-1, block_size=B)``: out = e2m1(code) * S_f, one FP32 multiply, as DQ defines. E8M0 scales
+   initializers become FP32 initializers 2^(code-127) (exact); NVFP4's ``DQ(S E4M3, G)`` stays and feeds S_f
+   at run time (onnxruntime runs E4M3 DQ). Covers MXFP4 (block 32), NVFP4 two-DQ (block 16, scalar or
+   per-expert [E] G) and the alpha form (any FP32 scale input).
+
+Versions: IR is capped at 13 (onnxruntime 1.31) and kept >= 11 when FP4 initializers remain; the
+``com.microsoft`` opset is added when used; the default opset is raised to 21 when an emulation is inserted.
+Every pass has ``check(node) -> reason | None`` (None = it applies) and the reasons of the declines are
+logged and returned in :class:`LoweringReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from fp4pass.errors import ModelError
+from fp4pass.formats import decode_e4m3, decode_e8m0
+from fp4pass.onnx import emulate
+
+__all__ = [
+    "lower_for_ort",
+    "lower",
+    "LoweringReport",
+    "LowerFP4DequantizeLinear",
+    "LowerQMoEFP4",
+    "LowerTRTFP4DynamicQuantize",
+    "ORT_MAX_IR_VERSION",
+]
+
+logger = logging.getLogger(__name__)
+
+ORT_MAX_IR_VERSION = 13
+FP4_MIN_IR_VERSION = 11
+MS_DOMAIN = "com.microsoft"
+TRT_DOMAIN = "trt"
+_FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+@dataclass
+class LoweringReport:
+    """What :func:`lower` changed: counts per pass, and the reason for every matching node it left."""
+
+    lowered: dict[str, int] = field(default_factory=dict)
+    declined: list[str] = field(default_factory=list)
+
+    def count(self, pass_name: str) -> None:
+        self.lowered[pass_name] = self.lowered.get(pass_name, 0) + 1
+
+    def summary(self) -> str:
+        done = ", ".join(f"{n} x {name}" for name, n in self.lowered.items()) or "nothing to lower"
+        return done + (f"; {len(self.declined)} left as is" if self.declined else "")
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray | ir.TensorProtocol) -> ir.Value:
+    """Register a new initializer whose name is unique in the graph (suffixes _1, _2 ... on a clash)."""
+    base, n = name, 0
+    while name in graph.initializers:
+        n += 1
+        name = f"{base}_{n}"
+    tensor = array if isinstance(array, ir.TensorProtocol) else ir.tensor(array, name=name)
+    tensor.name = name
+    out = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(out)
+    return out
+
+
+def _arange(graph: ir.Graph, n: int, hint: str) -> ir.Value:
+    return _initializer(graph, f"{hint}/arange{n}", np.arange(n, dtype=np.int64))
+
+
+def _scale_codes(value: ir.Value) -> torch.Tensor:
+    """uint8 codes of an FP8/E8M0 initializer as a torch tensor (numpy holds them as ml_dtypes)."""
+    array = value.const_value.numpy()
+    return torch.from_numpy(np.array(array).view(np.uint8))
+
+
+def _drop_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
+    """Remove an initializer the rewrite orphaned (onnxruntime warns about unused ones)."""
+    if (value is not None and value.is_initializer() and not value.uses() and not value.is_graph_output()
+            and not value.is_graph_input() and graph.initializers.get(value.name) is value):
+        graph.initializers.pop(value.name)
+
+
+def _dequant_gbq(graph: ir.Graph, data: ir.Value, scales: ir.Value, block_size: int, name: str) -> ir.Node:
+    """GatherBlockQuantized(data, arange(dim0), scales) = the whole tensor dequantized along its last axis."""
+    rank = len(data.shape)
+    return ir.node(
+        "GatherBlockQuantized",
+        [data, _arange(graph, int(data.shape[0]), name), scales],
+        {"gather_axis": 0, "quantize_axis": rank - 1, "block_size": block_size},
+        domain=MS_DOMAIN,
+        name=f"{name}/GatherBlockQuantized",
+    )
+
+
+class LowerFP4DequantizeLinear:
+    """FP4 weight DequantizeLinear -> GatherBlockQuantized (module docstring, pass 3).
+
+    Cases, numbered as in the code: (1) E8M0 scale initializer -> FP32 initializer; (2) E8M0 scale computed at
+    run time -> Cast to FLOAT; (3) FP32/FP16/BF16 scale (NVFP4's DQ(S, G), alpha form) used as it is;
+    (4) ``output_dtype`` other than the scale's float type -> a Cast after the gather.
+    """
+
+    name = "FP4 DequantizeLinear -> GatherBlockQuantized"
+
+    def matches(self, node: ir.Node) -> bool:
+        return (
+            node.op_type == "DequantizeLinear"
+            and node.domain == ""
+            and node.inputs[0] is not None
+            and node.inputs[0].dtype == ir.DataType.FLOAT4E2M1
+        )
+
+    def check(self, node: ir.Node) -> str | None:
+        data = node.inputs[0]
+        scale = node.inputs[1]
+        if data.const_value is None:
+            return f"{data.name}: FP4 data is not an initializer (a graph input or computed)"
+        rank = _rank(data)
+        if not rank or rank < 2:
+            return f"{data.name}: FP4 data of rank {rank}; only [N, K] and [E, N, K] (rank >= 2) are lowered"
+        axis = _attr(node, "axis", 1)
+        if axis not in (-1, rank - 1):
+            return f"{node.name}: axis={axis} is not the last axis"
+        block_size = _attr(node, "block_size", 0)
+        if block_size < 16 or block_size & (block_size - 1):
+            return f"{node.name}: block_size={block_size} (GatherBlockQuantized needs a power of two >= 16)"
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            zero_point = node.inputs[2].const_value
+            if zero_point is None or np.any(np.asarray(zero_point.numpy(), np.float32) != 0):
+                return f"{node.name}: non-zero FP4 zero point"
+        if scale is None:
+            return f"{node.name}: no scale input"
+        if scale.dtype is not None and scale.dtype not in (ir.DataType.FLOAT8E8M0, *_FLOAT_TYPES):
+            return f"{node.name}: scale of type {scale.dtype} (want E8M0 or float)"
+        return None
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> None:
+        data, scale = node.inputs[0], node.inputs[1]
+        new_nodes: list[ir.Node] = []
+        if scale.dtype == ir.DataType.FLOAT8E8M0 and scale.const_value is not None:  # (1)
+            scale_f = decode_e8m0(_scale_codes(scale), what=f"{scale.name} (E8M0 scales)").numpy()
+            scale = _initializer(graph, f"{scale.name}/f32", scale_f)
+        elif scale.dtype == ir.DataType.FLOAT8E8M0:  # (2)
+            cast = ir.node("Cast", [scale], {"to": ir.DataType.FLOAT}, name=f"{node.name}/scale_f32")
+            new_nodes.append(cast)
+            scale = cast.outputs[0]
+        gather = _dequant_gbq(graph, data, scale, _attr(node, "block_size"), node.name or data.name)  # (3)
+        new_nodes.append(gather)
+        out = gather.outputs[0]
+        out_dtype = _attr(node, "output_dtype", 0)
+        scale_dtype = scale.dtype or ir.DataType.FLOAT
+        if out_dtype and ir.DataType(out_dtype) != scale_dtype:  # (4)
+            cast = ir.node("Cast", [out], {"to": ir.DataType(out_dtype)}, name=f"{node.name}/output_dtype")
+            new_nodes.append(cast)
+            out = cast.outputs[0]
+        ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [out])
+        _drop_if_unused(graph, node.inputs[1])
+
+
+# QMoE input positions (com.microsoft::QMoE, onnxruntime 1.31 schema).
+_QMOE_FC = {"fc1": (2, 3, 4, 15), "fc2": (5, 6, 7, 16)}  # weights, scales, bias, global_scale
+_QMOE_FC3 = 8
+_QMOE_ROUTER_WEIGHTS = 14
+_QMOE_ACT_SCALES = range(17, 21)
+_MOE_ATTRS = ("k", "activation_type", "normalize_routing_weights", "use_sparse_mixer", "swiglu_fusion",
+              "swiglu_limit", "activation_alpha", "activation_beta")
+_QMOE_BLOCK = {"fp4": (32, ir.DataType.FLOAT8E8M0), "nvfp4": (16, ir.DataType.FLOAT8E4M3FN)}
+
+
+class LowerQMoEFP4:
+    """QMoE 'fp4' / 'nvfp4' -> float MoE with GatherBlockQuantized-dequantized weights (module docstring, pass 2).
+
+    W_fc[e, n, k] = e2m1(nibble k of weights[e, n]) * (decode(scales[e, n, k // B]) * global_scale[e]),
+    B = 32 (E8M0) for 'fp4', 16 (E4M3) for 'nvfp4'; a missing global scale is 1.
+    """
+
+    name = "QMoE FP4 -> MoE"
+
+    def matches(self, node: ir.Node) -> bool:
+        return node.op_type == "QMoE" and node.domain == MS_DOMAIN and _attr(node, "quant_type", "int") in _QMOE_BLOCK
+
+    @staticmethod
+    def _input(node: ir.Node, index: int) -> ir.Value | None:
+        return node.inputs[index] if index < len(node.inputs) else None
+
+    def check(self, node: ir.Node) -> str | None:
+        quant_type = _attr(node, "quant_type")
+        block, scale_dtype = _QMOE_BLOCK[quant_type]
+        if self._input(node, _QMOE_FC3) is not None:
+            return f"{node.name}: QMoE with fc3 weights (no fc3 global scale in the schema) is not lowered"
+        if self._input(node, _QMOE_ROUTER_WEIGHTS) is not None:
+            return f"{node.name}: router_weights has no equivalent in the float MoE"
+        if any(self._input(node, i) is not None for i in _QMOE_ACT_SCALES):
+            return f"{node.name}: activation scales (FP8 activation modes) are not lowered"
+        for fc, (w_i, s_i, _, g_i) in _QMOE_FC.items():
+            weights, scales, global_scale = (self._input(node, i) for i in (w_i, s_i, g_i))
+            if weights is None or weights.const_value is None or scales is None or scales.const_value is None:
+                return f"{node.name}: {fc} weights and scales must be initializers"
+            if scales.dtype != scale_dtype:
+                return f"{node.name}: {fc} scales are {scales.dtype}, quant_type '{quant_type}' needs {scale_dtype}"
+            if global_scale is not None and global_scale.const_value is None:
+                return f"{node.name}: {fc}_global_scale must be an initializer"
+            w_shape, s_shape = tuple(weights.shape), tuple(scales.shape)
+            if len(w_shape) != 3 or s_shape != (*w_shape[:2], w_shape[2] * 2 // block):
+                return f"{node.name}: {fc} weights {w_shape} and scales {s_shape} do not fit block {block}"
+        return None
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> None:
+        quant_type = _attr(node, "quant_type")
+        block, _ = _QMOE_BLOCK[quant_type]
+        decode = decode_e8m0 if quant_type == "fp4" else decode_e4m3
+        new_nodes: list[ir.Node] = []
+        float_weights: dict[str, ir.Value] = {}
+        for fc, (w_i, s_i, _, g_i) in _QMOE_FC.items():
+            weights, scales, global_scale = (self._input(node, i) for i in (w_i, s_i, g_i))
+            experts, rows, half_k = (int(d) for d in weights.shape)
+            codes = np.ascontiguousarray(weights.const_value.numpy()).view(np.uint8)
+            fp4 = ir.PackedTensor(codes, ir.DataType.FLOAT4E2M1, shape=(experts, rows, 2 * half_k))
+            fp4_value = _initializer(graph, f"{weights.name}/fp4", fp4)
+            block_scale = decode(_scale_codes(scales)).numpy()
+            g = (np.ones(experts, np.float32) if global_scale is None
+                 else np.asarray(global_scale.const_value.numpy(), np.float32).reshape(experts))
+            scale_f = _initializer(graph, f"{scales.name}/f32", block_scale * g[:, None, None])
+            gather = _dequant_gbq(graph, fp4_value, scale_f, block, f"{node.name}/{fc}")
+            new_nodes.append(gather)
+            float_weights[fc] = gather.outputs[0]
+        fc1_bias, fc2_bias = self._input(node, 4), self._input(node, 7)
+        attrs = {k: node.attributes[k] for k in _MOE_ATTRS if k in node.attributes}
+        moe = ir.Node(
+            MS_DOMAIN, "MoE",
+            [node.inputs[0], node.inputs[1], float_weights["fc1"], fc1_bias, float_weights["fc2"], fc2_bias],
+            attributes=list(attrs.values()), name=f"{node.name}/MoE",
+        )
+        new_nodes.append(moe)
+        old_inputs = [self._input(node, i) for fc in _QMOE_FC.values() for i in (fc[0], fc[1], fc[3])]
+        ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [moe.outputs[0]])
+        for value in old_inputs:
+            _drop_if_unused(graph, value)
+
+
+class LowerTRTFP4DynamicQuantize:
+    """TRT_FP4DynamicQuantize + its two DQs -> standard-op NVFP4 fake-quant (module docstring, pass 1).
+
+    Each consumer ``DQ(x_fp4, s_f, axis=-1, block_size=16)`` with ``s_f = DQ(s_e4m3, g')`` (or a Cast of
+    s_e4m3, then g' = 1) is replaced by ``nvfp4_fake_quant(x, g, dequant_scale=g')``; the quantizer and the
+    scale DQs go once nothing uses them.
+    """
+
+    name = "TRT_FP4DynamicQuantize -> standard-op emulation"
+
+    def matches(self, node: ir.Node) -> bool:
+        return node.op_type == "TRT_FP4DynamicQuantize" and node.domain == TRT_DOMAIN
+
+    @staticmethod
+    def _scale_source(s_f: ir.Value | None, s_e4m3: ir.Value):
+        """(ok, dequant_scale) for the value feeding the data DQ's scale: DQ(s_e4m3, g') -> g'; Cast -> None."""
+        producer = s_f.producer() if s_f is not None else None
+        if producer is None or not producer.inputs or producer.inputs[0] is not s_e4m3:
+            return False, None
+        if producer.op_type == "DequantizeLinear" and len(producer.inputs) >= 2:
+            return True, producer.inputs[1]
+        if producer.op_type == "Cast" and _attr(producer, "to") == ir.DataType.FLOAT:
+            return True, None
+        return False, None
+
+    def check(self, node: ir.Node) -> str | None:
+        if len(node.inputs) < 2 or node.inputs[1] is None:
+            return f"{node.name}: no global scale input"
+        if _attr(node, "block_size", 16) != 16 or _attr(node, "scale_type", 17) != 17:
+            return f"{node.name}: only block_size=16 with E4M3 scales (scale_type=17) is an NVFP4 quantizer"
+        x = node.inputs[0]
+        rank = _rank(x)
+        if _attr(node, "axis", -1) not in (-1, None if rank is None else rank - 1):
+            return f"{node.name}: quantized axis is not the last one"
+        x_fp4, s_e4m3 = node.outputs[0], node.outputs[1]
+        for use in x_fp4.uses():
+            consumer = use.node
+            if consumer.op_type != "DequantizeLinear" or use.idx != 0:
+                return f"{node.name}: FP4 output feeds {consumer.op_type} {consumer.name!r}, not a DequantizeLinear"
+            if _attr(consumer, "block_size", 0) != 16 or _attr(consumer, "axis", 1) not in (-1, None if rank is None else rank - 1):
+                return f"{consumer.name}: DQ of the FP4 activations is not block 16 along the last axis"
+            ok, _ = self._scale_source(consumer.inputs[1], s_e4m3)
+            if not ok:
+                return f"{consumer.name}: its scale is not DQ/Cast of the quantizer's E4M3 scales"
+        if x_fp4.is_graph_output() or s_e4m3.is_graph_output():
+            return f"{node.name}: FP4 outputs are graph outputs"
+        return None
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node) -> int:
+        x, g = node.inputs[0], node.inputs[1]
+        x_fp4, s_e4m3 = node.outputs[0], node.outputs[1]
+        for i, use in enumerate(list(x_fp4.uses())):
+            dq = use.node
+            _, dequant_scale = self._scale_source(dq.inputs[1], s_e4m3)
+            tape = ir.tape.Tape()
+            stem = (node.name or x.name or "act") + (f"_{i}" if i else "")
+            y = emulate.nvfp4_fake_quant(tape, x, g, name=stem,
+                                         dequant_scale=emulate.SAME if dequant_scale is g else dequant_scale)
+            for init in tape.initializers:
+                graph.register_initializer(init)
+            ir.convenience.replace_nodes_and_values(graph, dq, [dq], tape.nodes, [dq.outputs[0]], [y])
+        for use in list(s_e4m3.uses()):
+            scale_node = use.node
+            if not any(out.uses() or out.is_graph_output() for out in scale_node.outputs):
+                graph.remove(scale_node, safe=True)
+        graph.remove(node, safe=True)
+
+
+PASSES = (LowerTRTFP4DynamicQuantize(), LowerQMoEFP4(), LowerFP4DequantizeLinear())
+
+
+def lower(model: ir.Model) -> tuple[ir.Model, LoweringReport]:
+    """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done."""
+    lowered = model.clone()
+    graph = lowered.graph
+    report = LoweringReport()
+    for lowering in PASSES:
+        for node in list(graph):
+            if not lowering.matches(node):
+                continue
+            reason = lowering.check(node)
+            if reason is not None:
+                logger.warning("lowering for onnxruntime: left %s: %s", node.name or node.op_type, reason)
+                report.declined.append(reason)
+                continue
+            lowering.rewrite(graph, node)
+            report.count(lowering.name)
+    _set_versions(lowered, report)
+    logger.debug("lowering for onnxruntime: %s", report.summary())
+    return lowered, report
+
+
+def lower_for_ort(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` that onnxruntime 1.31 runs, computing exactly what the FP4 patterns define."""
+    if not isinstance(model, ir.Model):
+        raise ModelError(f"lower_for_ort takes an onnx_ir.Model, got {type(model).__name__}")
+    return lower(model)[0]
+
+
+def _set_versions(model: ir.Model, report: LoweringReport) -> None:
+    ms_ops = {n.op_type for n in model.graph if n.domain == MS_DOMAIN}
+    if ms_ops and MS_DOMAIN not in model.opset_imports:
+        model.opset_imports[MS_DOMAIN] = 1
+    if report.lowered.get(LowerTRTFP4DynamicQuantize.name):
+        model.opset_imports[""] = max(model.opset_imports.get("", emulate.MIN_OPSET), emulate.MIN_OPSET)
+        if not any(n.domain == TRT_DOMAIN for n in model.graph):
+            model.opset_imports.pop(TRT_DOMAIN, None)
+    ir_version = min(model.ir_version or ORT_MAX_IR_VERSION, ORT_MAX_IR_VERSION)
+    has_fp4 = any(v.dtype == ir.DataType.FLOAT4E2M1 for v in model.graph.initializers.values())
+    model.ir_version = max(ir_version, FP4_MIN_IR_VERSION) if has_fp4 else ir_version

@@ -1,0 +1,335 @@
+"""Finding FP4 weights in an ONNX graph: the MXFP4 patterns of SPEC.md, and the NVFP4 forms fp4pass writes.
+
+MXFP4 in (one class per pattern; ``check`` returns the reason a node is declined, None when it matches):
+
+1. :class:`MXFP4Dequantize` - ``DequantizeLinear(W FLOAT4E2M1 [.., K], S FLOAT8E8M0 [.., K/32], axis=last,
+   block_size=32)``, W and S initializers, rank 2 [N, K] or 3 [E, N, K]. x_hat = e2m1(W) * 2^(S - 127).
+2. :class:`QMoEFp4` - ``com.microsoft::QMoE(quant_type='fp4')``: fc1/fc2 weights uint8 [E, N, K/2] (low nibble
+   first) with E8M0 scales [E, N, K/32]; x_hat = e2m1(W) * 2^(S - 127) * fc*_global_scale[e].
+3. :class:`GatherBlockQuantizedFp4` - ``com.microsoft::GatherBlockQuantized(W FLOAT4E2M1, idx, S float)`` with
+   block_size 32 along the last axis and every scale a power of two (an E8M0 scale stored as float).
+
+Each match becomes an :class:`FP4Weight` record (bytes are read later, lazily, from the initializers).
+:func:`find_fp4_consumers` lists the nodes that compute with an FP4 weight, in the input (MXFP4) or the
+output (NVFP4) forms, with the index of their activation input: what activation calibration quantizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+__all__ = [
+    "FP4Weight",
+    "Declined",
+    "Consumer",
+    "MXFP4Dequantize",
+    "QMoEFp4",
+    "GatherBlockQuantizedFp4",
+    "PATTERNS",
+    "find_mxfp4",
+    "find_fp4_consumers",
+    "PASSTHROUGH_OPS",
+]
+
+MS_DOMAIN = "com.microsoft"
+PASSTHROUGH_OPS = ("Transpose", "Reshape", "Cast")  # allowed between a dequantize and its consumer
+LINEAR_CONSUMERS = {"MatMul": 1, "Gemm": 1, "Einsum": None}  # op -> the weight's input index (None: any)
+QMOE_WEIGHTS = {"fc1": (2, 3, 15), "fc2": (5, 6, 16)}  # weights, scales, global scale input indices
+
+
+@dataclass
+class Consumer:
+    """A node computing with an FP4 weight. ``path`` lists the pass-through nodes between the dequantize and it."""
+
+    node: ir.Node
+    weight_input: int
+    activation_input: int | None
+    path: list[ir.Node] = field(default_factory=list)
+
+
+@dataclass
+class FP4Weight:
+    """One MXFP4 weight found in the graph.
+
+    ``codes``/``scales`` are the initializer values (E2M1 packed / E8M0 codes, or float scales for pattern 3);
+    ``shape`` the logical [..., K] shape; ``experts`` the leading expert dim for 3-D weights (else None);
+    ``slot`` names the weight within its node ("fc1"/"fc2" for QMoE, else "weight").
+    """
+
+    pattern: str
+    node: ir.Node
+    codes: ir.Value
+    scales: ir.Value
+    shape: tuple[int, ...]
+    slot: str = "weight"
+    consumers: list[Consumer] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.codes.name
+
+    @property
+    def experts(self) -> int | None:
+        return self.shape[0] if len(self.shape) == 3 else None
+
+
+@dataclass
+class Declined:
+    """A node that looked like an FP4 weight pattern but is left as it is, with the reason."""
+
+    pattern: str
+    node: str
+    tensor: str | None
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"pattern": self.pattern, "node": self.node, "tensor": self.tensor, "reason": self.reason}
+
+
+def _dtype(value: ir.Value | None) -> ir.DataType | None:
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.dtype
+    return value.dtype
+
+
+def _initializer_reason(value: ir.Value, role: str) -> str | None:
+    """Why ``value`` cannot be rewritten as a stored weight, or None when it is a plain initializer."""
+    if value.is_graph_input():
+        return f"{role} {value.name!r} is a graph input, not an initializer"
+    if value.const_value is None:
+        return f"{role} {value.name!r} is computed at run time, not an initializer"
+    return None
+
+
+def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
+    others = [user for user, _ in value.uses() if user is not node]
+    if others:
+        return f"{role} {value.name!r} is also used by node {others[0].name!r}"
+    if value.is_graph_output():
+        return f"{role} {value.name!r} is also a graph output"
+    return None
+
+
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def trace_consumers(value: ir.Value) -> list[Consumer]:
+    """Follow ``value`` through Transpose/Reshape/Cast chains to the nodes that compute with it."""
+    found: list[Consumer] = []
+
+    def walk(v: ir.Value, path: list[ir.Node]) -> None:
+        for user, index in v.uses():
+            if user.op_type in PASSTHROUGH_OPS and user.domain == "" and index == 0:
+                walk(user.outputs[0], [*path, user])
+                continue
+            activation = None
+            if user.domain == "" and user.op_type in ("MatMul", "Gemm"):
+                activation = 1 - index if index in (0, 1) else None
+            elif user.domain == "" and user.op_type == "Einsum" and len(user.inputs) == 2:
+                activation = 1 - index
+            found.append(Consumer(user, index, activation, path))
+
+    walk(value, [])
+    return found
+
+
+class MXFP4Dequantize:
+    """Pattern 1: ``DequantizeLinear-24(W FLOAT4E2M1, S FLOAT8E8M0, axis=last, block_size=32)``.
+
+    Math: x_hat[..., i] = e2m1(W[..., i]) * 2^(S[..., i // 32] - 127), converted to the output dtype.
+    """
+
+    name = "dq"
+
+    def match(self, node: ir.Node) -> bool:
+        return node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
+
+    def check(self, node: ir.Node) -> str | None:
+        w, s = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+        if s is None:
+            return f"DequantizeLinear of {w.name!r} has no scale"
+        for value, role in ((w, "weight"), (s, "scale")):
+            reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+            if reason:
+                return reason
+        if _dtype(s) != ir.DataType.FLOAT8E8M0:
+            return f"scale of {w.name!r} is {_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            return f"weight {w.name!r} has a zero point"
+        shape = tuple(w.const_value.shape.numpy())
+        rank = len(shape)
+        if rank not in (2, 3):
+            return f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported"
+        axis = _attr(node, "axis", 1)
+        if axis not in (-1, rank - 1):
+            return f"weight {w.name!r} is blocked along axis {axis}, not the last axis"
+        block = _attr(node, "block_size", 0)
+        if block != 32:
+            return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
+        return None
+
+    def records(self, node: ir.Node) -> list[FP4Weight]:
+        w, s = node.inputs[0], node.inputs[1]
+        return [FP4Weight(self.name, node, w, s, tuple(w.const_value.shape.numpy()),
+                          consumers=trace_consumers(node.outputs[0]))]
+
+
+class QMoEFp4:
+    """Pattern 2: ``com.microsoft::QMoE(quant_type='fp4')``, fc1 and fc2 expert weights.
+
+    Math per expert e: x_hat[e, n, i] = e2m1(W[e, n, i]) * 2^(S[e, n, i // 32] - 127) * fc*_global_scale[e].
+    """
+
+    name = "qmoe"
+
+    def match(self, node: ir.Node) -> bool:
+        return node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") == "fp4"
+
+    def check(self, node: ir.Node) -> str | None:
+        if len(node.inputs) > 8 and node.inputs[8] is not None:
+            return "fc3 weights (unfused SwiGLU) have no global scale input in QMoE 'nvfp4'"
+        block = _attr(node, "block_size", 32)
+        if block not in (0, 32):
+            return f"block_size {block}; MXFP4 needs 32"
+        for slot, (wi, si, gi) in QMOE_WEIGHTS.items():
+            w = node.inputs[wi]
+            s = node.inputs[si] if len(node.inputs) > si else None
+            if s is None:
+                return f"{slot} scales are missing"
+            if _dtype(w) != ir.DataType.UINT8 or _dtype(s) not in (ir.DataType.FLOAT8E8M0, ir.DataType.UINT8):
+                return f"{slot} weights/scales are {_dtype(w)}/{_dtype(s)}, not uint8 FP4 / E8M0"
+            for value, role in ((w, f"{slot} weight"), (s, f"{slot} scale")):
+                reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+                if reason:
+                    return reason
+            g = node.inputs[gi] if len(node.inputs) > gi else None
+            if g is not None:
+                reason = _initializer_reason(g, f"{slot} global scale") or _shared_reason(g, node, f"{slot} global scale")
+                if reason:
+                    return reason
+            if w.const_value.shape.rank() != 3 or s.const_value.shape.rank() != 3:
+                return f"{slot} weights must be 3-D [E, N, K/2]"
+        return None
+
+    def records(self, node: ir.Node) -> list[FP4Weight]:
+        out = []
+        for slot, (wi, si, _) in QMOE_WEIGHTS.items():
+            w, s = node.inputs[wi], node.inputs[si]
+            e, n, half_k = w.const_value.shape.numpy()
+            out.append(FP4Weight(self.name, node, w, s, (e, n, 2 * half_k), slot=slot,
+                                 consumers=[Consumer(node, wi, 0)]))
+        return out
+
+
+class GatherBlockQuantizedFp4:
+    """Pattern 3: ``com.microsoft::GatherBlockQuantized(W FLOAT4E2M1, idx, S float32)``, block 32, last axis.
+
+    Math: x_hat = e2m1(W) * S, with every S a power of two 2^k (k = E8M0 code - 127) or the scale of an
+    all-zero block.
+    """
+
+    name = "gbq"
+
+    def match(self, node: ir.Node) -> bool:
+        return (node.domain == MS_DOMAIN and node.op_type == "GatherBlockQuantized"
+                and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1)
+
+    def check(self, node: ir.Node) -> str | None:
+        w, s = node.inputs[0], node.inputs[2]
+        for value, role in ((w, "weight"), (s, "scale")):
+            reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+            if reason:
+                return reason
+        if _dtype(s) != ir.DataType.FLOAT:
+            return f"scale {s.name!r} is {_dtype(s)}; float32 scales are supported"
+        rank = w.const_value.shape.rank()
+        if rank not in (2, 3):
+            return f"weight {w.name!r} has rank {rank}"
+        if _attr(node, "quantize_axis", 1) not in (-1, rank - 1):
+            return f"weight {w.name!r} is blocked along a non-last axis"
+        block = _attr(node, "block_size", 128)
+        if block != 32:
+            return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
+        if tuple(s.const_value.shape.numpy())[:-1] != tuple(w.const_value.shape.numpy())[:-1]:
+            return f"scale {s.name!r} broadcasts; one scale per block is supported"
+        return None
+
+    def records(self, node: ir.Node) -> list[FP4Weight]:
+        w, s = node.inputs[0], node.inputs[2]
+        return [FP4Weight(self.name, node, w, s, tuple(w.const_value.shape.numpy()),
+                          consumers=[Consumer(node, 0, None)])]
+
+
+PATTERNS = (MXFP4Dequantize(), QMoEFp4(), GatherBlockQuantizedFp4())
+
+
+def _all_nodes(model: ir.Model):
+    return list(ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def find_mxfp4(model: ir.Model) -> tuple[list[FP4Weight], list[Declined]]:
+    """Every MXFP4 weight pattern in ``model`` (subgraphs included), and the near-misses with their reason."""
+    found: list[FP4Weight] = []
+    declined: list[Declined] = []
+    for node in _all_nodes(model):
+        for pattern in PATTERNS:
+            if not pattern.match(node):
+                continue
+            reason = pattern.check(node)
+            if reason is None:
+                found.extend(pattern.records(node))
+            else:
+                tensor = node.inputs[0].name if node.inputs and node.inputs[0] is not None else None
+                if pattern.name == "qmoe":
+                    tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
+                declined.append(Declined(pattern.name, node.name or node.op_type, tensor, reason))
+            break
+    return found, declined
+
+
+def _is_nvfp4_dq(node: ir.Node) -> bool:
+    """``DQ(W FLOAT4E2M1, s, block_size=16)`` whose scale comes from ``DQ(S FLOAT8E4M3FN, G)`` (fp4pass's output)."""
+    if not (node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1):
+        return False
+    scale_producer = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    return (_attr(node, "block_size", 0) == 16 and scale_producer is not None
+            and scale_producer.op_type == "DequantizeLinear"
+            and _dtype(scale_producer.inputs[0]) == ir.DataType.FLOAT8E4M3FN)
+
+
+def find_fp4_consumers(model: ir.Model) -> list[tuple[ir.Node, int, FP4Weight | ir.Value]]:
+    """Nodes that compute with an FP4 weight: ``(node, activation_input_index, weight)``.
+
+    Covers MatMul/Gemm/Einsum fed (through Transpose/Reshape/Cast) by an MXFP4 dequantize (pattern 1) or by the
+    NVFP4 two-DQ form fp4pass writes, and QMoE nodes with quant_type 'fp4' or 'nvfp4' (activation input 0).
+    ``weight`` is the :class:`FP4Weight` for MXFP4 inputs, else the FP4 codes value. Nodes where the weight
+    is not a MatMul/Gemm/Einsum operand (e.g. a Gather of an embedding) are not listed.
+    """
+    result: list[tuple[ir.Node, int, FP4Weight | ir.Value]] = []
+    seen: set[int] = set()
+
+    def add(node, act, weight):
+        if id(node) not in seen and act is not None:
+            seen.add(id(node))
+            result.append((node, act, weight))
+
+    mx_pattern, qmoe = PATTERNS[0], PATTERNS[1]
+    for node in _all_nodes(model):
+        if mx_pattern.match(node) and mx_pattern.check(node) is None:
+            for record in mx_pattern.records(node):
+                for c in record.consumers:
+                    if c.node.op_type in LINEAR_CONSUMERS and c.node.domain == "":
+                        add(c.node, c.activation_input, record)
+        elif _is_nvfp4_dq(node):
+            for c in trace_consumers(node.outputs[0]):
+                if c.node.op_type in LINEAR_CONSUMERS and c.node.domain == "":
+                    add(c.node, c.activation_input, node.inputs[0])
+        elif node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") in ("fp4", "nvfp4"):
+            add(node, 0, node.inputs[2])
+    return result

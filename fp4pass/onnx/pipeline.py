@@ -1,0 +1,252 @@
+"""``fp4pass.onnx.convert``: MXFP4 -> NVFP4 over a whole ONNX model, staged like a compiler pass pipeline.
+
+1. load       - path / ModelProto / onnx_ir.Model / graphsurgeon Graph into onnx_ir (external data lazy, checked)
+2. match      - :func:`fp4pass.onnx.patterns.find_mxfp4`: the MXFP4 patterns, and near-misses with a reason
+3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
+4. rewrite    - per weight: :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
+                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy
+5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR`
+6. activations (optional) - ``fp4pass.calib.calibrate_model`` then ``fp4pass.onnx.act_quant``
+7. write      - streamed with external data (one weight's conversion in memory at a time), or materialized
+8. check (optional) - ``fp4pass.onnx.numerics.diff`` between the input and the output
+
+Targets: ``trt`` and ``reference`` write linear weights in the ModelOpt two-DQ form; ``ort`` writes the same
+two-DQ form for linear weights (runnable after ``fp4pass.onnx.lower``; MatMulBlockQuantizedFp4Weight is
+CUDA-only and needs fp16 activations, so it is not used) and QMoE 'nvfp4' for MoE blocks (QMoE is rewritten
+to 'nvfp4' under every target: it is the only NVFP4 form of that op).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import onnx_ir as ir
+
+from fp4pass.errors import UsageError
+from fp4pass.onnx import loading
+from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
+from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
+from fp4pass.onnx.rewrite_common import WeightConversion
+from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4, prior_global_scale
+from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4
+from fp4pass.progress import progress
+
+__all__ = ["convert", "METHODS", "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "hybrid", "requant", "verbatim")
+SCALE_FORMS = ("dq", "alpha")
+TARGETS = ("trt", "ort", "reference")
+EXTERNAL_DATA = ("auto", "always", "never")
+PROVIDERS = ("auto", "cuda", "cpu")
+
+
+def _check_choice(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise UsageError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+
+
+def _materialize(model: ir.Model) -> None:
+    """Replace every lazy initializer by its computed tensor (for a model returned in memory)."""
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.LazyTensor):
+                tensor = value.const_value.raw()
+                tensor.name = value.name
+                value.const_value = tensor
+
+
+def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, str], bool]:
+    """Rewrite every record; returns [(record, conv, form, note)], the alpha initializers, whether an FP4 DQ was written."""
+    done, alphas, wrote_dq = [], {}, False
+    alpha_pass, dq_pass, gbq_pass, qmoe_pass = AlphaNVFP4(), DequantizeToNVFP4(), GatherToNVFP4(), QMoEToNVFP4()
+    for record, conv in zip(records, convs):
+        note = None
+        if record.pattern == "dq":
+            wrote_dq = True
+            reason = alpha_pass.check(record) if scale_form == "alpha" else None
+            if scale_form == "alpha" and reason is None:
+                out = alpha_pass.rewrite(record, conv)
+                alphas.update(out["alphas"])
+                if out["gemm_alpha"]:
+                    note = f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"
+            else:
+                if reason:
+                    note = f"alpha form not possible ({reason}); wrote the dq form"
+                out = dq_pass.rewrite(record, conv)
+        elif record.pattern == "gbq":
+            wrote_dq = True
+            out = gbq_pass.rewrite(record, conv)
+        else:
+            out = qmoe_pass.rewrite(record, conv)
+            if conv.prior_global is not None:
+                note = "global scale multiplied by the input's fc*_global_scale"
+        done.append((record, conv, out["form"], note))
+    return done, alphas, wrote_dq
+
+
+def _group_initializers(model: ir.Model, records) -> None:
+    """Put each weight's new scale initializers right after its codes, so that ``ir.save`` writes a weight's
+    parts one after another and its conversion is freed before the next one starts (peak memory ~ one weight)."""
+    companions: dict[str, list[str]] = {}
+    for record in records:
+        w = record.name
+        companions[w] = [f"{w}_scale_e4m3", f"{w}_global_scale", f"{w}_scale_one"]
+    for graph in model.graphs():
+        order: list[str] = []
+        placed: set[str] = set()
+        for name in list(graph.initializers):
+            if name in placed:
+                continue
+            order.append(name)
+            placed.add(name)
+            for extra in companions.get(name, ()):
+                if extra in graph.initializers and extra not in placed:
+                    order.append(extra)
+                    placed.add(extra)
+        values = [graph.initializers[name] for name in order]
+        graph.initializers.clear()
+        for value in values:
+            graph.initializers[value.name] = value
+
+
+def _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider) -> list[dict]:
+    try:
+        from fp4pass.calib import ActivationScales, calibrate_model
+        from fp4pass.onnx.act_quant import insert_activation_quantizers
+    except ImportError:
+        raise UsageError("activation calibration is not available in this build") from None
+    _materialize(model)
+    if calib is not None:
+        act_scales = calibrate_model(model, calib, calibrator=calibrator, provider=provider)
+    elif isinstance(scales, dict):
+        act_scales = ActivationScales.from_json(scales)
+    else:
+        act_scales = ActivationScales.load(scales)
+    act_target = "trt" if target == "trt" else "reference"
+    return insert_activation_quantizers(model, act_scales, target=act_target, scale_form=scale_form, alphas=alphas)
+
+
+def _diff_function():
+    try:
+        from fp4pass.onnx.numerics import diff
+    except ImportError:
+        raise UsageError("--check is not available in this build (fp4pass.onnx.numerics missing)") from None
+    return diff
+
+
+def _check(original, rewritten, provider: str) -> dict:
+    result = _diff_function()(original, rewritten, provider=provider)
+    return jsonable(result.to_json() if hasattr(result, "to_json") else result)
+
+
+def convert(
+    model_or_path,
+    method: str = "auto",
+    scale_form: str = "dq",
+    target: str = "trt",
+    calib=None,
+    calibrator: str = "max",
+    scales=None,
+    provider: str = "auto",
+    *,
+    output: str | os.PathLike | None = None,
+    external_data: str = "auto",
+    check: bool = False,
+    show_progress: bool | None = False,
+):
+    """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
+
+    ``model_or_path``: a path, ``onnx.ModelProto``, ``onnx_ir.Model`` (rewritten in place) or
+    onnx-graphsurgeon ``Graph``; the model comes back as the same kind (an ``onnx_ir.Model`` for a path, or the
+    output path when ``output`` is given). ``output``: write the model there (atomically; streamed with
+    external data per ``external_data`` = auto | always | never). ``calib``: an .npz file or a folder of them
+    to calibrate activation scales with ``calibrator``; ``scales``: a SCALES.json path or dict to reuse.
+    ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check".
+    """
+    _check_choice("method", method, METHODS)
+    _check_choice("scale_form", scale_form, SCALE_FORMS)
+    _check_choice("target", target, TARGETS)
+    _check_choice("external_data", external_data, EXTERNAL_DATA)
+    _check_choice("provider", provider, PROVIDERS)
+    if calib is not None and scales is not None:
+        raise UsageError("give either calib (to calibrate) or scales (to reuse a calibration), not both")
+    if check:
+        _diff_function()  # fail before any work when the check cannot run
+    start = time.perf_counter()
+    loaded = loading.load(model_or_path)
+    model = loaded.model
+    input_files = ()
+    if loaded.path is not None:
+        input_files = (loaded.path, *loading.external_data_files(model))
+        if output is not None:
+            from fp4pass.io import refuse_overwrite
+
+            refuse_overwrite(output, *input_files)
+    had_external = loaded.had_external_data
+    original_for_check = None
+    if check:
+        original_for_check = str(loaded.path) if loaded.path is not None else ir.serde.serialize_model(model)
+
+    records, declined = find_mxfp4(model)
+    convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
+    done, alphas, wrote_dq = _rewrite(records, convs, scale_form)
+    versions = SetOpsetAndIR().call(model, wrote_dq)
+    _group_initializers(model, records)
+
+    activations = None
+    if calib is not None or scales is not None:
+        activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider)
+        versions["after"]["ir_version"] = model.ir_version
+
+    used_external = False
+    if output is not None:
+        bar = None
+
+        def on_tensor(tensor, total):
+            nonlocal bar
+            if bar is None:
+                bar = progress(iter(range(total)), total, "writing", enabled=show_progress)
+            next(bar, None)
+
+        used_external = loading.save(model, output, external_data=external_data, inputs=input_files,
+                                     input_had_external=had_external, on_tensor=on_tensor)
+        if bar is not None:
+            for _ in bar:
+                pass
+    else:
+        for conv in progress(convs, desc="converting", enabled=show_progress):
+            conv.materialize()
+        _materialize(model)
+    for conv in convs:
+        if conv.stats is None:  # a tensor ir.save never read (cannot happen for initializers; keeps stats whole)
+            conv.materialize()
+
+    tensors = [tensor_entry(r, c, form, note) for r, c, form, note in done]
+    declined_json = [d.to_json() for d in declined]
+    report = {
+        "input": str(loaded.path) if loaded.path is not None else f"<{loaded.kind}>",
+        "output": None if output is None else str(output),
+        "method": method,
+        "scale_form": scale_form,
+        "target": target,
+        "external_data": used_external,
+        "model": versions,
+        "tensors": tensors,
+        "declined": declined_json,
+    }
+    if activations is not None:
+        report["activations"] = jsonable(activations)
+    report["summary"] = summarize(tensors, declined_json, time.perf_counter() - start)
+    if check:
+        rewritten = str(output) if output is not None else ir.serde.serialize_model(model)
+        report["check"] = _check(original_for_check, rewritten, provider)
+    log.debug("%s", summary_line(report))
+    if output is not None and loaded.kind == "path":
+        return Path(output), report
+    return loading.to_kind(model, loaded.kind), report

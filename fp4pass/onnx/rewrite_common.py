@@ -1,0 +1,174 @@
+"""One MXFP4 weight's conversion, computed when its first NVFP4 tensor is written and dropped after the last.
+
+The new initializers are ``onnx_ir.LazyTensor`` objects over a shared :class:`WeightConversion`; ``ir.save``
+evaluates them one at a time while streaming external data, so only one weight's working set (its MXFP4 bytes
+and the NVFP4 result) is in memory at once. Validation that needs only the small scale tensor (shapes, E8M0
+code 255) runs before anything is written, so a bad model fails with nothing on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from fp4pass.errors import FormatError, ShapeError, UsageError
+from fp4pass.formats import MXFP4Tensor
+from fp4pass.formats.codecs import check_e8m0
+from fp4pass.onnx.loading import tensor_bytes
+from fp4pass.onnx.patterns import FP4Weight
+
+__all__ = ["WeightConversion", "e8m0_codes_from_float"]
+
+log = logging.getLogger(__name__)
+
+
+def e8m0_codes_from_float(scales: np.ndarray, name: str) -> np.ndarray:
+    """float32 scales that are powers of two 2^k -> E8M0 codes k + 127 (uint8); anything else is an error."""
+    mantissa, exponent = np.frexp(scales.astype(np.float32))
+    codes = exponent.astype(np.int64) - 1 + 127
+    if not (np.all(mantissa == 0.5) and np.all((codes >= 0) & (codes <= 254))):
+        raise FormatError(f"{name}: scales are not all finite powers of two in E8M0's range (not MXFP4)")
+    return codes.astype(np.uint8)
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def _release_memory() -> None:
+    """Hand freed heap pages back to the OS: glibc keeps them otherwise, and RSS would grow with the model."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+class WeightConversion:
+    """Converts one :class:`FP4Weight` with ``fp4pass.convert.mxfp4_to_nvfp4`` on demand.
+
+    ``prior_global``: an FP32 per-expert scale the input already applied (QMoE 'fp4' fc*_global_scale); the
+    written global scale is ``prior_global * global_scale`` (FP32 product), the block scales stay E4M3.
+    """
+
+    def __init__(self, record: FP4Weight, method: str, prior_global: np.ndarray | None = None) -> None:
+        self.record = record
+        self.method = method
+        self.prior_global = prior_global
+        self.group_dims = 1 if len(record.shape) == 3 else 0
+        self.stats: dict | None = None
+        self.seconds = 0.0
+        self._result = None
+        self._global: np.ndarray | None = None
+        self._pending: set[str] = set()
+        self._source = record.codes.const_value  # the MXFP4 codes; the value itself gets the lazy NVFP4 codes
+        self._scale_codes = self._read_scales()
+
+    # -- validation and input --------------------------------------------------------------------------
+    def _read_scales(self) -> np.ndarray:
+        """E8M0 codes [..., K/32] (uint8), checked against the codes' shape and for code 255 (NaN)."""
+        record = self.record
+        scales = record.scales.const_value
+        name = record.name
+        if record.pattern == "gbq":
+            codes = e8m0_codes_from_float(scales.numpy(), f"{name} scales")
+        else:
+            codes = tensor_bytes(scales).reshape(scales.shape.numpy()).copy()
+        *lead, k = record.shape
+        if k % 32:
+            raise ShapeError(f"{name}: K={k} is not a multiple of the MXFP4 block 32")
+        if tuple(codes.shape) != (*lead, k // 32):
+            raise ShapeError(f"{name}: scales {record.scales.name!r} have shape {list(codes.shape)}, "
+                             f"expected {[*lead, k // 32]} for weight {list(record.shape)}")
+        check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
+        return codes
+
+    def mx(self) -> MXFP4Tensor:
+        packed = tensor_bytes(self._source)
+        *lead, k = self.record.shape
+        codes = torch.from_numpy(packed.reshape(*lead, k // 2).copy())
+        return MXFP4Tensor.from_codes(codes, torch.from_numpy(self._scale_codes), name=self.record.name)
+
+    # -- conversion ------------------------------------------------------------------------------------
+    def result(self):
+        """The NVFP4Tensor, converting now if needed (stats and seconds recorded on the first run)."""
+        if self._result is None:
+            try:
+                from fp4pass.convert import mxfp4_to_nvfp4
+            except ImportError as exc:  # pragma: no cover - while the converter is being written
+                raise UsageError(f"the MXFP4 -> NVFP4 converter is not available in this build ({exc})") from None
+            start = time.perf_counter()
+            nv, stats = mxfp4_to_nvfp4(self.mx(), method=self.method, group_dims=self.group_dims)
+            elapsed = time.perf_counter() - start
+            if self.stats is None:
+                self.stats, self.seconds = stats, elapsed
+            self._result = nv
+            g = nv.global_scale.cpu().numpy().astype(np.float32)
+            if self.prior_global is not None:
+                g = (self.prior_global.astype(np.float32).reshape(g.shape) * g).astype(np.float32)
+            self._global = g
+        return self._result
+
+    def global_scale(self) -> np.ndarray:
+        """FP32 global scale, [] or [E] (small; kept after the big parts are released)."""
+        if self._global is None:
+            self.result()
+        return self._global
+
+    def _fetched(self, part: str) -> None:
+        self._pending.discard(part)
+        if not self._pending:
+            self._result = None  # every big part written: free the working set
+            _release_memory()
+
+    # -- lazy tensors ----------------------------------------------------------------------------------
+    def codes_tensor(self, name: str, packed_uint8: bool = False) -> ir.LazyTensor:
+        """E2M1 codes: FLOAT4E2M1 [..., K] (ONNX), or uint8 [..., K/2] when ``packed_uint8`` (QMoE)."""
+        *lead, k = self.record.shape
+        self._pending.add("codes")
+
+        def make():
+            codes = self.result().codes.cpu().numpy()
+            self._fetched("codes")
+            if packed_uint8:
+                return ir.Tensor(codes, name=name)
+            return ir.PackedTensor(codes, ir.DataType.FLOAT4E2M1, shape=ir.Shape([*lead, k]), name=name)
+
+        if packed_uint8:
+            return ir.LazyTensor(make, ir.DataType.UINT8, ir.Shape([*lead, k // 2]), name=name)
+        return ir.LazyTensor(make, ir.DataType.FLOAT4E2M1, ir.Shape([*lead, k]), name=name)
+
+    def scales_tensor(self, name: str) -> ir.LazyTensor:
+        """E4M3FN block scales [..., K/16] (global scale not applied)."""
+        *lead, k = self.record.shape
+        self._pending.add("scales")
+
+        def make():
+            scales = self.result().scales.cpu().numpy().view(ml_dtypes.float8_e4m3fn)
+            self._fetched("scales")
+            return ir.Tensor(scales, dtype=ir.DataType.FLOAT8E4M3FN, name=name)
+
+        return ir.LazyTensor(make, ir.DataType.FLOAT8E4M3FN, ir.Shape([*lead, k // 16]), name=name)
+
+    def global_tensor(self, name: str, reciprocal_of: np.ndarray | None = None) -> ir.LazyTensor:
+        """FP32 global scale: shape [] per tensor, [E] per expert."""
+        shape = [self.record.shape[0]] if self.group_dims else []
+
+        def make():
+            return ir.Tensor(self.global_scale().reshape(shape), name=name)
+
+        return ir.LazyTensor(make, ir.DataType.FLOAT, ir.Shape(shape), name=name)
+
+    def materialize(self) -> None:
+        """Run the conversion now (stats for the report); the lazy tensors then read the cached result."""
+        self.result()

@@ -1,0 +1,121 @@
+"""onnxruntime sessions: which execution provider runs, and sessions for models of any size.
+
+``make_session(model, provider="auto") -> (session, provider_used, note)``
+
+- ``provider``: "auto" = the CUDA EP when it loads, else CPU; "cuda" = the CUDA EP, falling back to CPU with
+  a note saying so when it cannot load; "cpu" = CPU only. ``provider_used`` is "cuda" or "cpu", read back
+  from the session (onnxruntime-gpu lists the CUDA EP even where its libraries or the GPU are missing, and
+  silently falls back; the probe below hides that noise and finds out once per process).
+- ``model``: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``. In-memory models whose initializers
+  exceed ~1.8 GB are saved to a temporary folder with external data and loaded by path (protobuf's 2 GB
+  limit); the folder lives as long as the session.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from fp4pass.errors import ModelError, UsageError
+
+__all__ = ["make_session", "cuda_available", "PROVIDERS"]
+
+logger = logging.getLogger(__name__)
+
+PROVIDERS = ("auto", "cuda", "cpu")
+_CUDA_EP, _CPU_EP = "CUDAExecutionProvider", "CPUExecutionProvider"
+_INLINE_LIMIT = int(1.8 * 2**30)  # bytes of initializers above which a model goes through a file
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> tuple[bool, str | None]:
+    """(True, None) when the CUDA EP really runs here; else (False, why). Probed once with a 1-node model."""
+    if _CUDA_EP not in ort.get_available_providers():
+        return False, "this onnxruntime build has no CUDA execution provider"
+    probe = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=8,
+    )
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # the failed provider load is expected here; say it once, in our words
+    ort.set_default_logger_severity(4)
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=[_CUDA_EP, _CPU_EP])
+    except Exception as exc:  # noqa: BLE001 - any failure means "no CUDA here"
+        return False, f"the CUDA execution provider failed to start ({exc})"
+    finally:
+        ort.set_default_logger_severity(2)  # onnxruntime's default: warnings
+    if _CUDA_EP not in session.get_providers():
+        return False, "the CUDA execution provider did not load (no GPU, or CUDA/cuDNN libraries missing)"
+    return True, None
+
+
+def _providers(provider: str) -> tuple[list[str], str, str | None]:
+    if provider not in PROVIDERS:
+        raise UsageError(f"provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    if provider == "cpu":
+        return [_CPU_EP], "cpu", None
+    ok, why = cuda_available()
+    if ok:
+        return [_CUDA_EP, _CPU_EP], "cuda", None
+    note = f"CUDA requested but {why}; running on CPU" if provider == "cuda" else None
+    return [_CPU_EP], "cpu", note
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    total = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None:
+            total += tensor.nbytes
+    return total
+
+
+def make_session(model, provider: str = "auto", *, options: ort.SessionOptions | None = None):
+    """Create an ``ort.InferenceSession`` for ``model``; returns ``(session, provider_used, note)``."""
+    providers, provider_used, note = _providers(provider)
+    if options is None:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only: unused-initializer warnings are noise here
+    tmpdir = None
+    if isinstance(model, (str, os.PathLike)):
+        source = str(model)
+    elif isinstance(model, onnx.ModelProto):
+        if model.ByteSize() < _INLINE_LIMIT:
+            source = model.SerializeToString()
+        else:  # a proto that big only exists with external data already attached: go through the IR
+            model = ir.serde.deserialize_model(model)
+    if isinstance(model, ir.Model):
+        if _initializer_bytes(model) < _INLINE_LIMIT:
+            source = ir.serde.serialize_model(model).SerializeToString()
+        else:
+            tmpdir = tempfile.TemporaryDirectory(prefix="fp4pass-ort-")
+            path = Path(tmpdir.name) / "model.onnx"
+            logger.info("saving the model with external data to %s for onnxruntime (over 2 GB)", path)
+            ir.save(model, path, external_data="model.onnx.data")
+            source = str(path)
+    elif not isinstance(model, (str, os.PathLike, onnx.ModelProto)):
+        raise ModelError(f"cannot make a session from {type(model).__name__}")
+    try:
+        session = ort.InferenceSession(source, options, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types; name what failed
+        if tmpdir is not None:
+            tmpdir.cleanup()
+        raise ModelError(f"onnxruntime could not load the model: {str(exc).strip().splitlines()[0]}") from exc
+    if tmpdir is not None:
+        session._fp4pass_tmpdir = tmpdir  # keep the external data alive with the session
+    if provider_used == "cuda" and _CUDA_EP not in session.get_providers():
+        provider_used = "cpu"
+        note = "the CUDA execution provider did not load for this model; running on CPU"
+    return session, provider_used, note

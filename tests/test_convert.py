@@ -1,0 +1,192 @@
+"""MXFP4 -> NVFP4 conversion against independent numpy oracles (tests/conversion_oracle.py, tests/oracles.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fp4pass
+from fp4pass import MXFP4Tensor
+from fp4pass.errors import ShapeError, UsageError
+from tests import conversion_oracle as oracle
+from tests.oracles import nv_quantize_np
+
+SPEC_KEYS = {"blocks16_total", "blocks16_verbatim", "blocks16_requantized", "global_scale", "mse",
+             "max_abs_err", "snr_db", "method_used"}
+
+
+def make_mx(codes: np.ndarray, e8m0: np.ndarray, device="cpu") -> MXFP4Tensor:
+    return MXFP4Tensor.from_codes(torch.from_numpy(oracle.pack(codes)).to(device), torch.from_numpy(e8m0).to(device))
+
+
+def oracle_mse(nv, codes: np.ndarray, e8m0: np.ndarray) -> float:
+    """MSE of the converted tensor vs the MXFP4 values, both dequantized by the numpy oracle."""
+    x_nv = oracle.nv_dequant(oracle.unpack(nv.codes.cpu().numpy()), nv.scales.cpu().numpy(), nv.global_scale.cpu().numpy())
+    return float(np.mean((x_nv.astype(np.float64) - oracle.mx_dequant(codes, e8m0)) ** 2))
+
+
+@pytest.mark.parametrize("spread", [0, 5, 12, 17])
+@pytest.mark.parametrize("method,m_rule", [("verbatim", "midpoint"), ("verbatim", "search"), ("hybrid", "search"), ("auto", "search")])
+def test_lossless_up_to_spread_17(spread, method, m_rule, device):
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(spread), (16, 256), spread, zero_block_rate=0.1)
+    assert oracle.spread(codes, e8m0) == spread
+    nv, stats = fp4pass.mxfp4_to_nvfp4(make_mx(codes, e8m0, device), method, m_rule=m_rule)
+    assert oracle_mse(nv, codes, e8m0) == 0.0
+    assert np.array_equal(nv.codes.cpu().numpy(), oracle.pack(codes))  # nibbles kept
+    assert stats.mse == 0.0 and stats.snr_db is None and stats.blocks16_verbatim == stats.blocks16_total
+
+
+def test_spread_18_boundary():
+    """Spread 18: verbatim snaps one octave (lossy); hybrid requantizes exactly the halves of k_min blocks."""
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(18), (16, 256), 18, k_low=-5)
+    mx = make_mx(codes, e8m0)
+    for m_rule in ("midpoint", "search"):
+        nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "verbatim", m_rule=m_rule)
+        assert stats.mse > 0 and oracle_mse(nv, codes, e8m0) > 0
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "hybrid")
+    low_halves = (codes.reshape(-1, 16) & 7).any(-1) & np.repeat((e8m0.reshape(-1) == 127 - 5), 2)
+    assert stats.blocks16_requantized <= int(low_halves.sum())
+    assert stats.global_scale == [2.0 ** (13 - 8)]
+    x_oracle = oracle.hybrid(codes, e8m0)
+    assert np.array_equal(nv.dequantize().numpy(), x_oracle)
+
+
+@pytest.mark.parametrize("spread", [25, 50])
+def test_hybrid_equals_seed_algo3(spread):
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(spread), (8, 512), spread)
+    nv, stats = fp4pass.mxfp4_to_nvfp4(make_mx(codes, e8m0), "hybrid")
+    x_oracle = oracle.hybrid(codes, e8m0)
+    assert np.array_equal(nv.dequantize().numpy(), x_oracle)
+    expected = float(np.mean((x_oracle.astype(np.float64) - oracle.mx_dequant(codes, e8m0)) ** 2))
+    assert stats.mse == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("shape,group_dims", [((64, 256), 0), ((4, 8, 64), 1), ((4, 8, 64), 0)])
+def test_requant_is_plain_nvfp4_of_dequantized(shape, group_dims, device):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * torch.exp2(torch.randint(-10, 10, shape[:1] + (1,) * (len(shape) - 1)).float())
+    mx = MXFP4Tensor.quantize(x).to(device)
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "requant", group_dims=group_dims)
+    deq = mx.dequantize().cpu().numpy()
+    if group_dims:
+        g = (np.abs(deq).reshape(shape[0], -1).max(-1) / np.float32(6 * 448)).astype(np.float32)
+    else:
+        g = None
+    q, s, g_used = nv_quantize_np(deq, g)
+    assert np.array_equal(oracle.unpack(nv.codes.cpu().numpy()), q)
+    assert np.array_equal(nv.scales.cpu().numpy(), s)
+    assert np.allclose(nv.global_scale.cpu().numpy(), g_used, rtol=0, atol=0)
+    assert stats.method_used == "requant"
+
+
+def _study_like(seed: int):
+    torch.manual_seed(seed)
+    x = torch.randn(64, 512) * 0.01
+    x[0, 0] = 1e4  # spread 20: lossy, requant beats hybrid here
+    return x
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spread_=st.integers(0, 60), zero_rate=st.sampled_from([0.0, 0.3]),
+       k_low=st.integers(-127, 60))
+def test_auto_never_worse_than_requant_or_hybrid(seed, spread_, zero_rate, k_low):
+    spread_ = min(spread_, 127 - k_low)
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(seed), (4, 128), spread_, zero_rate, k_low)
+    mx = make_mx(codes, e8m0)
+    mses = {m: oracle_mse(fp4pass.mxfp4_to_nvfp4(mx, m)[0], codes, e8m0) for m in ("requant", "hybrid", "auto")}
+    assert mses["auto"] <= min(mses["requant"], mses["hybrid"])
+    if oracle.spread(codes, e8m0) <= 17:
+        assert mses["auto"] == 0.0
+
+
+def test_auto_beats_both_on_single_outlier():
+    mx = MXFP4Tensor.quantize(_study_like(0))
+    mse = {m: fp4pass.mxfp4_to_nvfp4(mx, m)[1].mse for m in ("requant", "hybrid", "auto")}
+    assert mse["requant"] < mse["hybrid"]
+    assert mse["auto"] < mse["requant"]
+
+
+def test_per_expert_scales_make_distant_experts_lossless():
+    """Two experts 20 octaves apart, each of spread 8: lossless per expert, lossy with one shared scale."""
+    rng = np.random.default_rng(7)
+    c0, s0 = oracle.random_mx(rng, (1, 16, 128), 8, k_low=-10)
+    c1, s1 = oracle.random_mx(rng, (1, 16, 128), 8, k_low=10)
+    codes, e8m0 = np.concatenate([c0, c1]), np.concatenate([s0, s1])
+    mx = make_mx(codes, e8m0)
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "auto")  # default for 3-D: per expert
+    assert tuple(nv.global_scale.shape) == (2,)
+    assert oracle_mse(nv, codes, e8m0) == 0.0 and stats.mse == 0.0
+    for method in ("hybrid", "verbatim"):
+        assert fp4pass.mxfp4_to_nvfp4(mx, method)[1].mse == 0.0
+        shared, shared_stats = fp4pass.mxfp4_to_nvfp4(mx, method, group_dims=0)
+        assert shared.global_scale.dim() == 0 and oracle_mse(shared, codes, e8m0) > 0
+
+
+def test_stats_keys_and_reference():
+    x = _study_like(1)
+    mx = MXFP4Tensor.quantize(x)
+    _, stats = fp4pass.mxfp4_to_nvfp4(mx, "auto")
+    assert set(stats.to_json()) == SPEC_KEYS
+    assert stats.snr_db is not None and stats.snr_db > 0
+    assert stats.blocks16_total == 64 * 512 // 16 == stats.blocks16_verbatim + stats.blocks16_requantized
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "auto", reference=x)
+    assert set(stats.to_json()) == SPEC_KEYS | {"mse_vs_reference"}
+    expected = float(((nv.dequantize().double() - x.double()) ** 2).mean())
+    assert stats["mse_vs_reference"] == pytest.approx(expected, rel=1e-9)
+    lossless = fp4pass.mxfp4_to_nvfp4(MXFP4Tensor.quantize(torch.randn(8, 64)), "auto")[1]
+    assert lossless.snr_db is None and lossless.max_abs_err == 0.0
+
+
+def test_extreme_e8m0_codes_are_accepted():
+    """Codes 0 and 254 (2^-127, 2^127), alone (lossless, subnormal global scale) and together (lossy)."""
+    rng = np.random.default_rng(3)
+    for k_low, spread_ in ((-127, 0), (-127, 5), (108, 17), (-127, 250)):
+        codes, e8m0 = oracle.random_mx(rng, (2, 64), spread_, k_low=k_low)
+        for method in ("requant", "verbatim", "hybrid", "auto"):
+            nv, stats = fp4pass.mxfp4_to_nvfp4(make_mx(codes, e8m0), method)
+            x = nv.dequantize()
+            assert bool(torch.isfinite(x).all()), (k_low, spread_, method)
+            if spread_ <= 17 and method != "requant":
+                assert oracle_mse(nv, codes, e8m0) == 0.0, (k_low, spread_, method)
+
+
+def test_values_overflowing_float32():
+    """k = 127 with code 6 is 1.5 * 2^129: no FP32 value. Verbatim paths keep it; requantizing it is an error."""
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(4), (2, 64), 3, k_low=124)
+    codes[0, 0] = 7  # 6 * 2^127
+    mx = make_mx(codes, e8m0)
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "hybrid")
+    assert np.array_equal(nv.codes.numpy(), oracle.pack(codes)) and stats.blocks16_verbatim == stats.blocks16_total
+    with pytest.raises(fp4pass.FP4PassError, match="overflow float32"):
+        fp4pass.mxfp4_to_nvfp4(mx, "requant")
+
+
+def test_chunking_does_not_change_the_result():
+    mx = MXFP4Tensor.quantize(_study_like(2).reshape(4, 16, 512))
+    for method in ("requant", "hybrid", "auto", "verbatim"):
+        a, sa = fp4pass.mxfp4_to_nvfp4(mx, method, group_dims=0)
+        b, sb = fp4pass.convert.mxfp4_to_nvfp4(mx, method, group_dims=0, chunk_elements=600)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), method
+        assert sa.mse == pytest.approx(sb.mse, rel=1e-12)
+
+
+def test_all_zero_tensor():
+    mx = MXFP4Tensor.quantize(torch.zeros(4, 64))
+    for method in ("requant", "verbatim", "hybrid", "auto"):
+        nv, stats = fp4pass.mxfp4_to_nvfp4(mx, method)
+        assert stats.mse == 0.0 and float(nv.dequantize().abs().max()) == 0.0
+
+
+def test_bad_arguments():
+    mx = MXFP4Tensor.quantize(torch.randn(4, 64))
+    with pytest.raises(UsageError, match="unknown method"):
+        fp4pass.mxfp4_to_nvfp4(mx, "magic")
+    with pytest.raises(UsageError, match="m_rule"):
+        fp4pass.mxfp4_to_nvfp4(mx, "verbatim", m_rule="guess")
+    with pytest.raises(ShapeError, match="reference shape"):
+        fp4pass.mxfp4_to_nvfp4(mx, reference=torch.zeros(4, 32))
+    with pytest.raises(ShapeError, match="group_dims"):
+        fp4pass.mxfp4_to_nvfp4(mx, group_dims=2)

@@ -1,0 +1,155 @@
+"""fp4pass.onnx.diff and make_session: figures checked against numpy on onnx.reference outputs."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+import fp4pass
+from fp4pass.errors import ModelError, UsageError
+from fp4pass.onnx import runtime
+from fp4pass.onnx.numerics import DiffResult, make_inputs
+from tests.onnx_models import e2m1, float_matmul_model, mx_matmul_model, random_fp4, save
+
+KEYS = {"name", "shape", "max_abs_err", "mean_abs_err", "rel_l2", "snr_db", "cosine", "p99_abs_err", "nan", "inf"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A: MXFP4 DQ -> MatMul -> Relu; B: the same with the exact float weight; C: a perturbed weight."""
+    folder = tmp_path_factory.mktemp("models")
+    rng = np.random.default_rng(0)
+    codes, scales = random_fp4(rng, (32, 64), 32, "e8m0", e8m0_range=(124, 129))
+    weight = e2m1(codes) * np.repeat(scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, -1)
+    noisy = (weight + 0.05 * rng.standard_normal(weight.shape)).astype(np.float32)
+    return {
+        "a": save(mx_matmul_model(codes, scales), folder / "a.onnx"),
+        "b": save(float_matmul_model(weight), folder / "b.onnx"),
+        "c": save(float_matmul_model(noisy), folder / "c.onnx"),
+        "c_proto": float_matmul_model(noisy),
+    }
+
+
+def _reference(path, x):
+    import onnx
+
+    evaluator = ReferenceEvaluator(onnx.load(path))
+    return evaluator.run(None, {"x": x}, intermediate=True)
+
+
+def test_identical_models_pass_with_zero_error(pair):
+    result = fp4pass.onnx.diff(pair["a"], pair["a"], intermediates=True, snr_min=200)
+    assert isinstance(result, DiffResult) and result.passed and result.first_divergent is None
+    assert result.provider in ("cpu", "cuda")
+    for m in [*result.outputs, *result.intermediates]:
+        assert m.snr_db is None and m.max_abs_err == 0 and m.rel_l2 == 0
+    js = result.to_json()
+    assert set(js) == {"provider", "outputs", "intermediates", "first_divergent", "passed"}
+    assert all(set(e) == KEYS and e["snr_db"] is None for e in js["outputs"] + js["intermediates"])
+    assert {e["name"] for e in js["intermediates"]} >= {"h", "w_t"}
+
+
+def test_lossy_pair_figures_match_numpy_on_reference_outputs(pair):
+    x = np.random.default_rng(7).standard_normal((5, 64)).astype(np.float32)
+    result = fp4pass.onnx.diff(pair["a"], pair["c_proto"], inputs={"x": x}, intermediates=True)
+    ref_a, ref_c = _reference(pair["a"], x), _reference(pair["c"], x)
+    for name, m in {m.name: m for m in [*result.outputs, *result.intermediates]}.items():
+        a, b = ref_a[name].astype(np.float64), ref_c[name].astype(np.float64)
+        e = (a - b).ravel()
+        assert m.shape == a.shape
+        assert m.snr_db == pytest.approx(20 * math.log10(np.linalg.norm(a) / np.linalg.norm(e)), abs=1e-3)
+        assert m.rel_l2 == pytest.approx(np.linalg.norm(e) / np.linalg.norm(a), rel=1e-4)
+        assert m.max_abs_err == pytest.approx(np.abs(e).max(), rel=1e-4, abs=1e-6)
+        assert m.mean_abs_err == pytest.approx(np.abs(e).mean(), rel=1e-4)
+        assert m.p99_abs_err == pytest.approx(np.percentile(np.abs(e), 99), rel=1e-3, abs=1e-6)
+        assert m.cosine == pytest.approx(a.ravel() @ b.ravel() / (np.linalg.norm(a) * np.linalg.norm(b)), abs=1e-9)
+
+
+def test_lossless_pair_is_identical_or_nearly(pair):
+    x = np.random.default_rng(8).standard_normal((3, 64)).astype(np.float32)
+    result = fp4pass.onnx.diff(pair["a"], pair["b"], inputs={"x": x}, intermediates=True, snr_min=100)
+    assert result.passed
+    w_t = next(m for m in result.intermediates if m.name == "w_t")
+    assert w_t.snr_db is None and w_t.max_abs_err == 0  # the dequantized weight is exactly the float one
+
+
+def test_threshold_first_divergent_and_pass_fail(pair):
+    result = fp4pass.onnx.diff(pair["a"], pair["c"], intermediates=True, snr_min=80)
+    snr = result.outputs[0].snr_db
+    assert not result.passed and snr < 80
+    # w_t (the weight) is the first tensor in topological order that diverges
+    assert result.first_divergent["tensor"] == "w_t" and result.first_divergent["op_type"] == "Transpose"
+    loose = fp4pass.onnx.diff(pair["a"], pair["c"], snr_min=snr - 1)
+    assert loose.passed
+    table = result.format_table()
+    assert "FAILED" in table and "first divergent" in table
+
+
+def test_chunked_intermediates_give_the_same_figures(pair):
+    whole = fp4pass.onnx.diff(pair["a"], pair["c"], intermediates=True)
+    chunked = fp4pass.onnx.diff(pair["a"], pair["c"], intermediates=True, intermediate_budget_bytes=1)
+    # exposing other outputs may change onnxruntime's kernels (constant folding, prepacking): float-order noise
+    assert [m.name for m in whole.intermediates] == [m.name for m in chunked.intermediates]
+    for w, c in zip([*whole.intermediates, *whole.outputs], [*chunked.intermediates, *chunked.outputs]):
+        assert c.snr_db == pytest.approx(w.snr_db, abs=0.05) and c.shape == w.shape
+
+
+def test_random_inputs_are_seeded_and_symbolic_dims_noted(pair):
+    model = ir.load(pair["a"])
+    notes = []
+    feeds = make_inputs(model, seed=3, notes=notes)
+    assert feeds["x"].shape == (1, 64) and "symbolic" in notes[0]
+    np.testing.assert_array_equal(feeds["x"], make_inputs(model, seed=3)["x"])
+    assert make_inputs(model, seed=3, shapes={"x": (4, 64)})["x"].shape == (4, 64)
+    with pytest.raises(UsageError, match="not graph inputs"):
+        make_inputs(model, {"nope": np.zeros(1)})
+    with pytest.raises(UsageError, match="the input has 2"):
+        make_inputs(model, shapes={"x": (1, 2, 3)})
+
+
+def test_bad_models_raise_model_errors(tmp_path, pair):
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"this is not protobuf \xff\xff")
+    with pytest.raises(ModelError, match="junk.onnx"):
+        fp4pass.onnx.diff(pair["a"], junk)
+    with pytest.raises(ModelError, match="no such file"):
+        fp4pass.onnx.diff(pair["a"], tmp_path / "missing.onnx")
+
+
+def test_cuda_requested_without_it_falls_back_with_a_note(pair, monkeypatch):
+    monkeypatch.setattr(runtime, "cuda_available", lambda: (False, "no GPU here"))
+    session, used, note = runtime.make_session(pair["b"], "cuda")
+    assert used == "cpu" and "CUDA requested" in note and "CPU" in note
+    assert session.get_providers() == ["CPUExecutionProvider"]
+    _, used, note = runtime.make_session(pair["b"], "auto")
+    assert used == "cpu" and note is None
+    with pytest.raises(UsageError):
+        runtime.make_session(pair["b"], "tpu")
+    result = fp4pass.onnx.diff(pair["a"], pair["b"], provider="cuda")
+    assert result.provider == "cpu" and any("CUDA requested" in n for n in result.notes)
+
+
+def test_cuda_probe_on_this_machine(pair):
+    ok, why = runtime.cuda_available()
+    _, used, note = runtime.make_session(pair["b"], "cuda")
+    assert used == ("cuda" if ok else "cpu")
+    assert (note is None) == ok
+
+
+def test_make_session_through_external_data(pair, monkeypatch):
+    monkeypatch.setattr(runtime, "_INLINE_LIMIT", 0)  # pretend the model is over 2 GB
+    session, _, _ = runtime.make_session(ir.load(pair["b"]), "cpu")
+    x = np.ones((2, 64), np.float32)
+    expected = ReferenceEvaluator(pair["b"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_provider_used_where_present(pair):
+    result = fp4pass.onnx.diff(pair["a"], pair["b"], provider="cuda")
+    assert result.provider == "cuda"
