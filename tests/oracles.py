@@ -38,6 +38,7 @@ def nv_quantize_np(x: np.ndarray, global_scale=None):
     if global_scale is None:
         amax = np.float32(np.abs(x).max())
         global_scale = np.float32(amax / np.float32(6 * 448)) if amax > 0 else np.float32(1.0)
+        global_scale = max(global_scale, np.float32(2.0**-140))  # fp4pass floors the global scale at 2^-140
     g = np.asarray(global_scale, np.float32)
     xb = x.reshape(*x.shape[:-1], -1, 16)
     g_b = g.reshape(g.shape + (1,) * (xb.ndim - 1 - g.ndim))

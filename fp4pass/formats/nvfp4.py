@@ -42,9 +42,15 @@ NV_BLOCK_SIZE = 16
 
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's scale_2 = amax / (6*448), float32; 1.0 where amax is 0 (any positive scale is exact there)."""
+    """ModelOpt's scale_2 = amax / (6*448), float32.
+
+    Two edges the formula leaves undefined: 1.0 where amax is 0 (any positive scale is exact there), and the
+    floor 2^-140 where amax is so tiny that amax/2688 would go below it (2^-140 is the least global scale whose
+    product with the least E4M3 block scale 2^-9 is still a non-zero float32).
+    """
     amax = amax.float()
-    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp_min(2.0**-140)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
 def _as_global_scale(global_scale, lead: torch.Size, device: torch.device, name: str) -> torch.Tensor:
