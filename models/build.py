@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["mxfp4_quantize", "mxfp4_dq", "build_tiny_mlp", "build_moe", "main"]
+__all__ = ["mxfp4_quantize", "mxfp4_dq", "build_tiny_mlp", "build_moe", "build_calibration_data", "main"]
 
 OPSET = 24
 IR_VERSION = 12  # lowest IR holding FLOAT8E8M0; onnxruntime 1.31 loads IR <= 13
@@ -123,6 +123,15 @@ def build_moe(seed: int = 0, hidden: int = 64, inner: int = 128) -> onnx.ModelPr
 BUILDERS = {"tiny_mlp.onnx": build_tiny_mlp, "moe.onnx": build_moe}
 
 
+def build_calibration_data(seed: int = 1, batches: int = 8, tokens: int = 32, hidden: int = 64) -> dict[str, np.ndarray]:
+    """Calibration inputs for both examples: ``x`` [batches * tokens, hidden], standard normal.
+
+    ``fp4pass calibrate --batch-size 32`` streams it as ``batches`` batches of ``tokens`` rows.
+    """
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batches * tokens, hidden)).astype(np.float32)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = Path(argv[0] if argv else "models")
@@ -130,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, build in BUILDERS.items():
         onnx.save(build(), out / name)
         print(out / name)
+    np.savez(out / "calib.npz", **build_calibration_data())
+    print(out / "calib.npz")
     return 0
 
 

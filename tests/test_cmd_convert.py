@@ -133,3 +133,47 @@ def test_never_external_with_external_input_inlines_everything(tmp_path, capsys)
     assert code == 0 and not (tmp_path / "o.onnx.data").exists()
     model = onnx.load(out)
     assert all(t.data_location == onnx.TensorProto.DEFAULT for t in model.graph.initializer)
+
+
+def test_convert_calib_check_then_reuse_scales(tmp_path, capsys):
+    """The README's main job: calibrate, insert TensorRT activation quantizers, check; --scales reproduces it."""
+    out, report, scales = tmp_path / "a.onnx", tmp_path / "report.json", tmp_path / "scales.json"
+    code, _ = cli(capsys, "convert", "models/moe.onnx", "-o", str(out), "--calib", "models/calib.npz",
+                  "--check", "--report", str(report))
+    assert code == 0
+    data = json.loads(report.read_text())
+    assert data["check"]["passed"] and data["check"]["outputs"][0]["shape"] == [256, 64]
+    inserted = {a["activation"]: a for a in data["activations"] if a["inserted"]}
+    assert set(inserted) == {"x_e", "h_act"}
+    # max calibrator: g_amax is the calibration data's own amax for the first activation (x_e = x unsqueezed)
+    x = np.load("models/calib.npz")["x"]
+    assert inserted["x_e"]["g_amax"] == pytest.approx(float(np.abs(x).max()), rel=1e-6)
+    model = onnx.load(out)
+    quantizers = [n for n in model.graph.node if n.op_type == "TRT_FP4DynamicQuantize"]
+    assert len(quantizers) == 2
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for node in quantizers:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert node.domain == "trt" and attrs == {"axis": -1, "block_size": 16, "scale_type": 17}
+        scale = inits[node.input[1]]
+        assert scale.shape == () and scale.dtype == np.float32  # a scalar FP32 initializer
+    expected_scale = np.float32(np.float32(inserted["x_e"]["g_amax"]) / np.float32(6 * 448))
+    assert any(inits[n.input[1]] == expected_scale for n in quantizers)
+
+    code, _ = cli(capsys, "calibrate", "models/moe.onnx", "--data", "models/calib.npz", "-o", str(scales))
+    assert code == 0
+    reused = tmp_path / "b.onnx"
+    assert cli(capsys, "convert", "models/moe.onnx", "-o", str(reused), "--scales", str(scales))[0] == 0
+    first = [n.input[1] for n in onnx.load(reused).graph.node if n.op_type == "TRT_FP4DynamicQuantize"]
+    assert len(first) == 2
+
+
+def test_convert_forwards_headroom_options(tmp_path, capsys):
+    out, report = tmp_path / "h.onnx", tmp_path / "report.json"
+    code, _ = cli(capsys, "convert", "models/moe.onnx", "-o", str(out), "--calib", "models/calib.npz",
+                  "--calibrator", "headroom", "--rho", "2", "--report", str(report))
+    assert code == 0
+    data = json.loads(report.read_text())
+    x_e = next(a for a in data["activations"] if a["activation"] == "x_e")
+    # rho = 2 is far below B_max/B_min, so the margin * B_max floor sets g_amax: at most the literal amax
+    assert x_e["g_amax"] <= float(np.abs(np.load("models/calib.npz")["x"]).max())

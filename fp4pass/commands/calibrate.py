@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
 from fp4pass.io import refuse_overwrite, write_json
 
 EPILOG = """examples:
@@ -24,12 +25,8 @@ def register(sub, common) -> None:
     p.add_argument("model", metavar="IN.onnx")
     p.add_argument("--data", required=True, metavar="DATA.npz|DIR", help="calibration inputs")
     p.add_argument("-o", "--output", required=True, metavar="SCALES.json")
-    p.add_argument("--calibrator", choices=["max", "percentile", "headroom", "mse"], default="max",
-                   help="how g_amax is chosen (default: max, seed 003's recommendation)")
+    add_calibrator_arguments(p)
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--percentile", type=float, help="percentile calibrator: pXX of |x| (default 99.999)")
-    p.add_argument("--rho", type=float, help="headroom: g_amax >= rho * B_min, rho in (0, 28672) (default 16384)")
-    p.add_argument("--margin", type=float, help="headroom: g_amax >= margin * B_max (default 1)")
     p.add_argument("--batch-size", type=int, help="cut each array along its first axis into batches of this size")
     p.add_argument("--activation", action="append", metavar="NAME",
                    help="calibrate this tensor (repeatable) instead of the inputs of FP4 consumers")
@@ -42,9 +39,7 @@ def run(args) -> int:
     from fp4pass.onnx.loading import load
 
     refuse_overwrite(args.output, args.model)
-    options = {"percentile": args.percentile} if args.calibrator == "percentile" else {}
-    if args.calibrator == "headroom":
-        options = {"rho": args.rho, "margin": args.margin}
+    options = calibrator_options(args)
     model = load(args.model).model
     scales = calibrate_model(model, args.data, calibrator=args.calibrator, provider=args.provider,
                              activations=args.activation, batch_size=args.batch_size,

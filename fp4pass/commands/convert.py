@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
+
 EPILOG = """examples:
   fp4pass convert models/moe.onnx -o moe.nvfp4.onnx --report report.json --check
   fp4pass convert model.onnx -o model.nvfp4.onnx --scale-form alpha --calib calib.npz
@@ -24,7 +26,7 @@ def register(sub, common) -> None:
                    help="dq: global scale in the scale DQ; alpha: on the consumer's output")
     p.add_argument("--target", choices=["trt", "ort", "reference"], default="trt")
     p.add_argument("--calib", metavar="DATA.npz|DIR", help="calibrate and insert activation quantizers")
-    p.add_argument("--calibrator", choices=["max", "headroom", "percentile", "mse"], default="max")
+    add_calibrator_arguments(p)
     p.add_argument("--scales", metavar="SCALES.json", help="reuse a saved calibration")
     p.add_argument("--report", metavar="REPORT.json", help="write the per-tensor report")
     p.add_argument("--check", action="store_true", help="diff input and output under onnxruntime")
@@ -36,15 +38,18 @@ def register(sub, common) -> None:
 def run(args) -> int:
     from fp4pass.io import write_json
     from fp4pass.onnx.pipeline import convert
-    from fp4pass.onnx.report import summary_line
+    from fp4pass.onnx.report import format_report, summary_line
 
     _, report = convert(
         args.model, method=args.method, scale_form=args.scale_form, target=args.target, calib=args.calib,
         calibrator=args.calibrator, scales=args.scales, provider=args.provider, output=args.output,
         external_data=args.external_data, check=args.check, show_progress=None if not args.quiet else False,
+        calibrator_options=calibrator_options(args),
     )
     if args.report:
         write_json(args.report, report)
+    if not args.quiet:
+        print(format_report(report))
     print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
     check = report.get("check")
     return 1 if check is not None and not check.get("passed", False) else 0

@@ -115,7 +115,8 @@ def _group_initializers(model: ir.Model, records) -> None:
             graph.initializers[value.name] = value
 
 
-def _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider) -> list[dict]:
+def _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
+                 calibrator_options) -> list[dict]:
     try:
         from fp4pass.calib import ActivationScales, calibrate_model
         from fp4pass.onnx.act_quant import insert_activation_quantizers
@@ -123,7 +124,7 @@ def _activations(model, calib, calibrator, scales, target, scale_form, alphas, p
         raise UsageError("activation calibration is not available in this build") from None
     _materialize(model)
     if calib is not None:
-        act_scales = calibrate_model(model, calib, calibrator=calibrator, provider=provider)
+        act_scales = calibrate_model(model, calib, calibrator=calibrator, provider=provider, **calibrator_options)
     elif isinstance(scales, dict):
         act_scales = ActivationScales.from_json(scales)
     else:
@@ -140,8 +141,8 @@ def _diff_function():
     return diff
 
 
-def _check(original, rewritten, provider: str) -> dict:
-    result = _diff_function()(original, rewritten, provider=provider)
+def _check(original, rewritten, provider: str, inputs=None) -> dict:
+    result = _diff_function()(original, rewritten, inputs=inputs, provider=provider)
     return jsonable(result.to_json() if hasattr(result, "to_json") else result)
 
 
@@ -159,6 +160,7 @@ def convert(
     external_data: str = "auto",
     check: bool = False,
     show_progress: bool | None = False,
+    calibrator_options: dict | None = None,
 ):
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
@@ -168,6 +170,7 @@ def convert(
     external data per ``external_data`` = auto | always | never). ``calib``: an .npz file or a folder of them
     to calibrate activation scales with ``calibrator``; ``scales``: a SCALES.json path or dict to reuse.
     ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check".
+    ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile).
     """
     _check_choice("method", method, METHODS)
     _check_choice("scale_form", scale_form, SCALE_FORMS)
@@ -201,7 +204,8 @@ def convert(
 
     activations = None
     if calib is not None or scales is not None:
-        activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider)
+        activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
+                                   calibrator_options or {})
         versions["after"]["ir_version"] = model.ir_version
 
     used_external = False
@@ -245,7 +249,9 @@ def convert(
     report["summary"] = summarize(tensors, declined_json, time.perf_counter() - start)
     if check:
         rewritten = str(output) if output is not None else ir.serde.serialize_model(model)
-        report["check"] = _check(original_for_check, rewritten, provider)
+        # the calibration data are the most telling inputs; else diff draws seeded random ones
+        check_inputs = calib if calib is not None and Path(calib).is_file() else None
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs)
     log.debug("%s", summary_line(report))
     if output is not None and loaded.kind == "path":
         return Path(output), report
