@@ -2,13 +2,24 @@ import pytest
 import torch
 
 
+def _ort_has_cuda() -> bool:
+    from fp4pass.onnx.runtime import cuda_available
+
+    return cuda_available()[0]
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; none on this machine")
+    """``gpu``: needs torch with CUDA. ``ort_cuda``: needs onnxruntime's CUDA EP (a CPU torch may sit beside it)."""
+    torch_cuda = torch.cuda.is_available()
+    ort_cuda = None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs torch with a CUDA device; none here"))
+        if "ort_cuda" in item.keywords:
+            if ort_cuda is None:
+                ort_cuda = _ort_has_cuda()
+            if not ort_cuda:
+                item.add_marker(pytest.mark.skip(reason="needs onnxruntime's CUDA execution provider; none here"))
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

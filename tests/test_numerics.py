@@ -149,7 +149,7 @@ def test_make_session_through_external_data(pair, monkeypatch):
     np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.gpu
+@pytest.mark.ort_cuda
 def test_cuda_provider_used_where_present(pair):
     result = fp4pass.onnx.diff(pair["a"], pair["b"], provider="cuda")
     assert result.provider == "cuda"
