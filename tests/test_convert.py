@@ -190,3 +190,74 @@ def test_bad_arguments():
         fp4pass.mxfp4_to_nvfp4(mx, reference=torch.zeros(4, 32))
     with pytest.raises(ShapeError, match="group_dims"):
         fp4pass.mxfp4_to_nvfp4(mx, group_dims=2)
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("spread_", [0, 9, 14, 15, 17])
+def test_lossless_scale_codes_are_e4m3_of_pow2(block, spread_, host, monkeypatch):
+    """Lossless path: every E4M3 scale is exactly 2^(k - k_max + 8) (ml_dtypes), per expert (3-D) and per tensor.
+
+    Spreads <= 14 take the integer fast path (all normals), 15..17 need E4M3 subnormals (the LUT path);
+    ``host`` False runs the torch ops that CUDA tensors take, here on CPU.
+    """
+    import ml_dtypes
+
+    from fp4pass.convert import layout as layout_mod
+
+    monkeypatch.setattr(layout_mod, "on_host", lambda tensor: host)
+
+    rng = np.random.default_rng(100 + spread_)
+    for shape, lead in (((3, 8, 128), 1), ((8, 128), 0)):
+        e8m0 = np.stack([rng.integers(120 + e, 120 + e + spread_ + 1, (*shape[lead:-1], shape[-1] // block))
+                         for e in range(3 if lead else 1)]).reshape(*shape[:-1], -1).astype(np.uint8)
+        codes = rng.integers(0, 16, shape).astype(np.uint8)
+        mx = MXFP4Tensor.from_codes(torch.from_numpy(oracle.pack(codes)), torch.from_numpy(e8m0), block)
+        nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "auto")
+        k = e8m0.astype(np.int64) - 127
+        k_max = k.reshape(k.shape[0], -1).max(-1).reshape(-1, *([1] * (k.ndim - 1))) if lead else k.max()
+        want = np.exp2((k - k_max + 8).astype(np.float64)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        assert np.array_equal(nv.scales.numpy(), np.repeat(want, block // 16, axis=-1)), (shape, spread_)
+        assert np.array_equal(nv.codes.numpy(), oracle.pack(codes)) and stats.mse == 0.0
+        if block == 32:
+            assert oracle_mse(nv, codes, e8m0) == 0.0
+
+
+@pytest.mark.parametrize("method", ["requant", "verbatim", "hybrid", "auto"])
+def test_e8m0_nan_scale_is_refused(method):
+    """A tensor built without from_codes' check: the converter's min/max pass still finds code 255."""
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(7), (2, 4, 64), 3)
+    e8m0[1, 2, 1] = 255
+    mx = MXFP4Tensor(torch.from_numpy(oracle.pack(codes)), torch.from_numpy(e8m0), name="w")
+    with pytest.raises(fp4pass.FP4PassError, match=r"w scales: E8M0 code 255 \(NaN\) at index \(1, 2, 1\)"):
+        fp4pass.mxfp4_to_nvfp4(mx, method)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spread_=st.integers(18, 60), neighbours=st.integers(0, 1),
+       verbatim=st.booleans())
+def test_table_encoder_matches_halfwise_encoder(seed, spread_, neighbours, verbatim):
+    """tables.encode_at == halves.encode_halves (the per-half float code path) at random global scales."""
+    from fp4pass.convert import layout as layout_mod
+    from fp4pass.convert import tables
+    from fp4pass.convert.halves import encode_halves
+
+    rng = np.random.default_rng(seed)
+    codes, e8m0 = oracle.random_mx(rng, (3, 4, 64), spread_, zero_block_rate=0.2, k_low=int(rng.integers(-60, 40)))
+    mx = make_mx(codes, e8m0)
+    lay = layout_mod.GroupLayout.of(mx, 1)
+    flat_codes, flat_scales = lay.flat(mx)
+    S = torch.from_numpy(np.exp2(rng.uniform(-20, 20, (3, 1))).astype(np.float32))
+    code0, code1 = int(e8m0.min()), int(e8m0.max())
+    tab = tables.build_tables(S, code0, code1, allow_verbatim=verbatim, neighbours=neighbours)
+    row_local = torch.arange(lay.total_rows) // lay.rows_per_group
+    key, counts, mag, sign = tables.half_keys(flat_codes, flat_scales, lay, 0, lay.total_rows, row_local, code0,
+                                              code1 - code0 + 1)
+    element, block = tables.encode_at(tab, key, counts, mag, sign)
+    values = mx.dequantize().reshape(-1, 16)
+    exponent = torch.from_numpy(np.repeat(e8m0.reshape(-1).astype(np.int32) - 127, 2))
+    ref = encode_halves(values, exponent, torch.from_numpy(codes.reshape(-1, 16)),
+                        S.repeat_interleave(lay.rows_per_group * 4).reshape(-1),
+                        allow_verbatim=verbatim, neighbours=neighbours)
+    assert torch.equal(block, ref.scale_codes)
+    assert torch.equal(element, ref.element_codes)

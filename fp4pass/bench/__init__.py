@@ -21,7 +21,11 @@ AREAS = ("formats", "convert", "onnx", "diff", "calib")
 
 @dataclass
 class BenchResult:
-    """One measurement: ``seconds`` for ``name`` against ``baseline_seconds`` for ``baseline``."""
+    """One measurement: ``seconds`` for ``name`` against ``baseline_seconds`` for ``baseline``.
+
+    ``unit``: what ``seconds`` and ``baseline_seconds`` hold; "s" (the default) for times, else e.g. "MiB" for a
+    memory measurement (both fields then in that unit, the ratio unchanged).
+    """
 
     name: str
     seconds: float
@@ -29,6 +33,7 @@ class BenchResult:
     baseline_seconds: float
     goal: float | None = None  # the ratio the issue asks for (<=), if any
     extra: dict = field(default_factory=dict)  # throughput, bytes, peak memory, ...
+    unit: str = "s"
 
     @property
     def ratio(self) -> float:
@@ -75,7 +80,8 @@ def run_benchmarks(device: torch.device, quick: bool = False, areas=AREAS, log=p
 def format_row(r: BenchResult) -> str:
     goal = "" if r.goal is None else f"  goal <= {r.goal:g}x {'met' if r.ratio <= r.goal else 'MISSED'}"
     extra = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
-    return f"{r.name:<44} {r.seconds * 1e3:10.2f} ms  {r.ratio:7.2f}x {r.baseline}{goal}  {extra}"
+    value = f"{r.seconds * 1e3:10.2f} ms " if r.unit == "s" else f"{r.seconds:10.2f} {r.unit:<3}"
+    return f"{r.name:<44} {value}  {r.ratio:7.2f}x {r.baseline}{goal}  {extra}"
 
 
 def format_table(results: list[BenchResult]) -> str:

@@ -10,7 +10,7 @@ Steps (ModelOpt's staging: targets -> session -> collect -> compute):
 2. Session: a copy of the model lowered for onnxruntime (:func:`fp4pass.onnx.lower.lower_for_ort`, exact)
    with the targets added as graph outputs, run by :func:`fp4pass.onnx.runtime.make_session` (CUDA EP when
    present).
-3. Collect: one ``session.run`` per feed; each target's batch goes into its
+3. Collect: one ``session.run`` per feed (into reused output buffers, :class:`_TargetOutputs`); each target's batch goes into its
    :class:`~fp4pass.calib.stats.ActivationStats` (reduced in torch, on the GPU when torch has one); the
    activations themselves are dropped after each batch.
 4. Compute: the calibrator turns the statistics into ``g_amax``; the report adds B_min/B_max, the fractions
@@ -26,6 +26,7 @@ Data (``data``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -200,7 +201,69 @@ def _session(model: ir.Model, names: list[str], provider: str):
         if name in outputs or name not in values:
             continue
         lowered.graph.outputs.append(values[name])
-    return make_session(lowered, provider)
+    return make_session(lowered, provider, options=_session_options())
+
+
+def _session_options():
+    """onnxruntime options for calibration: its CPU thread pools stop spin-waiting as soon as a run returns.
+
+    By default onnxruntime's worker threads keep spinning for a while after ``run`` returns, waiting for the
+    next one; here the statistics of the batch run next on the same cores, and measured 10-20x slower while
+    the pools spun (2 cores, issue 6's benchmark). ``session.force_spinning_stop`` keeps the spinning inside
+    a run (its speed) and stops it when the run returns.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # as make_session's default: errors only
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    return options
+
+
+class _TargetOutputs:
+    """``session.run`` for the target activations, written into buffers reused from batch to batch.
+
+    The first batch runs plainly; while later feeds have the same shapes, the targets are bound (onnxruntime
+    IO binding) to the previous batch's output arrays, so onnxruntime writes them in place instead of
+    allocating and copying fresh ones each batch (measured ~4% of the run on issue 6's benchmark). The
+    statistics never keep a view of a batch, so reusing its memory is safe. Any failure (a shape that
+    depends on the data, a dtype numpy cannot hold) falls back to plain runs for good.
+    """
+
+    _DTYPES = (np.float32, np.float16, np.float64)
+
+    def __init__(self, session, names: list[str], reuse: bool = True):
+        self.session, self.names, self.reuse = session, names, reuse
+        self.buffers: dict[str, np.ndarray] | None = None
+        self.shapes: dict[str, tuple] | None = None
+        self.binding = None
+
+    def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        shapes = {name: (array.shape, array.dtype) for name, array in feed.items()}
+        if self.reuse and self.buffers is not None and shapes == self.shapes:
+            try:
+                return self._run_bound(feed)
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's own exception types; plain runs still work
+                log.debug("calibration: IO binding failed (%s); running without it", exc)
+                self.reuse = False
+        results = dict(zip(self.names, self.session.run(self.names, feed)))
+        if self.reuse and all(isinstance(a, np.ndarray) and a.dtype in self._DTYPES and a.flags.c_contiguous
+                              and a.flags.writeable for a in results.values()):
+            self.buffers, self.shapes = results, shapes
+        return results
+
+    def _run_bound(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.binding is None:
+            self.binding = self.session.io_binding()
+        binding = self.binding
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        for name, array in feed.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name, buffer in self.buffers.items():
+            binding.bind_output(name, "cpu", 0, buffer.dtype, buffer.shape, buffer.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return self.buffers
 
 
 def _stats_device() -> torch.device:
@@ -247,9 +310,42 @@ def calibrate_model(model, data, calibrator="max", provider: str = "auto", *, ac
     device = torch.device(device) if device is not None else _stats_device()
     stats = {n: ActivationStats(n, device=device, abs_histogram=method.needs_abs_histogram,
                                 reservoir=method.reservoir, top_k=method.top_k) for n in names}
+    outputs = _TargetOutputs(session, run_names, reuse=provider_used == "cpu")
+    with _single_torch_thread(device.type == "cpu"):
+        batches = _collect(outputs, stats, names, graph_inputs, iter_feeds(data, graph_inputs, batch_size),
+                           show_progress)
+    if batches == 0:
+        raise CalibrationDataError("calibration data holds no feed")
+    scales = ActivationScales(method.name, provider=provider_used, batches=batches)
+    for name in names:
+        scales.tensors[name] = _scale_for(stats[name], method)
+    return scales
+
+
+@contextlib.contextmanager
+def _single_torch_thread(enabled: bool):
+    """Run the CPU statistics on one torch thread, restoring torch's thread count after.
+
+    The per-batch statistics are a few memory-bound passes of ~1 ms; torch's parallel regions cost more than
+    they save there, and on shared, loaded cores a parallel region waits for a descheduled thread: measured
+    16 updates of a [512, 4096] batch at 55 ms on one thread vs 2.5 s on two (2 cores, one busy elsewhere).
+    """
+    if not enabled:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _collect(outputs, stats, names, graph_inputs, feeds, show_progress) -> int:
+    """Run every feed and add each target's batch to its statistics; returns the number of feeds."""
     batches = 0
-    for where, feed in progress(iter_feeds(data, graph_inputs, batch_size), desc="calibrate", enabled=show_progress):
-        results = dict(zip(run_names, session.run(run_names, feed))) if run_names else {}
+    for where, feed in progress(feeds, desc="calibrate", enabled=show_progress):
+        results = outputs.run(feed) if outputs.names else {}
         for name in names:
             value = feed[name] if name in graph_inputs else results[name]
             try:
@@ -257,12 +353,7 @@ def calibrate_model(model, data, calibrator="max", provider: str = "auto", *, ac
             except NonFiniteError as exc:
                 raise NonFiniteError(f"{where}: {exc}") from None
         batches += 1
-    if batches == 0:
-        raise CalibrationDataError("calibration data holds no feed")
-    scales = ActivationScales(method.name, provider=provider_used, batches=batches)
-    for name in names:
-        scales.tensors[name] = _scale_for(stats[name], method)
-    return scales
+    return batches
 
 
 def _scale_for(stats: ActivationStats, method) -> ActivationScale:

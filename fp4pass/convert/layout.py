@@ -18,8 +18,18 @@ import torch
 
 from fp4pass.errors import ShapeError
 from fp4pass.formats import MXFP4Tensor, NV_BLOCK_SIZE
+from fp4pass.formats.codecs import E8M0_NAN, check_e8m0
 
-__all__ = ["GroupLayout", "block_holds_value", "exponent_range", "exact_pow2", "E4M3_POW2_CODES", "EMPTY_K"]
+__all__ = [
+    "GroupLayout",
+    "block_holds_value",
+    "exponent_range",
+    "scale_code_range",
+    "exact_pow2",
+    "exact_pow2_list",
+    "E4M3_POW2_CODES",
+    "EMPTY_K",
+]
 
 #: k_max/k_min of a group without any non-zero block (a sentinel below every E8M0 exponent).
 EMPTY_K = -1000
@@ -107,6 +117,34 @@ def block_holds_value(codes: torch.Tensor, mx_block: int) -> torch.Tensor:
     return (codes & 0x77).ne(0).reshape(n, -1, per_block).any(-1)
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether the memory-bound integer steps run in numpy (CPU tensors) rather than torch ops.
+
+    On CPU torch splits each op over its threads and waits at a barrier after it; on shared cores that wait
+    (a scheduler slice, milliseconds) costs more than one thread streaming a few MB. numpy uses one thread.
+    """
+    return tensor.device.type == "cpu"
+
+
+def scale_code_range(scales: torch.Tensor, layout: GroupLayout, name: str = "mxfp4") -> tuple[list[int], list[int]]:
+    """Per group (min, max) E8M0 code over *all* blocks (two lists of G ints), in one pass over the uint8 scales.
+
+    The same pass checks E8M0 NaN: a group maximum of 255 means some scale is code 255, and only then does
+    ``check_e8m0`` run to name its first position. k = code - 127. One host sync (the lists are small).
+    """
+    if scales.numel() == 0:  # nothing to hold: k = 8, so that m = k - 8 = 0 and the global scale is 1
+        return [135] * layout.groups, [135] * layout.groups
+    per_group = scales.reshape(layout.groups, -1)
+    if on_host(per_group):  # numpy: one thread, no intra-op barrier (see on_host)
+        host = per_group.numpy()
+        lo, hi = host.min(axis=-1).tolist(), host.max(axis=-1).tolist()
+    else:
+        lo, hi = torch.stack(per_group.aminmax(dim=-1)).tolist()
+    if E8M0_NAN in hi:
+        check_e8m0(scales.reshape(*layout.shape[:-1], -1), f"{name} scales")
+    return lo, hi
+
+
 def exponent_range(codes: torch.Tensor, scales: torch.Tensor, layout: GroupLayout,
                    lossless_spread: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group (k_max, k_min) as int32 [G] over the blocks that hold a value; EMPTY_K for an all-zero group.
@@ -129,6 +167,11 @@ def exponent_range(codes: torch.Tensor, scales: torch.Tensor, layout: GroupLayou
     k_min = torch.where(holds, k, low).amin(-1)
     k_min = torch.where(k_max == EMPTY_K, torch.full_like(k_min, EMPTY_K), k_min)
     return k_max, k_min
+
+
+def exact_pow2_list(exponents: list[int], device: torch.device) -> torch.Tensor:
+    """Host integer exponents in [-149, 127] -> exact float32 2^e [len] (math.ldexp is exact, and so is the cast)."""
+    return torch.tensor([math.ldexp(1.0, e) for e in exponents], dtype=torch.float32, device=device)
 
 
 def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:

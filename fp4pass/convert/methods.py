@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from fp4pass.convert.halves import encode_halves
+from fp4pass.convert import layout as layout_mod
 from fp4pass.convert.layout import E4M3_POW2_CODES, EMPTY_K, GroupLayout, exact_pow2
 from fp4pass.formats.codecs import check_finite
 from fp4pass.formats import MXFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, global_scale_from_amax, pack_nibbles, unpack_nibbles
 
-__all__ = ["verbatim_scales", "choose_m", "group_amax", "encode_rows", "auto_candidates", "select_scales"]
+__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "group_amax", "encode_rows", "auto_candidates", "select_scales"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,49 @@ def verbatim_scales(scales: torch.Tensor, m_rows: torch.Tensor, halves_per_block
     e = (scales.to(torch.int32) - 127 - m_rows.to(torch.int32).unsqueeze(-1)).clamp(-9, 8) + 9
     codes = lut[e]
     return codes.repeat_interleave(halves_per_block, dim=-1) if halves_per_block > 1 else codes
+
+
+def pow2_scale_codes(scales: torch.Tensor, layout: GroupLayout, m: list[int], lo: list[int],
+                     hi: list[int]) -> torch.Tensor:
+    """``verbatim_scales`` for per-group m, given each group's E8M0 code range lo/hi (host lists of G ints).
+
+    When every block of every group has k - m in [-6, 8] (E4M3 normals: the usual case), the E4M3 code of
+    2^(k-m) is ((k - m) + 7) << 3 = (e8m0 - 120 - m) << 3: one uint8 add (wrapping, the result is 1..15) and,
+    for two 16-halves per MX block, one multiply by 8 * 257 into int16, whose two bytes are then both the
+    code (a byte repeated twice needs no endianness). Otherwise the clamped LUT of ``verbatim_scales``.
+    """
+    h = layout.halves_per_block
+    device = scales.device
+    normal = all(l - 127 - g >= -6 and u - 127 - g <= 8 for l, u, g in zip(lo, hi, m))
+    if layout.total_rows == 0 or not normal:
+        m_rows = torch.tensor(m, dtype=torch.int32, device=device).repeat_interleave(layout.rows_per_group)
+        return verbatim_scales(scales, m_rows, h)
+    if layout_mod.on_host(scales):  # numpy on the same memory, one thread
+        return torch.from_numpy(_pow2_codes_host(scales.reshape(layout.groups, -1).numpy(), m, h)).reshape(
+            layout.total_rows, -1)
+    if len(set(m)) == 1:  # one offset for the whole tensor: a scalar add
+        t = scales + ((-(120 + m[0])) % 256)
+    else:
+        offset = torch.tensor([(-(120 + g)) % 256 for g in m], dtype=torch.uint8, device=device)
+        t = scales.reshape(layout.groups, -1) + offset.unsqueeze(-1)  # (k - m) + 7 in 1..15
+    if h == 2:
+        spread = torch.tensor([8 * 257], dtype=torch.int16, device=device)
+        return (t * spread).view(torch.uint8).reshape(layout.total_rows, -1)
+    t = t.bitwise_left_shift_(3).reshape(layout.total_rows, -1)
+    return t.repeat_interleave(h, dim=-1) if h > 1 else t
+
+
+def _pow2_codes_host(scales: np.ndarray, m: list[int], h: int) -> np.ndarray:
+    """The integer fast path of ``pow2_scale_codes`` in numpy: scales uint8 [G, n] -> E4M3 codes [G, n*h].
+
+    Why numpy on CPU: ``layout.on_host``.
+    """
+    offset = np.array([(-(120 + g)) % 256 for g in m], dtype=np.uint8).reshape(-1, 1)
+    t = np.add(scales, offset, dtype=np.uint8)  # (k - m) + 7 in 1..15, wrapping
+    if h == 2:
+        return np.multiply(t, np.uint16(8 * 257), dtype=np.uint16).view(np.uint8)
+    t <<= 3
+    return np.repeat(t, h, axis=-1) if h > 1 else t
 
 
 def _decode(codes, scales, layout: GroupLayout, lo: int, hi: int) -> torch.Tensor:

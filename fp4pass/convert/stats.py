@@ -56,9 +56,12 @@ class ConversionStats:
         return self.to_json().keys()
 
 
-def lossless_stats(total_halves: int, global_scale: torch.Tensor, method: str) -> ConversionStats:
-    """Stats of a conversion proven lossless by construction (every half verbatim): nothing to measure."""
-    return ConversionStats(total_halves, total_halves, 0, global_scale.flatten().tolist(), 0.0, 0.0, None, method)
+def lossless_stats(total_halves: int, global_scale: list[float], method: str) -> ConversionStats:
+    """Stats of a conversion proven lossless by construction (every half verbatim): nothing to measure.
+
+    ``global_scale``: the FP32 global scales as host floats, flattened.
+    """
+    return ConversionStats(total_halves, total_halves, 0, list(global_scale), 0.0, 0.0, None, method)
 
 
 def measure_stats(

@@ -90,14 +90,21 @@ class WeightConversion:
         if tuple(codes.shape) != (*lead, k // 32):
             raise ShapeError(f"{name}: scales {record.scales.name!r} have shape {list(codes.shape)}, "
                              f"expected {[*lead, k // 32]} for weight {list(record.shape)}")
-        check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
+        if (codes == 255).any():  # numpy: one thread; the torch check only to name the position
+            check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
         return codes
 
     def mx(self) -> MXFP4Tensor:
+        """The MXFP4 tensor over the codes as read (external data: a fresh array, not copied again).
+
+        Shapes and E8M0 code 255 were checked in ``_read_scales``, hence no second pass of ``from_codes``.
+        """
         packed = tensor_bytes(self._source)
+        if not packed.flags.writeable:  # a view of in-model raw data
+            packed = packed.copy()
         *lead, k = self.record.shape
-        codes = torch.from_numpy(packed.reshape(*lead, k // 2).copy())
-        return MXFP4Tensor.from_codes(codes, torch.from_numpy(self._scale_codes), name=self.record.name)
+        codes = torch.from_numpy(packed.reshape(*lead, k // 2))
+        return MXFP4Tensor(codes, torch.from_numpy(self._scale_codes), name=self.record.name)
 
     # -- conversion ------------------------------------------------------------------------------------
     def result(self):
