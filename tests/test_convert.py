@@ -261,3 +261,16 @@ def test_table_encoder_matches_halfwise_encoder(seed, spread_, neighbours, verba
                         allow_verbatim=verbatim, neighbours=neighbours)
     assert torch.equal(block, ref.scale_codes)
     assert torch.equal(element, ref.element_codes)
+
+
+def test_hybrid_m_ignores_all_zero_blocks_with_high_exponents():
+    """Seed Algo 3: k_max over blocks that hold a value. An all-zero block 5 octaves above must not move m."""
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(9), (4, 128), 6, k_low=-3)
+    codes[2, 32:64] = np.where(np.arange(32) % 2, 8, 0)  # block (2, 1): only +0 / -0
+    e8m0[2, 1] = 127 + 3 + 5
+    mx = make_mx(codes, e8m0)
+    nv, stats = fp4pass.mxfp4_to_nvfp4(mx, "hybrid")
+    assert stats.global_scale == [2.0 ** (3 - 8)] and stats.mse == 0.0
+    assert np.array_equal(nv.dequantize().numpy(), oracle.hybrid(codes, e8m0))
+    _, auto_stats = fp4pass.mxfp4_to_nvfp4(mx, "auto")  # auto may use either m: both are lossless
+    assert auto_stats.mse == 0.0

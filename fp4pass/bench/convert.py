@@ -1,6 +1,8 @@
 """MXFP4 -> NVFP4 conversion throughput, as ratios to a clone of the same bytes (codes + scales).
 
-- lossless path (every expert's spread <= 17, the usual case): goal within 2x of the memcpy.
+- lossless path (every expert's spread <= 17, the usual case): goal within 2x of the memcpy on the full-size
+  tensor [8, 2880, 2880]. With ``quick`` ([2, 256, 2880], a 30 us clone) the ratio measures the fixed cost of
+  a call (about 0.1 ms of Python and op dispatch) rather than throughput, so no goal is attached there.
 - lossy path (an outlier per expert pushes the spread to ~20): ``auto`` and ``hybrid`` against the same memcpy
   and against plain requantization (``requant``) of the same tensor.
 """
@@ -40,8 +42,11 @@ def bench_convert(device: torch.device, quick: bool) -> list[BenchResult]:
             extra = {"bytes_per_s": nbytes / seconds, "shape": shape}
             if requant is not None:
                 extra["vs_requant"] = seconds / requant
+            goal = 2.0 if label == "lossless" and not quick else None
+            if label == "lossless" and quick:
+                extra["goal"] = "<= 2x on 8x2880x2880 (not --quick)"
             results.append(BenchResult(f"convert {method} {label} [{device.type}]", seconds,
-                                       "clone codes+scales", memcpy, 2.0 if label == "lossless" else None, extra))
+                                       "clone codes+scales", memcpy, goal, extra))
         if requant is not None:
             results.append(BenchResult(f"convert requant {label} [{device.type}]", requant, "clone codes+scales",
                                        memcpy, None, {"bytes_per_s": nbytes / requant, "shape": shape}))

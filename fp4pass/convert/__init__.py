@@ -6,8 +6,11 @@ encoding in :mod:`fp4pass.convert.halves`; the statistics in :mod:`fp4pass.conve
 
 Everything runs in torch on the tensor's own device, chunked over rows (about 4M elements per chunk) so that
 memory stays bounded on large expert tensors. Groups whose exponent spread is <= 17 (all of them, in most
-real checkpoints) convert losslessly without unpacking a single code: the E4M3 scales come straight from the
-E8M0 exponents and the packed nibbles are copied.
+real checkpoints) convert losslessly without unpacking a single code: one min/max pass over the E8M0 scales
+(which also refuses code 255), the E4M3 scales by integer arithmetic on the E8M0 codes, and the packed
+nibbles shared with the input (not copied). On CPU those integer steps run in numpy (``layout.on_host``).
+hybrid and auto encode lossy groups by table (:mod:`fp4pass.convert.tables`): the float work is done once
+per kind of 16-half (group, exponent, largest magnitude), not per half and candidate.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def mxfp4_to_nvfp4(
     all_groups = list(range(layout.groups))
     halves = layout.k // 16
     code_lo, code_hi = scale_code_range(scales, layout, mx.name)  # also refuses E8M0 code 255
-    fast_lossless = method in ("hybrid", "auto") and all(u - l <= LOSSLESS_SPREAD for l, u in zip(code_lo, code_hi))
+    # auto only: hybrid's m is defined by the blocks that hold a value (seed Algo 3), which needs the codes
+    fast_lossless = method == "auto" and all(u - l <= LOSSLESS_SPREAD for l, u in zip(code_lo, code_hi))
     if fast_lossless:
         # Every block (holding a value or not) is within 17 octaves of its group's top: m = k_max - 8 puts
         # them all in E4M3's exact window, nibbles shared with the input, scales straight from exponents.

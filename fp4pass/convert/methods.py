@@ -32,7 +32,7 @@ from fp4pass.convert.layout import E4M3_POW2_CODES, EMPTY_K, GroupLayout, exact_
 from fp4pass.formats.codecs import check_finite
 from fp4pass.formats import MXFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, global_scale_from_amax, pack_nibbles, unpack_nibbles
 
-__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "group_amax", "encode_rows", "auto_candidates", "select_scales"]
+__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "group_amax", "encode_rows", "auto_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -172,21 +172,3 @@ def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     columns += [above / c for c in MANTISSAS]
     columns.append(global_scale_from_amax(amax))
     return torch.stack(columns, dim=-1)
-
-
-def select_scales(codes, scales, layout: GroupLayout, group_ids: torch.Tensor, candidates: torch.Tensor,
-                  chunks_of) -> tuple[torch.Tensor, torch.Tensor]:
-    """Total SSE [L, C] of every candidate S for the groups ``group_ids`` [L]; returns (best S [L], SSE [L, C])."""
-    device = codes.device
-    local = torch.full((layout.groups,), -1, dtype=torch.long, device=device)
-    local[group_ids] = torch.arange(group_ids.numel(), device=device)
-    total = torch.zeros(candidates.shape, dtype=torch.float64, device=device)
-    for lo, hi in chunks_of(group_ids.tolist()):
-        row_local = local[torch.arange(lo, hi, device=device) // layout.rows_per_group]
-        decoded = _rows(codes, scales, layout, lo, hi)
-        for c in range(candidates.shape[1]):
-            _, _, row_sse = encode_rows(codes, scales, layout, lo, hi, candidates[row_local, c],
-                                        allow_verbatim=True, neighbours=1, decoded=decoded)
-            total[:, c].index_add_(0, row_local, row_sse)
-    best = total.argmin(-1)  # first minimum: hybrid's S wins ties
-    return candidates.gather(1, best.unsqueeze(-1)).squeeze(-1), total

@@ -9,6 +9,7 @@ code 255) runs before anything is written, so a bad model fails with nothing on 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import ml_dtypes
@@ -54,6 +55,72 @@ def _release_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def _map_external(tensor) -> np.ndarray | None:
+    """A copy-on-write memory map of an external tensor's bytes (nothing is read until a page is touched).
+
+    None when the tensor is not external or cannot be mapped (empty, truncated: ``tensor_bytes`` then reads it
+    and reports what is wrong).
+    """
+    if not isinstance(tensor, ir.ExternalTensor) or not tensor.nbytes:
+        return None
+    try:
+        return np.memmap(tensor.path, dtype=np.uint8, mode="c", offset=tensor.offset or 0, shape=(tensor.nbytes,))
+    except (OSError, ValueError):
+        return None
+
+
+def _copy_range(source: tuple[str, int, int], file) -> bool:
+    """Copy bytes [offset, offset + length) of file ``path`` to ``file`` at its position, inside the kernel.
+
+    ``os.copy_file_range``: no byte passes through this process. False (nothing to undo: the caller then
+    writes the bytes itself, over the same range) when the platform or the file systems do not support it.
+    """
+    path, offset, length = source
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None or not hasattr(file, "fileno"):
+        return False
+    try:
+        file.flush()
+        position = file.tell()
+        with open(path, "rb") as src:
+            done = 0
+            while done < length:
+                n = copy(src.fileno(), file.fileno(), length - done, offset + done, position + done)
+                if n <= 0:
+                    break
+                done += n
+    except (OSError, ValueError, AttributeError):
+        return False
+    if done != length:
+        return False
+    file.seek(position + length)
+    return True
+
+
+class _SameBytesPacked(ir.PackedTensor):
+    """Output codes that are the input's bytes unchanged (lossless): written by ``_copy_range`` when possible."""
+
+    def __init__(self, *args, source: tuple[str, int, int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._same_bytes_source = source
+
+    def tofile(self, file) -> None:
+        if not _copy_range(self._same_bytes_source, file):
+            super().tofile(file)
+
+
+class _SameBytesTensor(ir.Tensor):
+    """uint8 twin of :class:`_SameBytesPacked` (QMoE's packed codes)."""
+
+    def __init__(self, *args, source: tuple[str, int, int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._same_bytes_source = source
+
+    def tofile(self, file) -> None:
+        if not _copy_range(self._same_bytes_source, file):
+            super().tofile(file)
+
+
 class WeightConversion:
     """Converts one :class:`FP4Weight` with ``fp4pass.convert.mxfp4_to_nvfp4`` on demand.
 
@@ -71,40 +138,53 @@ class WeightConversion:
         self._result = None
         self._global: np.ndarray | None = None
         self._pending: set[str] = set()
+        self._same_bytes: tuple[str, int, int] | None = None  # (path, offset, length) when codes are unchanged
         self._source = record.codes.const_value  # the MXFP4 codes; the value itself gets the lazy NVFP4 codes
-        self._scale_codes = self._read_scales()
+        self._scale_source = record.scales.const_value
+        # validated now (nothing written yet), read again when converting: holding every weight's scales from
+        # here to the end would grow memory with the model (1/16 of its bytes) instead of its largest tensor
+        self._read_scales()
 
     # -- validation and input --------------------------------------------------------------------------
-    def _read_scales(self) -> np.ndarray:
-        """E8M0 codes [..., K/32] (uint8), checked against the codes' shape and for code 255 (NaN)."""
+    def _read_scales(self, check: bool = True) -> np.ndarray:
+        """E8M0 codes [..., K/32] (uint8), checked against the codes' shape and (``check``) for code 255 (NaN).
+
+        The converter's own min/max pass refuses code 255 too, so the read at conversion time skips it.
+        """
         record = self.record
-        scales = record.scales.const_value
+        scales = self._scale_source
         name = record.name
         if record.pattern == "gbq":
             codes = e8m0_codes_from_float(scales.numpy(), f"{name} scales")
         else:
-            codes = tensor_bytes(scales).reshape(scales.shape.numpy()).copy()
+            codes = tensor_bytes(scales).reshape(scales.shape.numpy())
+            if not codes.flags.writeable:  # a view of in-model raw data
+                codes = codes.copy()
         *lead, k = record.shape
         if k % 32:
             raise ShapeError(f"{name}: K={k} is not a multiple of the MXFP4 block 32")
         if tuple(codes.shape) != (*lead, k // 32):
             raise ShapeError(f"{name}: scales {record.scales.name!r} have shape {list(codes.shape)}, "
                              f"expected {[*lead, k // 32]} for weight {list(record.shape)}")
-        if (codes == 255).any():  # numpy: one thread; the torch check only to name the position
+        if check and (codes == 255).any():  # numpy: one thread; the torch check only to name the position
             check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
         return codes
 
     def mx(self) -> MXFP4Tensor:
-        """The MXFP4 tensor over the codes as read (external data: a fresh array, not copied again).
+        """The MXFP4 tensor over the codes as stored, without copying them.
 
-        Shapes and E8M0 code 255 were checked in ``_read_scales``, hence no second pass of ``from_codes``.
+        External data is memory-mapped copy-on-write: the lossless path never touches the codes (it needs
+        only the scales), so they are neither read nor resident. Shapes and E8M0 code 255 were checked in
+        ``_read_scales``, hence no second pass of ``from_codes``.
         """
-        packed = tensor_bytes(self._source)
-        if not packed.flags.writeable:  # a view of in-model raw data
-            packed = packed.copy()
+        packed = _map_external(self._source)
+        if packed is None:
+            packed = tensor_bytes(self._source)
+            if not packed.flags.writeable:  # a view of in-model raw data
+                packed = packed.copy()
         *lead, k = self.record.shape
         codes = torch.from_numpy(packed.reshape(*lead, k // 2))
-        return MXFP4Tensor(codes, torch.from_numpy(self._scale_codes), name=self.record.name)
+        return MXFP4Tensor(codes, torch.from_numpy(self._read_scales(check=False)), name=self.record.name)
 
     # -- conversion ------------------------------------------------------------------------------------
     def result(self):
@@ -115,8 +195,13 @@ class WeightConversion:
             except ImportError as exc:  # pragma: no cover - while the converter is being written
                 raise UsageError(f"the MXFP4 -> NVFP4 converter is not available in this build ({exc})") from None
             start = time.perf_counter()
-            nv, stats = mxfp4_to_nvfp4(self.mx(), method=self.method, group_dims=self.group_dims)
+            mx = self.mx()
+            nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
             elapsed = time.perf_counter() - start
+            source = self._source
+            if isinstance(source, ir.ExternalTensor) and nv.codes.data_ptr() == mx.codes.data_ptr():
+                # the converter shares nibbles it keeps and copies any it re-encodes: these are the input's
+                self._same_bytes = (source.path, source.offset or 0, source.nbytes)
             if self.stats is None:
                 self.stats, self.seconds = stats, elapsed
             self._result = nv
@@ -146,7 +231,13 @@ class WeightConversion:
 
         def make():
             codes = self.result().codes.cpu().numpy()
+            same = self._same_bytes
             self._fetched("codes")
+            if same is not None:
+                if packed_uint8:
+                    return _SameBytesTensor(codes, name=name, source=same)
+                return _SameBytesPacked(codes, ir.DataType.FLOAT4E2M1, shape=ir.Shape([*lead, k]), name=name,
+                                        source=same)
             if packed_uint8:
                 return ir.Tensor(codes, name=name)
             return ir.PackedTensor(codes, ir.DataType.FLOAT4E2M1, shape=ir.Shape([*lead, k]), name=name)
