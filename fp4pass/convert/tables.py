@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4pass.convert.layout import GroupLayout, exact_pow2
-from fp4pass.formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_MIN_SUBNORMAL, decode_e4m3
+from fp4pass.formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e2m1
 
 __all__ = ["HalfTables", "build_tables", "half_keys", "candidate_sse", "encode_at", "group_amax_from_codes"]
 
@@ -41,13 +41,8 @@ def _magnitudes(device: torch.device) -> torch.Tensor:
 
 
 def _rne_e2m1_magnitude(x: torch.Tensor) -> torch.Tensor:
-    """x >= 0 float32 -> E2M1 magnitude code 0..7 (RNE, saturating): same thresholds as ``encode_e2m1``."""
-    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for t in (0.25, 1.25, 2.5, 5.0):
-        code += (x > t).to(torch.uint8)
-    for t in (0.75, 1.75, 3.5):
-        code += (x >= t).to(torch.uint8)
-    return code
+    """x >= 0 float32 -> E2M1 magnitude code 0..7 (RNE, saturating), from the one E2M1 encoder."""
+    return encode_e2m1(x) & 0x07
 
 
 @dataclass
