@@ -27,11 +27,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TensorMetrics", "compare", "JSON_KEYS"]
+__all__ = ["TensorMetrics", "compare", "snr_db", "JSON_KEYS"]
 
 JSON_KEYS = ("name", "shape", "max_abs_err", "mean_abs_err", "rel_l2", "snr_db", "cosine", "p99_abs_err", "nan", "inf")
 
 _CHUNK = 1 << 22  # elements per float64 accumulation step (32 MiB per float64 temporary)
+
+
+def snr_db(signal_energy: float, error_energy: float) -> float | None:
+    """10 log10(sum x^2 / sum e^2) in dB from the two energies; None when there is no error, -inf for no signal.
+
+    The one SNR of fp4pass: diff, conversion statistics and the calibration report all use it.
+    """
+    if error_energy == 0:
+        return None
+    if signal_energy <= 0:
+        return -math.inf
+    return 10.0 * math.log10(signal_energy / error_energy)
 
 
 def _json_float(value: float | None) -> float | None:
@@ -130,12 +142,8 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, *, keep_errors: bool = Fals
         count += e_abs.size
     abs_err = abs_err[:kept]
     norm_a, norm_e = math.sqrt(sum_aa), math.sqrt(sum_ee)
-    if sum_ee == 0.0:
-        snr, rel = None, 0.0
-    elif sum_aa == 0.0:
-        snr, rel = -math.inf, math.inf
-    else:
-        snr, rel = 20.0 * math.log10(norm_a / norm_e), norm_e / norm_a
+    snr = snr_db(sum_aa, sum_ee)
+    rel = 0.0 if sum_ee == 0.0 else (math.inf if sum_aa == 0.0 else norm_e / norm_a)
     if sum_aa == 0.0 and sum_bb == 0.0:
         cosine = 1.0
     elif sum_aa == 0.0 or sum_bb == 0.0:

@@ -31,7 +31,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -42,6 +42,7 @@ from fp4pass.calib.calibrators import E4M3_NORMAL_WINDOW
 from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
+from fp4pass.metrics import snr_db
 from fp4pass.progress import progress
 
 __all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "iter_feeds", "CalibrationTarget", "CalibrationDataError"]
@@ -367,7 +368,7 @@ def _scale_for(stats: ActivationStats, method) -> ActivationScale:
         saturated = 0.0 if g_amax >= stats.amax_value else 1.0 - stats.block_histogram.fraction_below(g_amax)
         blocks, weights = stats.sample.weighted()
         signal, error = quantization_error(blocks, weights, g_amax)
-        snr = None if error == 0 else float(10 * np.log10(signal / error)) if signal > 0 else float("-inf")
+        snr = snr_db(float(signal), float(error))
     return ActivationScale(
         amax=stats.amax_value, g_amax=float(g_amax), input_scale=input_scale_from_g_amax(g_amax),
         b_min=float(b_min or 0.0), b_max=float(b_max or 0.0), blocks=stats.blocks,

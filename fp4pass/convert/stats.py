@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, NV_BLOCK_SIZE
+from fp4pass.metrics import snr_db
 
 __all__ = ["ConversionStats", "measure_stats"]
 
@@ -98,7 +98,7 @@ def measure_stats(
             ref_sse += float((half_vals.double() - ref).square().sum())
     n = total * NV_BLOCK_SIZE
     mse = sse / n if n else 0.0
-    snr = None if sse == 0 else (10 * math.log10(signal / sse) if signal > 0 else -math.inf)
+    snr = snr_db(signal, sse)
     return ConversionStats(
         total, verbatim, total - verbatim, global_scale.flatten().tolist(), mse, max_err, snr, method,
         (ref_sse / n if n else 0.0) if reference is not None else None,

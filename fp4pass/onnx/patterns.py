@@ -114,6 +114,15 @@ def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
     return None
 
 
+def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
+    """Why the weight/scale pair of ``node`` is not a rewritable constant pair, or None."""
+    for value, role in ((weight, "weight"), (scale, "scale")):
+        reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+        if reason:
+            return reason
+    return None
+
+
 def _attr(node: ir.Node, name: str, default):
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
@@ -154,10 +163,9 @@ class MXFP4Dequantize:
         w, s = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if s is None:
             return f"DequantizeLinear of {w.name!r} has no scale"
-        for value, role in ((w, "weight"), (s, "scale")):
-            reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
-            if reason:
-                return reason
+        reason = _constants_reason(node, w, s)
+        if reason:
+            return reason
         if _dtype(s) != ir.DataType.FLOAT8E8M0:
             return f"scale of {w.name!r} is {_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
         if len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -242,10 +250,9 @@ class GatherBlockQuantizedFp4:
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[2]
-        for value, role in ((w, "weight"), (s, "scale")):
-            reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
-            if reason:
-                return reason
+        reason = _constants_reason(node, w, s)
+        if reason:
+            return reason
         if _dtype(s) != ir.DataType.FLOAT:
             return f"scale {s.name!r} is {_dtype(s)}; float32 scales are supported"
         rank = w.const_value.shape.rank()
@@ -319,7 +326,7 @@ def find_fp4_consumers(model: ir.Model) -> list[tuple[ir.Node, int, FP4Weight | 
             seen.add(id(node))
             result.append((node, act, weight))
 
-    mx_pattern, qmoe = PATTERNS[0], PATTERNS[1]
+    mx_pattern = PATTERNS[0]
     for node in _all_nodes(model):
         if mx_pattern.match(node) and mx_pattern.check(node) is None:
             for record in mx_pattern.records(node):

@@ -97,7 +97,7 @@ def _copy_range(source: tuple[str, int, int], file) -> bool:
     return True
 
 
-class _SameBytesPacked(ir.PackedTensor):
+class _SameBytes:
     """Output codes that are the input's bytes unchanged (lossless): written by ``_copy_range`` when possible."""
 
     def __init__(self, *args, source: tuple[str, int, int], **kwargs) -> None:
@@ -109,16 +109,12 @@ class _SameBytesPacked(ir.PackedTensor):
             super().tofile(file)
 
 
-class _SameBytesTensor(ir.Tensor):
-    """uint8 twin of :class:`_SameBytesPacked` (QMoE's packed codes)."""
+class _SameBytesPacked(_SameBytes, ir.PackedTensor):
+    """FLOAT4E2M1 codes (DequantizeLinear / GatherBlockQuantized weights)."""
 
-    def __init__(self, *args, source: tuple[str, int, int], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._same_bytes_source = source
 
-    def tofile(self, file) -> None:
-        if not _copy_range(self._same_bytes_source, file):
-            super().tofile(file)
+class _SameBytesTensor(_SameBytes, ir.Tensor):
+    """uint8 codes (QMoE's packed weights)."""
 
 
 class WeightConversion:
