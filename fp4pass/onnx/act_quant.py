@@ -22,7 +22,12 @@ the float x). Names of everything already in the graph stay as they were; new na
 
 Declined, with the reason in the report: an activation no FP4 consumer reads, an activation not blocked along
 its last axis (:func:`fp4pass.calib.runner.activation_axis_reason`), a last dim that is not a multiple of 16.
-Activations in FLOAT16/BFLOAT16 are cast to FLOAT around the quantizer.
+
+Graph dtypes: x and x_hat keep the activation's type (FLOAT, FLOAT16 or BFLOAT16); the scales stay FLOAT.
+``trt``: the quantizer reads x as it is (TensorRT's dynamic quantize takes FLOAT, FLOAT16 and BFLOAT16 data
+with an FP32 scalar global scale, as ModelOpt exports it) and the data DQ writes ``output_dtype`` = x's type:
+e2m1 * s_f formed in FP32 and rounded once. ``reference``: the emulation casts x to FLOAT inside and its
+result back (:func:`fp4pass.onnx.emulate.nvfp4_fake_quant`), bit-exact with ``NVFP4Tensor`` on FLOAT(x).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from fp4pass.calib.runner import activation_axis_reason
 from fp4pass.calib.scales import ActivationScales
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
+from fp4pass.onnx.dtypes import FLOAT_TYPES, value_dtype
 from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
+from fp4pass.onnx.patterns import node_label
 
 __all__ = ["insert_activation_quantizers", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
@@ -55,7 +62,8 @@ def _scalar(name: str, value: float) -> ir.Value:
                     type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
 
 
-def _trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+def _trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str,
+                   dtype: ir.DataType) -> tuple[list[ir.Node], ir.Value]:
     quantize = ir.node(TRT_QUANTIZE_OP, [x, g], domain=TRT_DOMAIN, num_outputs=2, name=f"{prefix}/quantize",
                        attributes={"axis": -1, "block_size": NV_BLOCK_SIZE, "scale_type": ir.DataType.FLOAT8E4M3FN.value})
     x_fp4, s_e4m3 = quantize.outputs
@@ -70,11 +78,21 @@ def _trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str) -> tup
     dq_scale = ir.node("DequantizeLinear", [s_e4m3, g_dq], name=f"{prefix}/dequantize_scale")
     s_f = dq_scale.outputs[0]
     s_f.name, s_f.type, s_f.shape = f"{prefix}/scale", ir.TensorType(ir.DataType.FLOAT), s_e4m3.shape
-    dq_x = ir.node("DequantizeLinear", [x_fp4, s_f], name=f"{prefix}/dequantize",
-                   attributes={"axis": -1, "block_size": NV_BLOCK_SIZE})
+    attributes = {"axis": -1, "block_size": NV_BLOCK_SIZE}
+    if dtype != ir.DataType.FLOAT:
+        attributes["output_dtype"] = dtype
+    dq_x = ir.node("DequantizeLinear", [x_fp4, s_f], name=f"{prefix}/dequantize", attributes=attributes)
     x_hat = dq_x.outputs[0]
-    x_hat.name, x_hat.type, x_hat.shape = f"{prefix}/fake_quant", ir.TensorType(ir.DataType.FLOAT), x.shape
+    x_hat.name, x_hat.type, x_hat.shape = f"{prefix}/fake_quant", ir.TensorType(dtype), x.shape
     return [quantize, dq_scale, dq_x], x_hat
+
+
+def _activation_dtype(node: ir.Node, index: int) -> ir.DataType:
+    """The activation's type: its own when known, else the weight operand's (the consumer's inputs share one)."""
+    dtype = value_dtype(node.inputs[index])
+    if dtype is None and node.op_type in ("MatMul", "Gemm", "Einsum") and len(node.inputs) == 2:
+        dtype = value_dtype(node.inputs[1 - index])
+    return dtype or ir.DataType.FLOAT
 
 
 def _consumers_by_activation(model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
@@ -133,17 +151,14 @@ def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, targ
             entry["reason"] = f"last dim {dims[-1]} is not a multiple of 16"
             continue
         prefix = f"{name}_nvfp4"
-        nodes: list[ir.Node] = []
-        x_in = x
-        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
-            cast = ir.node("Cast", [x], attributes={"to": ir.DataType.FLOAT}, name=f"{prefix}/to_float")
-            x_in = cast.outputs[0]
-            x_in.name, x_in.type, x_in.shape = f"{prefix}/x_float", ir.TensorType(ir.DataType.FLOAT), x.shape
-            nodes.append(cast)
+        dtype = _activation_dtype(usable[0][0], usable[0][1])
+        if dtype not in FLOAT_TYPES:
+            entry["reason"] = f"activation is {dtype.name}, not a float type"
+            continue
         g = _scalar(f"{prefix}/input_scale", scale.input_scale)
         graph.register_initializer(g)
         form = scale_form
-        if form == "alpha" and any((n.name or n.op_type) not in alphas for n, _ in usable):
+        if form == "alpha" and any(node_label(n) not in alphas for n, _ in usable):
             form = "dq"  # a consumer without an alpha initializer (fell back to dq): one quantizer serves all
             entry["reason"] = "alpha form: a consumer has no alpha initializer; activation scale kept in the DQ"
         entry["scale_form"] = form
@@ -154,28 +169,23 @@ def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, targ
         else:
             g_dq = g
         if target == "trt":
-            new_nodes, x_hat = _trt_quantizer(x_in, g, g_dq, prefix)
+            nodes, x_hat = _trt_quantizer(x, g, g_dq, prefix, dtype)
         else:
             tape = ir.tape.Tape()
-            x_hat = nvfp4_fake_quant(tape, x_in, g, name=name, **({"dequant_scale": None} if form == "alpha" else {}))
-            new_nodes = list(tape.nodes)
+            x_hat = nvfp4_fake_quant(tape, x, g, name=name, input_dtype=dtype,
+                                     **({"dequant_scale": None} if form == "alpha" else {}))
+            nodes = list(tape.nodes)
             for init in tape.initializers:
                 graph.register_initializer(init)
-        nodes += new_nodes
-        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
-            back = ir.node("Cast", [x_hat], attributes={"to": x.dtype}, name=f"{prefix}/to_{x.dtype.name.lower()}")
-            x_hat = back.outputs[0]
-            x_hat.name, x_hat.type, x_hat.shape = f"{prefix}/x_hat", ir.TensorType(x.dtype), x.shape
-            nodes.append(back)
         first = min((node for node, _ in usable), key=lambda n: order[id(n)])
         graph.insert_before(first, nodes)
         for node, index in usable:
             node.replace_input_with(index, x_hat)
-            entry["consumers"].append(node.name or node.op_type)
+            entry["consumers"].append(node_label(node))
             if form == "alpha":
                 entry["alphas"].append(_scale_alpha(graph, node, alphas, scale.input_scale, scaled_alphas))
         entry["inserted"] = True
-        declined = [n.name for n, i in uses if (n, i) not in usable]
+        declined = [node_label(n) for n, i in uses if (n, i) not in usable]
         if declined:
             entry["reason"] = f"not quantized for {', '.join(declined)}: {activation_axis_reason(*uses[0])}"
     if any(e["inserted"] for e in report):
@@ -186,7 +196,7 @@ def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, targ
 def _scale_alpha(graph: ir.Graph, node: ir.Node, alphas: dict[str, str], input_scale: float,
                  done: dict[str, float]) -> str:
     """Multiply the consumer's alpha initializer by ``input_scale`` (once per initializer)."""
-    label = node.name or node.op_type
+    label = node_label(node)
     alpha_name = alphas.get(label)
     if alpha_name is None:
         raise ModelError(f"node {label}: scale_form 'alpha' but no alpha initializer is named for it")

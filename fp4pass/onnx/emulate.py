@@ -2,7 +2,8 @@
 
 Signature::
 
-    y = nvfp4_fake_quant(tape, x, global_scale, *, name="x", dequant_scale=SAME)
+    y = nvfp4_fake_quant(tape, x, global_scale, *, name="x", dequant_scale=SAME, input_dtype=None,
+                         output_dtype=None)
 
 - ``tape``: an ``onnx_ir.tape.Tape``; the nodes and the small constant initializers are recorded on it. The
   caller inserts ``tape.nodes`` into its graph and registers ``tape.initializers`` (names start with
@@ -14,13 +15,17 @@ Signature::
       for init in tape.initializers:
           graph.register_initializer(init)
 
-- ``x``: a FLOAT ``ir.Value`` of any rank whose last dim is a multiple of 16 (blocks run along the last axis).
+- ``x``: a FLOAT, FLOAT16 or BFLOAT16 ``ir.Value`` of any rank whose last dim is a multiple of 16 (blocks run
+  along the last axis). ``input_dtype`` gives its type where ``x.dtype`` is not known (default FLOAT). A 16-bit
+  x is cast to FLOAT first (exact): the quantizer always computes in FLOAT.
 - ``global_scale``: a FLOAT scalar ``ir.Value``, the activation ``input_scale = g_amax / (6*448)``
   (ModelOpt/TensorRT convention: a multiplier applied on dequantize).
 - ``dequant_scale``: the FP32 scale the dequantize multiplies into the E4M3 block scales; by default the same
   ``global_scale`` (TensorRT's ``DQ(s_e4m3, g)``), ``None`` for the alpha form where the scales' DQ carries
   no global scale (the product then goes onto the consumer's output).
-- returns ``y``: FLOAT, same shape as ``x``.
+- ``output_dtype``: the type of ``y`` (default: x's); y is the FLOAT result cast to it at the end (one
+  rounding; an E2M1 x E4M3 product, the alpha form's ``dequant_scale=None``, is exact in FLOAT16 and BFLOAT16).
+- returns ``y``: same shape as ``x``.
 
 The math, in exactly the float32 operations of :meth:`fp4pass.NVFP4Tensor.quantize` then ``dequantize``::
 
@@ -66,10 +71,14 @@ def nvfp4_fake_quant(
     *,
     name: str = "x",
     dequant_scale: ir.Value | None | object = SAME,
+    input_dtype: ir.DataType | None = None,
+    output_dtype: ir.DataType | None = None,
 ) -> ir.Value:
-    """Record NVFP4 quantize->dequantize of ``x`` on ``tape``; return the FLOAT output (see module docstring)."""
+    """Record NVFP4 quantize->dequantize of ``x`` on ``tape``; return its output (see module docstring)."""
     if dequant_scale is SAME:
         dequant_scale = global_scale
+    input_dtype = input_dtype or x.dtype or ir.DataType.FLOAT
+    output_dtype = output_dtype or input_dtype
     p = f"{name}_nvfp4"
     f32 = np.float32
 
@@ -88,6 +97,10 @@ def nvfp4_fake_quant(
     four = _const(tape, f"{p}/four", 4.0, f32)
 
     x_shape = op("Shape", [x], suffix="x_shape")
+    if input_dtype != ir.DataType.FLOAT:
+        x_float = op("Cast", [x], {"to": ir.DataType.FLOAT}, suffix="x_float")
+        x_float.dtype, x_float.shape = ir.DataType.FLOAT, x.shape
+        x = x_float
     xb = op("Reshape", [x, block_shape], suffix="blocks")
     block_amax = op("ReduceMax", [op("Abs", [xb], suffix="abs"), last_axis], {"keepdims": 1}, suffix="block_amax")
     six_g = op("Mul", [global_scale, six], suffix="six_g")
@@ -117,7 +130,12 @@ def nvfp4_fake_quant(
         out_scale = op("Mul", [block_scale, dequant_scale], suffix="dequant_scale")
     magnitude = op("Mul", [q, out_scale], suffix="magnitude")
     signed = op("Mul", [magnitude, op("Sign", [a], suffix="sign")], suffix="dequantized")
-    y = op("Reshape", [signed, x_shape], suffix="fake_quant")
-    y.dtype = ir.DataType.FLOAT
+    if output_dtype == ir.DataType.FLOAT:
+        y = op("Reshape", [signed, x_shape], suffix="fake_quant")
+    else:
+        y_float = op("Reshape", [signed, x_shape], suffix="fake_quant_float")
+        y_float.dtype, y_float.shape = ir.DataType.FLOAT, x.shape
+        y = op("Cast", [y_float], {"to": output_dtype}, suffix="fake_quant")
+    y.dtype = output_dtype
     y.shape = x.shape
     return y

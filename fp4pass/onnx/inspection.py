@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from fp4pass.onnx import loading
-from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.sharing import find_weights
 from fp4pass.onnx.rewrite_common import WeightConversion
 
 __all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
@@ -43,7 +43,7 @@ def inspect(model_or_path) -> dict:
     "spread", "lossless", "lossless_per_tensor_scale", "per_expert": [{"expert", "k_min", "k_max", "spread",
     "lossless"}]}], "declined": [...], "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``."""
     loaded = loading.load(model_or_path)
-    records, declined = find_mxfp4(loaded.model)
+    records, declined = find_weights(loaded.model)
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")

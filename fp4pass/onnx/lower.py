@@ -327,8 +327,11 @@ class LowerTRTFP4DynamicQuantize:
             _, dequant_scale = self._scale_source(dq.inputs[1], s_e4m3)
             tape = ir.tape.Tape()
             stem = (node.name or x.name or "act") + (f"_{i}" if i else "")
+            out_dtype = _attr(dq, "output_dtype", 0)  # else the scale's type: FLOAT for DQ(s_e4m3, g FP32)
             y = emulate.nvfp4_fake_quant(tape, x, g, name=stem,
-                                         dequant_scale=emulate.SAME if dequant_scale is g else dequant_scale)
+                                         dequant_scale=emulate.SAME if dequant_scale is g else dequant_scale,
+                                         output_dtype=ir.DataType(out_dtype) if out_dtype else
+                                         (dq.inputs[1].dtype or ir.DataType.FLOAT))
             for init in tape.initializers:
                 graph.register_initializer(init)
             ir.convenience.replace_nodes_and_values(graph, dq, [dq], tape.nodes, [dq.outputs[0]], [y])

@@ -31,6 +31,7 @@ __all__ = [
     "find_mxfp4",
     "find_fp4_consumers",
     "PASSTHROUGH_OPS",
+    "node_label",
 ]
 
 MS_DOMAIN = "com.microsoft"
@@ -96,6 +97,14 @@ def _dtype(value: ir.Value | None) -> ir.DataType | None:
     return value.dtype
 
 
+def node_label(node: ir.Node) -> str:
+    """A node's name, or ``OpType -> first output`` when it has none (ONNX allows unnamed nodes)."""
+    if node.name:
+        return node.name
+    out = node.outputs[0].name if node.outputs and node.outputs[0] is not None else None
+    return f"{node.op_type} -> {out}" if out else node.op_type
+
+
 def _initializer_reason(value: ir.Value, role: str) -> str | None:
     """Why ``value`` cannot be rewritten as a stored weight, or None when it is a plain initializer."""
     if value.is_graph_input():
@@ -108,7 +117,7 @@ def _initializer_reason(value: ir.Value, role: str) -> str | None:
 def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
     others = [user for user, _ in value.uses() if user is not node]
     if others:
-        return f"{role} {value.name!r} is also used by node {others[0].name!r}"
+        return f"{role} {value.name!r} is also used by node {node_label(others[0])!r} ({others[0].op_type})"
     if value.is_graph_output():
         return f"{role} {value.name!r} is also a graph output"
     return None
@@ -120,6 +129,27 @@ def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str |
         reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
         if reason:
             return reason
+    return None
+
+
+def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
+    """Like :func:`_constants_reason` for a DequantizeLinear, where sharing is allowed:
+
+    - the weight may be read by other DequantizeLinear nodes (data input); they are converted together
+      (``fp4pass.onnx.sharing``), so any other reader, or the weight being a graph output, declines it;
+    - the scale may be read by anything: converted weights get their own new scales, and the old one stays
+      for its other readers.
+    """
+    for value, role in ((weight, "weight"), (scale, "scale")):
+        reason = _initializer_reason(value, role)
+        if reason:
+            return reason
+    for user, index in weight.uses():
+        if user is not node and not (user.domain == "" and user.op_type == "DequantizeLinear" and index == 0):
+            return (f"weight {weight.name!r} is also read by node {node_label(user)!r} ({user.op_type}), "
+                    f"which is not a dequantize of it")
+    if weight.is_graph_output():
+        return f"weight {weight.name!r} is also a graph output"
     return None
 
 
@@ -163,7 +193,7 @@ class MXFP4Dequantize:
         w, s = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if s is None:
             return f"DequantizeLinear of {w.name!r} has no scale"
-        reason = _constants_reason(node, w, s)
+        reason = _dequantized_constants_reason(node, w, s)
         if reason:
             return reason
         if _dtype(s) != ir.DataType.FLOAT8E8M0:
@@ -295,7 +325,7 @@ def find_mxfp4(model: ir.Model) -> tuple[list[FP4Weight], list[Declined]]:
                 tensor = node.inputs[0].name if node.inputs and node.inputs[0] is not None else None
                 if pattern.name == "qmoe":
                     tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
-                declined.append(Declined(pattern.name, node.name or node.op_type, tensor, reason))
+                declined.append(Declined(pattern.name, node_label(node), tensor, reason))
             break
     return found, declined
 

@@ -1,7 +1,8 @@
 """``fp4pass.onnx.convert``: MXFP4 -> NVFP4 over a whole ONNX model, staged like a compiler pass pipeline.
 
 1. load       - path / ModelProto / onnx_ir.Model / graphsurgeon Graph into onnx_ir (external data lazy, checked)
-2. match      - :func:`fp4pass.onnx.patterns.find_mxfp4`: the MXFP4 patterns, and near-misses with a reason
+2. match      - :func:`fp4pass.onnx.sharing.find_weights`: the MXFP4 patterns (one record per weight, however
+                many dequantize nodes read it), and near-misses with a reason
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
 4. rewrite    - per weight: :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
                 :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy
@@ -27,12 +28,12 @@ import onnx_ir as ir
 
 from fp4pass.errors import UsageError
 from fp4pass.onnx import loading
-from fp4pass.onnx.patterns import find_mxfp4
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
-from fp4pass.onnx.rewrite_common import WeightConversion
+from fp4pass.onnx.rewrite_common import UniqueNames, WeightConversion
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4, prior_global_scale
-from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4
+from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, alpha_note
+from fp4pass.onnx.sharing import find_weights
 from fp4pass.progress import progress
 
 __all__ = ["convert", "METHODS", "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
@@ -64,7 +65,8 @@ def _materialize(model: ir.Model) -> None:
 def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, str], bool]:
     """Rewrite every record; returns [(record, conv, form, note)], the alpha initializers, whether an FP4 DQ was written."""
     done, alphas, wrote_dq = [], {}, False
-    alpha_pass, dq_pass, gbq_pass, qmoe_pass = AlphaNVFP4(), DequantizeToNVFP4(), GatherToNVFP4(), QMoEToNVFP4()
+    names = UniqueNames()  # one for every rewrite: new tensor names never clash
+    alpha_pass, dq_pass, gbq_pass, qmoe_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names), QMoEToNVFP4()
     for record, conv in zip(records, convs):
         note = None
         if record.pattern == "dq":
@@ -75,6 +77,8 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
                 alphas.update(out["alphas"])
                 if out["gemm_alpha"]:
                     note = f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"
+                if out["cast"]:  # worded once the global scale is known (after the conversion)
+                    note = _joined_note(note, out, conv)
             else:
                 if reason:
                     note = f"alpha form not possible ({reason}); wrote the dq form"
@@ -88,6 +92,10 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
                 note = "global scale multiplied by the input's fc*_global_scale"
         done.append((record, conv, out["form"], note))
     return done, alphas, wrote_dq
+
+
+def _joined_note(first: str | None, out: dict, conv):
+    return lambda: "; ".join(n for n in (first, alpha_note(out, conv)) if n)
 
 
 def _group_initializers(model: ir.Model, records) -> None:
@@ -196,7 +204,7 @@ def convert(
     if check:
         original_for_check = str(loaded.path) if loaded.path is not None else ir.serde.serialize_model(model)
 
-    records, declined = find_mxfp4(model)
+    records, declined = find_weights(model)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
     done, alphas, wrote_dq = _rewrite(records, convs, scale_form)
     versions = SetOpsetAndIR().call(model, wrote_dq)
@@ -231,7 +239,7 @@ def convert(
         if conv.stats is None:  # a tensor ir.save never read (cannot happen for initializers; keeps stats whole)
             conv.materialize()
 
-    tensors = [tensor_entry(r, c, form, note) for r, c, form, note in done]
+    tensors = [tensor_entry(r, c, form, note() if callable(note) else note) for r, c, form, note in done]
     declined_json = [d.to_json() for d in declined]
     report = {
         "input": str(loaded.path) if loaded.path is not None else f"<{loaded.kind}>",

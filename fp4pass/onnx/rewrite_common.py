@@ -23,7 +23,7 @@ from fp4pass.formats.codecs import check_e8m0
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
 
-__all__ = ["WeightConversion", "e8m0_codes_from_float"]
+__all__ = ["WeightConversion", "UniqueNames", "e8m0_codes_from_float"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,42 @@ def e8m0_codes_from_float(scales: np.ndarray, name: str) -> np.ndarray:
     if not (np.all(mantissa == 0.5) and np.all((codes >= 0) & (codes <= 254))):
         raise FormatError(f"{name}: scales are not all finite powers of two in E8M0's range (not MXFP4)")
     return codes.astype(np.uint8)
+
+
+class UniqueNames:
+    """Value names already taken in a graph and its subgraphs; :meth:`take` hands out new ones.
+
+    A new name is ``base`` when free, else ``base_1``, ``base_2``, ...: a scale kept for an unconverted reader
+    (or any tensor of the input) may already hold the name a rewrite would choose.
+    """
+
+    def __init__(self) -> None:
+        self._taken: dict[int, set[str]] = {}
+
+    def _names(self, graph: ir.Graph) -> set[str]:
+        names = self._taken.get(id(graph))
+        if names is None:
+            names = {v.name for v in graph.inputs} | set(graph.initializers)
+            for node in ir.traversal.RecursiveGraphIterator(graph):
+                names.update(v.name for v in node.outputs if v is not None and v.name)
+                for sub in node.attributes.values():
+                    if isinstance(sub, ir.Attr) and sub.type == ir.AttributeType.GRAPH:
+                        names.update(v.name for v in sub.value.inputs)
+            self._taken[id(graph)] = names
+        return names
+
+    def take(self, graph: ir.Graph, base: str) -> str:
+        names = self._names(graph)
+        name, n = base, 0
+        while name in names:
+            n += 1
+            name = f"{base}_{n}"
+        names.add(name)
+        return name
+
+    def release(self, graph: ir.Graph, name: str) -> None:
+        """``name`` is free again (its value left the graph)."""
+        self._names(graph).discard(name)
 
 
 def _malloc_trim():
