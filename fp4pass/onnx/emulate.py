@@ -16,7 +16,7 @@ Signature::
           graph.register_initializer(init)
 
 - ``x``: a FLOAT, FLOAT16 or BFLOAT16 ``ir.Value`` of any rank whose last dim is a multiple of 16 (blocks run
-  along the last axis). ``input_dtype`` gives its type where ``x.dtype`` is not known (default FLOAT). A 16-bit
+  along the last axis). ``input_dtype`` gives its type where it cannot be told from the graph (default FLOAT). A 16-bit
   x is cast to FLOAT first (exact): the quantizer always computes in FLOAT.
 - ``global_scale``: a FLOAT scalar ``ir.Value``, the activation ``input_scale = g_amax / (6*448)``
   (ModelOpt/TensorRT convention: a multiplier applied on dequantize).
@@ -51,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from fp4pass.onnx.dtypes import value_dtype
 from fp4pass.formats import E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, NV_BLOCK_SIZE
 
 __all__ = ["nvfp4_fake_quant", "SAME", "MIN_OPSET"]
@@ -77,7 +78,7 @@ def nvfp4_fake_quant(
     """Record NVFP4 quantize->dequantize of ``x`` on ``tape``; return its output (see module docstring)."""
     if dequant_scale is SAME:
         dequant_scale = global_scale
-    input_dtype = input_dtype or x.dtype or ir.DataType.FLOAT
+    input_dtype = input_dtype or value_dtype(x) or ir.DataType.FLOAT
     output_dtype = output_dtype or input_dtype
     p = f"{name}_nvfp4"
     f32 = np.float32
