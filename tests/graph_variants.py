@@ -21,7 +21,7 @@ NP_TYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, Tens
 
 
 def dq(weight: str, out: str, dtype: int, scale: str | None = None, name: str | None = None) -> onnx.NodeProto:
-    return helper.make_node("DequantizeLinear", [weight, scale or f"{weight}_scale"], [out], name=name or f"{out}_node",
+    return helper.make_node("DequantizeLinear", [weight, scale or f"{weight}_scale"], [out], name=f"{out}_node" if name is None else name,
                             axis=-1, block_size=32, output_dtype=dtype)
 
 

@@ -42,6 +42,7 @@ def test_weight_read_by_two_dequantize_nodes_converts_once(form):
     full_check(out)
     assert len(report["tensors"]) == 1 and report["declined"] == []
     assert report["tensors"][0]["target_form"] == form and report["tensors"][0]["mse"] == 0
+    assert "read by 2 dequantize nodes (W_dq_a, DequantizeLinear -> W_dq_b)" in report["tensors"][0]["form_note"]
     readers = weight_readers(out, "W")
     assert len(readers) == 2 and [block_size(n) for n in readers] == [16, 16]
     inits = initializers(out)

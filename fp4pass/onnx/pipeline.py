@@ -33,7 +33,7 @@ from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import UniqueNames, WeightConversion
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4, prior_global_scale
 from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, alpha_note
-from fp4pass.onnx.sharing import find_weights
+from fp4pass.onnx.sharing import find_weights, sharing_note
 from fp4pass.progress import progress
 
 __all__ = ["convert", "METHODS", "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
@@ -78,7 +78,7 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
                 if out["gemm_alpha"]:
                     note = f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"
                 if out["cast"]:  # worded once the global scale is known (after the conversion)
-                    note = _joined_note(note, out, conv)
+                    note = _joined_note(note, lambda out=out, conv=conv: alpha_note(out, conv))
             else:
                 if reason:
                     note = f"alpha form not possible ({reason}); wrote the dq form"
@@ -90,12 +90,16 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
             out = qmoe_pass.rewrite(record, conv)
             if conv.prior_global is not None:
                 note = "global scale multiplied by the input's fc*_global_scale"
+        shared = sharing_note(record)
+        if shared:
+            note = _joined_note(shared, note) if callable(note) else "; ".join(n for n in (shared, note) if n)
         done.append((record, conv, out["form"], note))
     return done, alphas, wrote_dq
 
 
-def _joined_note(first: str | None, out: dict, conv):
-    return lambda: "; ".join(n for n in (first, alpha_note(out, conv)) if n)
+def _joined_note(first: str | None, later):
+    """A note completed after the conversion ran: ``first``, then what ``later()`` says."""
+    return lambda: "; ".join(n for n in (first, later()) if n)
 
 
 def _group_initializers(model: ir.Model, records) -> None:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from fp4pass.onnx.patterns import Declined, FP4Weight, find_mxfp4, node_label
 
-__all__ = ["SharedFP4Weight", "group_shared", "find_weights", "reader_nodes"]
+__all__ = ["SharedFP4Weight", "group_shared", "find_weights", "reader_nodes", "sharing_note"]
 
 
 @dataclass
@@ -36,6 +36,14 @@ class SharedFP4Weight(FP4Weight):
 def reader_nodes(record: FP4Weight) -> list[ir.Node]:
     """The nodes that read ``record``'s codes and are rewritten with it."""
     return list(record.readers) if isinstance(record, SharedFP4Weight) else [record.node]
+
+
+def sharing_note(record: FP4Weight) -> str | None:
+    """The report's words on a weight read by several dequantize nodes (None for one reader)."""
+    readers = reader_nodes(record)
+    if len(readers) < 2:
+        return None
+    return f"read by {len(readers)} dequantize nodes ({', '.join(node_label(n) for n in readers)}), converted once"
 
 
 def _blocking(node: ir.Node, rank: int) -> tuple:
