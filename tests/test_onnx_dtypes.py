@@ -148,3 +148,19 @@ def test_fp16_calibration_then_quantizers(tmp_path, form):
     assert sorted(a["activation"] for a in report["activations"] if a["inserted"]) == ["h", "x"]
     check = report["check"]["outputs"][0]
     assert check["nan"] == 0 and check["inf"] == 0 and check["snr_db"] > 10
+
+
+def test_a_dequantize_typed_by_its_scale_keeps_its_type_once_the_scale_is_fp32():
+    """A DQ without output_dtype takes its scale's type (FLOAT16 scales: the torch exporter's form); the new
+    scale is FP32, so the rewrite writes output_dtype to keep the graph's type."""
+    import onnx_ir as ir
+
+    model = ir.serde.deserialize_model(V.mlp(TensorProto.FLOAT16))
+    dq_node = next(n for n in model.graph if n.op_type == "DequantizeLinear")
+    del dq_node.attributes["output_dtype"]
+    dq_node.outputs[0].dtype = ir.DataType.FLOAT16  # what a FLOAT16 scale gives
+    out, _ = convert(model)
+    proto = ir.serde.serialize_model(out)
+    full_check(proto)
+    rewritten = next(n for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "W1")
+    assert {a.name: a.i for a in rewritten.attribute}["output_dtype"] == TensorProto.FLOAT16

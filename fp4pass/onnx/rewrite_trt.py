@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.onnx.dtypes import FLOAT_TYPES, value_dtype
+from fp4pass.onnx.dtypes import FLOAT_TYPES, dequantize_dtype, value_dtype
 from fp4pass.onnx.patterns import FP4Weight, node_label
 from fp4pass.onnx.rewrite_common import UniqueNames, WeightConversion
 from fp4pass.onnx.sharing import reader_nodes
@@ -80,6 +80,11 @@ def _scale_chain(record: FP4Weight, conv: WeightConversion, names: UniqueNames, 
     outs = []
     scale_input = 1 if record.pattern == "dq" else 2
     for reader in reader_nodes(record):
+        if record.pattern == "dq" and "output_dtype" not in reader.attributes:
+            # the output type followed the old scale's; the new scale is FP32: keep the graph's type explicit
+            dtype = dequantize_dtype(reader)
+            if dtype != ir.DataType.FLOAT:
+                reader.attributes["output_dtype"] = ir.AttrInt64("output_dtype", dtype)
         attrs = {"axis": ir.AttrInt64("axis", 0)} if with_global and conv.group_dims else {}
         out = ir.Value(shape=ir.Shape(list(scales.shape)), type=ir.TensorType(ir.DataType.FLOAT))
         dq = ir.Node("", "DequantizeLinear", [scales, g], attrs, outputs=[out], name=f"{reader.name or w}_scale")
