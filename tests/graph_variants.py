@@ -21,8 +21,8 @@ NP_TYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, Tens
 
 
 def dq(weight: str, out: str, dtype: int, scale: str | None = None, name: str | None = None) -> onnx.NodeProto:
-    return helper.make_node("DequantizeLinear", [weight, scale or f"{weight}_scale"], [out], name=f"{out}_node" if name is None else name,
-                            axis=-1, block_size=32, output_dtype=dtype)
+    return helper.make_node("DequantizeLinear", [weight, scale or f"{weight}_scale"], [out],
+                            name=f"{out}_node" if name is None else name, axis=-1, block_size=32, output_dtype=dtype)
 
 
 def linear(x: str, weight_dq: str, out: str, tag: str) -> list[onnx.NodeProto]:
@@ -40,7 +40,8 @@ def mlp(dtype: int, k: int = 64, hidden: int = 32, n: int = 16, weight_scale: fl
     nodes = [dq("W1", "W1_dq", dtype), *linear("x", "W1_dq", "h_pre", "mm1"),
              helper.make_node("Relu", ["h_pre"], ["h"], name="relu"),
              dq("W2", "W2_dq", dtype), *linear("h", "W2_dq", "y", "mm2")]
-    inits = B.mx_inits("W1", B.weight((hidden, k), 1, weight_scale)) + B.mx_inits("W2", B.weight((n, hidden), 2, weight_scale))
+    inits = (B.mx_inits("W1", B.weight((hidden, k), 1, weight_scale))
+             + B.mx_inits("W2", B.weight((n, hidden), 2, weight_scale)))
     return B.make(nodes, [B.vi("x", ["b", k], dtype)], [B.vi("y", ["b", n], dtype)], inits)
 
 

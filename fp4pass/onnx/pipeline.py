@@ -66,7 +66,8 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
     """Rewrite every record; returns [(record, conv, form, note)], the alpha initializers, whether an FP4 DQ was written."""
     done, alphas, wrote_dq = [], {}, False
     names = UniqueNames()  # one for every rewrite: new tensor names never clash
-    alpha_pass, dq_pass, gbq_pass, qmoe_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names), QMoEToNVFP4()
+    alpha_pass, dq_pass, gbq_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names)
+    qmoe_pass = QMoEToNVFP4()
     for record, conv in zip(records, convs):
         note = None
         if record.pattern == "dq":
