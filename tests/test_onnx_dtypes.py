@@ -164,3 +164,32 @@ def test_a_dequantize_typed_by_its_scale_keeps_its_type_once_the_scale_is_fp32()
     full_check(proto)
     rewritten = next(n for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "W1")
     assert {a.name: a.i for a in rewritten.attribute}["output_dtype"] == TensorProto.FLOAT16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_expert_alpha_in_a_16_bit_graph(dtype):
+    import onnx_builders as B
+
+    original = B.expert_model()  # 3-D weight [3, 32, 64], exponents spread over experts
+    for node in original.graph.node:
+        if node.op_type == "DequantizeLinear":
+            next(a for a in node.attribute if a.name == "output_dtype").i = dtype
+    for value in (*original.graph.input, *original.graph.output):
+        value.type.tensor_type.elem_type = dtype
+    full_check(original)
+    out, _ = convert(original, scale_form="alpha")
+    full_check(out)
+    alpha = numpy_helper.to_array(initializer(out, "W_alpha"))
+    assert alpha.dtype == np.float32 and alpha.shape == (3, 1, 1)
+    x = V.random_input((3, 4, 64), dtype, seed=6, scale=0.01)
+    (y0,), (y1,) = V.run_reference(original, {"x": x}), V.run_reference(out, {"x": x})
+    assert y1.dtype == x.dtype
+    if dtype == TensorProto.BFLOAT16:
+        assert y0.tobytes() == y1.tobytes()
+    else:
+        # Expert 1 (weights * 2^-7) has outputs below 2^-14, FLOAT16's subnormals: there the alpha form rounds
+        # twice (the unscaled FLOAT16 MatMul output, then the product) and may be one unit 2^-24 off.
+        y0, y1 = y0.astype(np.float64), y1.astype(np.float64)
+        normal = np.abs(y0) >= 2.0**-14
+        assert np.array_equal(y0[normal], y1[normal]) and (~normal).any()
+        assert np.abs(y0 - y1).max() <= 2.0**-24

@@ -32,6 +32,7 @@ FP32 initializer: on a FLOAT16/BFLOAT16 consumer it is applied as
 activation scale) is in general not representable in 16 bits (FLOAT16: G < 2^-24 is zero, 11 bits of
 mantissa; BFLOAT16: 8 bits). FLOAT16 consumers carry a risk the dq form does not have: their output before
 the multiply is the true output / G and overflows FLOAT16 above |y| = 65504 * G; the report says the bound.
+Outputs below 2^-14 (FLOAT16 subnormals) are rounded twice there and can be 2^-24 off the ``dq`` form's.
 """
 
 from __future__ import annotations
