@@ -47,7 +47,7 @@ def spread(codes: np.ndarray, e8m0: np.ndarray, block: int = 32) -> int:
 
 
 def hybrid(codes: np.ndarray, e8m0: np.ndarray) -> np.ndarray:
-    """Seed 000 Algo 3 for one group, written out: float32 dequantized NVFP4 values [..., K].
+    """Algo 3 (hybrid, docs/conversion.md) for one group, written out: float32 dequantized NVFP4 values [..., K].
 
     m = k_max - 8 over blocks holding a value; blocks with k - m in [-9, 8] are exact; each other 16-half is
     quantized with S = 2^m: s = e4m3(clamp(amax/(6S), 2^-9, 448)), q = rne_e2m1(v / (s*S)), x = q*s*S.
