@@ -166,3 +166,38 @@ def auto_bound(codes: np.ndarray, e8m0: np.ndarray) -> float:
     if spread(codes, e8m0) <= 17:
         return 0.0
     return min(sse_at(codes, e8m0, S) for S in auto_candidates(codes, e8m0))
+
+
+# -- test data and measures -------------------------------------------------------------------------------
+
+def expert_codes(seed: int):
+    """Element codes [4, 32, 128] and E8M0 codes [4, 32, 4] for four experts of different kinds.
+
+    0: spread 12 (lossless); 1: spread 18, one block at k_max - 18 whose magnitudes avoid 0.5 and 1.5, so
+    that at S = 2^(k_max-8) its halves are reproduced exactly with other nibbles (verbatim means nibbles
+    kept too); 2: spread 25 with zero blocks; 3: spread 40, values 2^-30 apart from the top.
+    """
+    rng = np.random.default_rng(seed)
+    experts = []
+    for spread_, zero_rate, k_low in ((12, 0.0, -10), (18, 0.0, -12), (25, 0.2, -20), (40, 0.0, -30)):
+        experts.append(random_mx(rng, (32, 128), spread_, zero_block_rate=zero_rate, k_low=k_low))
+    codes = np.stack([c for c, _ in experts])
+    e8m0 = np.stack([s for _, s in experts])
+    block = codes[1].reshape(32, 4, 32)
+    low = np.argwhere(e8m0[1] == e8m0[1].min())[0]
+    even = rng.choice(np.array([2, 4, 5, 6, 7, 10, 12, 13, 14, 15], np.uint8), 32)
+    block[low[0], low[1]] = even
+    return codes, e8m0
+
+
+def verbatim_count(mx_codes, mx_values, nv_codes, nv_values) -> int:
+    """16-halves whose E2M1 codes are the input's and whose values are reproduced exactly."""
+    kept = (mx_codes.reshape(-1, 16) == nv_codes.reshape(-1, 16)).all(-1)
+    exact = (mx_values.reshape(-1, 16) == nv_values.reshape(-1, 16)).all(-1)
+    return int((kept & exact).sum())
+
+
+def snr_db(signal, error):
+    """10 log10(sum signal^2 / sum error^2) in float64; None when the error is zero."""
+    sse = float(np.sum((error.astype(np.float64)) ** 2))
+    return None if sse == 0 else 10 * np.log10(float(np.sum(signal.astype(np.float64) ** 2)) / sse)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_convert.py", "tests/test_cmd_convert.py"]
+CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_cmd_inspect.py", "tests/test_convert.py",
+                 "tests/test_cmd_convert.py"]
 CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
@@ -73,6 +74,10 @@ MUTANTS = [
     ]),
     Mutant("expert-stats-wrong-global-scale", "per-expert statistics decode every expert with expert 0's scale", [
         ("fp4pass/onnx/report.py", "global_scale[g]).dequantize()", "global_scale[0]).dequantize()"),
+    ]),
+    Mutant("inspect-forecast-hybrid", "inspect forecasts the error of hybrid instead of auto", [
+        ("fp4pass/onnx/inspection.py", 'mxfp4_to_nvfp4(mx, method="auto", group_dims=group_dims)',
+         'mxfp4_to_nvfp4(mx, method="hybrid", group_dims=group_dims)'),
     ]),
     # -- ONNX passes --------------------------------------------------------------------------------------
     Mutant("global-scale-axis", "the per-expert global scale's DequantizeLinear runs along axis 1, not 0", [

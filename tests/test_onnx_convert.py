@@ -250,43 +250,12 @@ def test_external_data_in_and_out(tmp_path):
 
 # -- error bounds, per expert, against independent oracles ------------------------------------------------
 
-def _expert_codes(seed: int):
-    """Element codes [4, 32, 128] and E8M0 codes [4, 32, 4] for four experts of different kinds.
-
-    0: spread 12 (lossless); 1: spread 18, one block at k_max - 18 whose magnitudes avoid 0.5 and 1.5, so
-    that at S = 2^(k_max-8) its halves are reproduced exactly with other nibbles (verbatim means nibbles
-    kept too); 2: spread 25 with zero blocks; 3: spread 40, values 2^-30 apart from the top.
-    """
-    rng = np.random.default_rng(seed)
-    experts = []
-    for spread_, zero_rate, k_low in ((12, 0.0, -10), (18, 0.0, -12), (25, 0.2, -20), (40, 0.0, -30)):
-        experts.append(O.random_mx(rng, (32, 128), spread_, zero_block_rate=zero_rate, k_low=k_low))
-    codes = np.stack([c for c, _ in experts])
-    e8m0 = np.stack([s for _, s in experts])
-    block = codes[1].reshape(32, 4, 32)
-    low = np.argwhere(e8m0[1] == e8m0[1].min())[0]
-    even = rng.choice(np.array([2, 4, 5, 6, 7, 10, 12, 13, 14, 15], np.uint8), 32)
-    block[low[0], low[1]] = even
-    return codes, e8m0
-
-
-def _oracle_verbatim(mx_codes, mx_values, nv_codes, nv_values) -> int:
-    kept = (mx_codes.reshape(-1, 16) == nv_codes.reshape(-1, 16)).all(-1)
-    exact = (mx_values.reshape(-1, 16) == nv_values.reshape(-1, 16)).all(-1)
-    return int((kept & exact).sum())
-
-
-def _snr(signal, error):
-    sse = float(np.sum((error.astype(np.float64)) ** 2))
-    return None if sse == 0 else 10 * np.log10(float(np.sum(signal.astype(np.float64) ** 2)) / sse)
-
-
 @pytest.mark.parametrize("method", ["auto", "hybrid", "requant"])
 def test_every_expert_is_within_its_oracle_bound_and_reported_exactly(method):
     """Per expert: the converted weight, decoded by onnx.reference, is identical to the MXFP4 one where the
     spread allows (<= 17), and elsewhere no worse than min(Algo 1, Algo 3) of an independent numpy oracle
     (hybrid and requant: equal to their oracle). The reported per-expert figures are the oracle's."""
-    codes, e8m0 = _expert_codes(11)
+    codes, e8m0 = O.expert_codes(11)
     original = mx_dq_model(codes, e8m0)
     out, report = convert(original, method=method)
     (nv,) = ReferenceEvaluator(out).run(None, {})  # the written DQ chain, decoded by onnx.reference
@@ -312,34 +281,18 @@ def test_every_expert_is_within_its_oracle_bound_and_reported_exactly(method):
             assert np.sum(err**2) <= O.auto_bound(codes[e], e8m0[e]) * (1 + 1e-9)
         total_sse += float(np.sum(err**2))
         assert reported["expert"] == e and reported["blocks16_total"] == mx.size // 16
-        assert reported["blocks16_verbatim"] == _oracle_verbatim(codes[e], mx, nv_codes[e], nv[e])
+        assert reported["blocks16_verbatim"] == O.verbatim_count(codes[e], mx, nv_codes[e], nv[e])
         assert reported["lossless"] == bool(np.array_equal(nv[e], mx))
         assert reported["mse"] == pytest.approx(float(np.mean(err**2)), rel=1e-9, abs=0)
-        expected_snr = _snr(mx, err)
+        expected_snr = O.snr_db(mx, err)
         assert (reported["snr_db"] is None) == (expected_snr is None)
         if expected_snr is not None:
             assert reported["snr_db"] == pytest.approx(expected_snr, rel=1e-9)
     mx_all = O.mx_dequant(codes, e8m0)
     assert entry["mse"] == pytest.approx(total_sse / codes.size, rel=1e-9, abs=0)
-    assert entry["blocks16_verbatim"] == _oracle_verbatim(codes, mx_all, nv_codes, nv)
+    assert entry["blocks16_verbatim"] == O.verbatim_count(codes, mx_all, nv_codes, nv)
     if method != "requant":
         assert entry["per_expert"][0]["lossless"]
         # expert 1: the block at k_max - 18 is requantized to the same values with other nibbles
         assert entry["per_expert"][1]["blocks16_verbatim"] < entry["per_expert"][1]["blocks16_total"]
 
-
-def test_inspect_forecast_matches_the_conversion_per_expert():
-    """``inspect``'s per-expert error forecast is what converting with auto gives, measured by the oracle."""
-    from fp4pass.onnx import inspect
-
-    codes, e8m0 = _expert_codes(12)
-    model = mx_dq_model(codes, e8m0)
-    info = inspect(model)["tensors"][0]
-    out, _ = convert(model)
-    (nv,) = ReferenceEvaluator(out).run(None, {})
-    for e, p in enumerate(info["per_expert"]):
-        mx = O.mx_dequant(codes[e], e8m0[e]).astype(np.float32)
-        assert p["spread"] == O.spread(codes[e], e8m0[e]) and p["lossless"] == (p["spread"] <= 17)
-        assert p["mse"] == pytest.approx(O.mse(nv[e], mx), rel=1e-9, abs=0)
-        assert p["blocks16_total"] == mx.size // 16
-    assert info["mse"] == pytest.approx(O.mse(nv, O.mx_dequant(codes, e8m0)), rel=1e-9, abs=0)
