@@ -1,6 +1,6 @@
 """fp4pass: rewrite MXFP4 models into NVFP4, calibrate NVFP4 activations, and prove the result.
 
-Public surface (SPEC.md)::
+Public surface::
 
     import fp4pass
     mx = fp4pass.MXFP4Tensor.quantize(x)                 # E2M1 + E8M0 per 32

@@ -1,4 +1,4 @@
-"""Seed 000's conversion study: 27 tensor scenarios x every MXFP4 -> NVFP4 method.
+"""The conversion study: 27 tensor scenarios x every MXFP4 -> NVFP4 method (docs/conversion.md).
 
 Each scenario draws a float32 tensor (shape 256x1024 unless named; ``torch.manual_seed(0)`` before each),
 quantizes it to MXFP4 with the OCP FLOOR rule, converts it with every method and measures
@@ -8,7 +8,7 @@ quantizes it to MXFP4 with the OCP FLOOR rule, converts it with every method and
 - ``blocks16_verbatim`` / ``blocks16_total``: 16-halves whose nibbles were kept and reproduced exactly.
 
 ``spread`` is k_max - k_min over the MX blocks that hold a non-zero value (lossless verbatim iff <= 17).
-The seed's generators are not published with it; the ones below follow its names (FACTS.md) and are
+The scenarios are named after common weight distributions and stress cases; their generators are
 documented per scenario. The conv weight [64, 64, 4, 4] is blocked along its flattened fan-in (64*4*4).
 """
 
@@ -142,7 +142,7 @@ def run_scenario(scenario: Scenario, device: torch.device | str = "cpu", methods
 
 
 def run_study(device: torch.device | str = "cpu", scenarios=SCENARIOS, show_progress: bool | None = None) -> dict:
-    """The whole study as SPEC.md's JSON: {"device", "scenarios": [...]}."""
+    """The whole study as JSON: {"device", "scenarios": [...]} (``fp4pass study --json``)."""
     rows = [run_scenario(s, device) for s in progress(scenarios, desc="study", enabled=show_progress)]
     return {"device": str(device), "scenarios": rows}
 

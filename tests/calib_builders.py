@@ -68,7 +68,7 @@ def nvfp4_linear(k: int = 64, n: int = 32, seed: int = 0, two_consumers: bool = 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=11), dequantized
 
 
-# -- synthetic activations (seed 003) ---------------------------------------------------------------------
+# -- synthetic activations ---------------------------------------------------------------------------------
 
 
 def llm_like(rng: np.random.Generator, tokens: int, k: int = 256, outlier_channels: int = 4) -> np.ndarray:

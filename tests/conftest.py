@@ -1,5 +1,17 @@
+import os
+import tempfile
+
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+# Hypothesis keeps its files (example database, constants cache) in a temporary folder, never in the checkout.
+_HYPOTHESIS_HOME = os.path.join(tempfile.gettempdir(), "fp4pass-hypothesis")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+settings.register_profile("fp4pass", database=DirectoryBasedExampleDatabase(os.path.join(_HYPOTHESIS_HOME, "examples")))
+settings.load_profile("fp4pass")
 
 
 def _ort_has_cuda() -> bool:

@@ -26,7 +26,7 @@ def random_fp4(rng: np.random.Generator, shape, block: int, scale_dtype, e8m0_ra
 
 
 def pack(codes: np.ndarray) -> np.ndarray:
-    """Two E2M1 codes per byte, low nibble first (FACTS.md)."""
+    """Two E2M1 codes per byte, low nibble first (docs/formats.md)."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 

@@ -10,7 +10,7 @@ from onnx.reference import ReferenceEvaluator
 
 
 def mx_quantize_np(x: np.ndarray, rule: str = "floor", block: int = 32):
-    """MXFP4 per FACTS.md in float64 math: returns (element codes uint8 [..., K], E8M0 codes [..., K/block])."""
+    """MXFP4 per the OCP rules (docs/formats.md) in float64 math: returns (element codes uint8 [..., K], E8M0 codes [..., K/block])."""
     xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, block)
     amax = np.abs(xb).max(-1).astype(np.float64)
     with np.errstate(divide="ignore"):

@@ -1,4 +1,4 @@
-"""Calibrators vs independent numpy computations, and seed 003's findings on synthetic activations."""
+"""Calibrators vs independent numpy computations, and the known findings on synthetic activations (docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -129,20 +129,20 @@ def test_mse_calibrator_reaches_numpy_oracle(rng):
     assert snr_np(x, g) >= best - 0.05
 
 
-def test_seed003_amax_near_oracle_and_percentiles_undershoot(rng):
+def test_synthetic_amax_near_oracle_and_percentiles_undershoot(rng):
     calib, test = llm_like(rng, 4096), llm_like(rng, 4096)
     stats = collect(calib)
     _, best = oracle_np(test)
     snr = {name: snr_np(test, c.compute(stats)[0]) for name, c in {
         "max": MaxCalibrator(), "p99": PercentileCalibrator(99), "p99.9": PercentileCalibrator(99.9),
         "p99.99": PercentileCalibrator(99.99), "p99.999": PercentileCalibrator(99.999)}.items()}
-    assert best - snr["max"] < 0.1  # seed 003: 0.01-0.06 dB
+    assert best - snr["max"] < 0.1  # real LLM activations: 0.01-0.06 dB
     assert snr["max"] - snr["p99"] > 5 and snr["max"] - snr["p99.9"] > 1 and snr["max"] - snr["p99.99"] > 0.2
     assert abs(snr["max"] - snr["p99.999"]) < 0.15
 
 
-def test_seed003_rare_spike_hurts_max_not_headroom(rng):
-    """A 1e6 spike in 1e-7 of the calibration samples costs plain amax ~2.4 dB on clean data (seed 003)."""
+def test_synthetic_rare_spike_hurts_max_not_headroom(rng):
+    """A 1e6 spike in 1e-7 of the calibration samples costs plain amax ~2.4 dB on clean data."""
     calib = rare_spike(rng, 2**23)
     clean = rng.standard_normal((4096, 256)).astype(np.float32)
     stats = collect(calib, chunks=8)
@@ -153,7 +153,7 @@ def test_seed003_rare_spike_hurts_max_not_headroom(rng):
     assert loss_headroom < 0.1
 
 
-def test_seed003_log_normal_percentiles_undershoot_headroom_falls_back(rng, caplog):
+def test_synthetic_log_normal_percentiles_undershoot_headroom_falls_back(rng, caplog):
     calib, test = log_normal(rng, 2**20), log_normal(rng, 2**18)
     stats = collect(calib)
     snr_max = snr_np(test, MaxCalibrator().compute(stats)[0])

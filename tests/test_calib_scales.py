@@ -1,4 +1,4 @@
-"""SCALES.json: the SPEC keys, round trip, and clear errors on bad files."""
+"""SCALES.json: its keys, round trip, and clear errors on bad files."""
 
 from __future__ import annotations
 

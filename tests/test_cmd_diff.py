@@ -37,19 +37,25 @@ def test_identical_exit_0_with_json(models, tmp_path, capsys):
     assert "PASSED" in capsys.readouterr().out
 
 
-def test_below_threshold_exit_1_and_plot(models, tmp_path, capsys):
-    plot = tmp_path / "snr.png"
+def test_below_threshold_exit_1(models, tmp_path, capsys):
     report = tmp_path / "r.json"
-    code = main(["diff", models["a"], models["c"], "--snr-min", "90", "--intermediates", "--plot", str(plot),
+    code = main(["diff", models["a"], models["c"], "--snr-min", "90", "--intermediates",
                  "--json", str(report), "--shape", "x=4,64", "--quiet"])
     assert code == 1
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(report.read_text())
     assert data["passed"] is False and data["outputs"][0]["shape"] == [4, 16]
     assert data["first_divergent"]["tensor"] == "w_t"
     out = capsys.readouterr().out
     assert "FAILED" in out and out.index("outputs") < out.index("intermediates")
     assert main(["diff", models["a"], models["c"], "--snr-min", "10", "--quiet"]) == 0
+
+
+def test_plot_writes_a_png(models, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the 'plot' extra)")
+    plot = tmp_path / "snr.png"
+    code = main(["diff", models["a"], models["c"], "--snr-min", "90", "--intermediates", "--plot", str(plot),
+                 "--shape", "x=4,64", "--quiet"])
+    assert code == 1 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_inputs_npz_and_seed_change_results(models, tmp_path):

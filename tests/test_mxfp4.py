@@ -79,7 +79,13 @@ def test_from_codes_rejects_nan_scale_and_bad_shapes():
         MXFP4Tensor.quantize(torch.tensor([[float("inf")] * 32]))
 
 
-def test_to_moves_device_and_keeps_bytes():
-    mx = MXFP4Tensor.quantize(torch.randn(2, 64))
-    moved = mx.to("cpu")
-    assert torch.equal(moved.codes, mx.codes) and moved.shape == (2, 64)
+@pytest.mark.gpu
+def test_to_moves_to_cuda_and_back_keeping_bytes():
+    mx = MXFP4Tensor.quantize(torch.randn(2, 64), name="w")
+    moved = mx.to("cuda")
+    assert moved.codes.is_cuda and moved.scales.is_cuda and moved.device.type == "cuda"
+    assert (moved.name, moved.block_size, moved.shape) == ("w", 32, (2, 64))
+    back = moved.to("cpu")
+    assert not back.codes.is_cuda
+    assert torch.equal(back.codes, mx.codes) and torch.equal(back.scales, mx.scales)
+    assert torch.equal(moved.dequantize().cpu(), mx.dequantize())

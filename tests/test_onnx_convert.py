@@ -10,8 +10,10 @@ import pytest
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+import conversion_oracle as O
 import onnx_builders as B
 from fp4pass.onnx import convert
+from oracles import mx_dq_model
 
 RNG = np.random.default_rng(7)
 
@@ -244,3 +246,53 @@ def test_external_data_in_and_out(tmp_path):
     assert report["external_data"] is True and (tmp_path / "out.onnx.data").exists()
     x = RNG.standard_normal((3, 2, 64)).astype(np.float32)
     assert run(proto, x=x)[0].tobytes() == run(onnx.load(out_path), x=x)[0].tobytes()
+
+
+# -- error bounds, per expert, against independent oracles ------------------------------------------------
+
+@pytest.mark.parametrize("method", ["auto", "hybrid", "requant"])
+def test_every_expert_is_within_its_oracle_bound_and_reported_exactly(method):
+    """Per expert: the converted weight, decoded by onnx.reference, is identical to the MXFP4 one where the
+    spread allows (<= 17), and elsewhere no worse than min(Algo 1, Algo 3) of an independent numpy oracle
+    (hybrid and requant: equal to their oracle). The reported per-expert figures are the oracle's."""
+    codes, e8m0 = O.expert_codes(11)
+    original = mx_dq_model(codes, e8m0)
+    out, report = convert(original, method=method)
+    (nv,) = ReferenceEvaluator(out).run(None, {})  # the written DQ chain, decoded by onnx.reference
+    nv_codes = numpy_helper.to_array(B.init(out, "w")).view(np.uint8)
+    assert np.array_equal(nv, O.nv_dequant(nv_codes, numpy_helper.to_array(B.init(out, "w_scale_e4m3")).view(np.uint8),
+                                           numpy_helper.to_array(B.init(out, "w_global_scale"))))
+    entry = report["tensors"][0]
+    assert len(entry["per_expert"]) == 4
+    total_sse = 0.0
+    for e, reported in enumerate(entry["per_expert"]):
+        mx = O.mx_dequant(codes[e], e8m0[e]).astype(np.float32)
+        err = nv[e].astype(np.float64) - mx
+        hybrid, requant = O.hybrid(codes[e], e8m0[e]), O.requant(codes[e], e8m0[e])
+        if method == "hybrid":
+            assert np.array_equal(nv[e], hybrid)
+        elif method == "requant":
+            assert np.array_equal(nv[e], requant)
+        else:
+            if O.spread(codes[e], e8m0[e]) <= 17:
+                assert np.array_equal(nv[e], mx)
+            bound = min(O.mse(hybrid, mx), O.mse(requant, mx))
+            assert O.mse(nv[e], mx) <= bound * (1 + 1e-9)
+            assert np.sum(err**2) <= O.auto_bound(codes[e], e8m0[e]) * (1 + 1e-9)
+        total_sse += float(np.sum(err**2))
+        assert reported["expert"] == e and reported["blocks16_total"] == mx.size // 16
+        assert reported["blocks16_verbatim"] == O.verbatim_count(codes[e], mx, nv_codes[e], nv[e])
+        assert reported["lossless"] == bool(np.array_equal(nv[e], mx))
+        assert reported["mse"] == pytest.approx(float(np.mean(err**2)), rel=1e-9, abs=0)
+        expected_snr = O.snr_db(mx, err)
+        assert (reported["snr_db"] is None) == (expected_snr is None)
+        if expected_snr is not None:
+            assert reported["snr_db"] == pytest.approx(expected_snr, rel=1e-9)
+    mx_all = O.mx_dequant(codes, e8m0)
+    assert entry["mse"] == pytest.approx(total_sse / codes.size, rel=1e-9, abs=0)
+    assert entry["blocks16_verbatim"] == O.verbatim_count(codes, mx_all, nv_codes, nv)
+    if method != "requant":
+        assert entry["per_expert"][0]["lossless"]
+        # expert 1: the block at k_max - 18 is requantized to the same values with other nibbles
+        assert entry["per_expert"][1]["blocks16_verbatim"] < entry["per_expert"][1]["blocks16_total"]
+

@@ -1,4 +1,4 @@
-"""The 27-scenario study: JSON shape (SPEC.md), seed 000's qualitative findings, the CLI command."""
+"""The 27-scenario study: JSON shape, the qualitative findings (docs/conversion.md), the CLI command."""
 
 from __future__ import annotations
 

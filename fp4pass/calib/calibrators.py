@@ -3,7 +3,7 @@
 The activation is then quantized with ``global_scale = input_scale = g_amax / (6*448)``, so a block with amax
 b gets the E4M3 block scale b * 448 / g_amax. That scale is a normal E4M3 number while
 B_max <= g_amax <= 28672 * B_min (28672 = 448 / 2^-6); above g_amax blocks saturate (hard clipping), below
-g_amax / 28672 they go subnormal (graceful), below g_amax / 229376 they vanish (FACTS.md, seeds 001/003).
+g_amax / 28672 they go subnormal (graceful), below g_amax / 229376 they vanish (docs/formats.md).
 
 Each calibrator is a small class: its docstring states its math, ``compute(stats) -> (g_amax, note)``,
 ``needs_abs_histogram`` / ``reservoir`` say which statistics it needs collected.
@@ -59,8 +59,8 @@ class Calibrator:
 
 
 class MaxCalibrator(Calibrator):
-    """``g_amax = amax``: the literal max |x| over the calibration data (seed 003's recommendation: within
-    0.01-0.06 dB SNR of the MSE-optimal oracle on real LLM activations)."""
+    """``g_amax = amax``: the literal max |x| over the calibration data (within about 0.1 dB SNR of
+    the MSE-optimal global scale on LLM-like activations: docs/formats.md)."""
 
     name = "max"
 
@@ -70,8 +70,8 @@ class MaxCalibrator(Calibrator):
 
 class PercentileCalibrator(Calibrator):
     """``g_amax = p-th percentile of |x|`` over every element (zeros included), from a log2 histogram of
-    8192 bins (0.7% resolution, interpolated in log2). p = 100 is the literal max. Seed 003: p99..p99.99
-    undershoot inference-time outliers (1-25 dB SNR lost); only p99.999 matches amax."""
+    8192 bins (0.7% resolution, interpolated in log2). p = 100 is the literal max. p99..p99.99
+    undershoot inference-time outliers (several dB SNR lost); p99.999 comes close to amax."""
 
     name = "percentile"
     needs_abs_histogram = True
@@ -90,7 +90,7 @@ class PercentileCalibrator(Calibrator):
 
 
 class HeadroomCalibrator(Calibrator):
-    """B_min-anchored headroom (ModelOpt NVFP4ActHeadroomCalibrator's recipe, FACTS.md)::
+    """B_min-anchored headroom (ModelOpt NVFP4ActHeadroomCalibrator's recipe, docs/formats.md)::
 
         B_max = p_{b_max_percentile} of the per-16-block amaxes (default p99.99; 100 => the literal max)
         B_min = p_{b_min_percentile} (default p1) of the block amaxes, ignoring bins below B_max / 1e6
@@ -140,7 +140,7 @@ class HeadroomCalibrator(Calibrator):
 
 
 class MSECalibrator(Calibrator):
-    """``g_amax = argmin_g sum (x - nvfp4_g(x))^2`` over the held calibration sample (seed 003's oracle).
+    """``g_amax = argmin_g sum (x - nvfp4_g(x))^2`` over the held calibration sample (the MSE oracle).
 
     The sample (:class:`~fp4pass.calib.stats.BlockSample`) is the top ``top_k`` blocks by amax, exactly, plus
     a uniform reservoir of ``reservoir`` blocks weighted to stand for the rest. Candidates:

@@ -1,4 +1,4 @@
-"""Calibrated NVFP4 activation scales and their file, SCALES.json (SPEC.md).
+"""Calibrated NVFP4 activation scales and their file, SCALES.json (``fp4pass calibrate -o``).
 
 One :class:`ActivationScale` per activation tensor (the graph tensor fed to a quantized consumer)::
 
@@ -33,7 +33,7 @@ _FILE_KEYS = ("amax", "g_amax", "input_scale", "b_min", "b_max", "blocks")
 
 
 class ScalesFileError(FP4PassError):
-    """A SCALES.json that cannot be read or does not hold what SPEC.md says it holds."""
+    """A SCALES.json that cannot be read or does not hold the keys described below."""
 
 
 def input_scale_from_g_amax(g_amax: float) -> float:

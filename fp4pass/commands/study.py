@@ -1,4 +1,4 @@
-"""``fp4pass study``: seed 000's 27 scenarios x every MXFP4 -> NVFP4 method, as a table and JSON."""
+"""``fp4pass study``: 27 tensor scenarios x every MXFP4 -> NVFP4 method, as a table and JSON."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ EPILOG = """examples:
 def register(sub, common) -> None:
     p = sub.add_parser("study", parents=[common], help="MSE of every conversion method on 27 tensor scenarios",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="OUT.json", help="write the study as JSON (SPEC.md keys)")
+    p.add_argument("--json", metavar="OUT.json", help="write the study as JSON")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.set_defaults(run=run)
 

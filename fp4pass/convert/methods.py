@@ -3,7 +3,7 @@
 Notation: block b of an MX tensor has exponent k_b; k_max/k_min over the blocks that hold a value;
 spread = k_max - k_min. A block's nibbles stay valid at block scale s = 2^(k_b)/S when s is an exact E4M3 value.
 
-1. ``requant`` (seed 000 Algo 1): S = amax/(6*448), then plain NVFP4 quantization of the dequantized values.
+1. ``requant`` (Algo 1, docs/conversion.md): S = amax/(6*448), then plain NVFP4 quantization of the dequantized values.
 2. ``verbatim`` (Algo 2): S = 2^m, every nibble kept, block scale 2^clamp(k_b - m, -9, 8) (out-of-window
    blocks snapped). m_rule ``midpoint``: m = floor((k_max + k_min + 1)/2); ``search``: the m minimizing the
    closed-form snap error sum_b (sum_i e2m1_i^2) * (2^k_b - 2^(m + clamp(k_b - m, -9, 8)))^2.

@@ -1,4 +1,4 @@
-"""The statistics of one conversion (SPEC.md keys), measured on the tensors actually produced.
+"""The statistics of one conversion (the report's keys, below), measured on the tensors actually produced.
 
 - ``mse``: mean of (x_nv - x_mx)^2 over all elements, x_mx = ``mx.dequantize()`` (float64 accumulation).
 - ``max_abs_err``: max |x_nv - x_mx|.
@@ -32,7 +32,7 @@ class ConversionStats:
     snr_db: float | None
     method_used: str
     mse_vs_reference: float | None = None
-    extra: dict = field(default_factory=dict, repr=False)  # diagnostics, not part of the SPEC keys
+    extra: dict = field(default_factory=dict, repr=False)  # diagnostics, not part of the report's keys
 
     def to_json(self) -> dict:
         out = {
@@ -49,7 +49,7 @@ class ConversionStats:
             out["mse_vs_reference"] = self.mse_vs_reference
         return out
 
-    def __getitem__(self, key: str):  # dict-style access, as the SPEC describes stats as a mapping
+    def __getitem__(self, key: str):  # dict-style access: stats read as a mapping
         return self.to_json()[key]
 
     def keys(self):

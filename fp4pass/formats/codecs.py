@@ -1,7 +1,7 @@
 """Bit-exact codecs for the three number formats of MXFP4 and NVFP4, in plain torch (any device).
 
 Codes are ``torch.uint8`` tensors holding one code per element (E2M1 codes in the low 4 bits); values are
-``torch.float32``. The conventions (FACTS.md):
+``torch.float32``. The conventions (docs/formats.md):
 
 ===========  ============================================  =================================================
 format       layout                                        values

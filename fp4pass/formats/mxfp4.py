@@ -5,7 +5,7 @@ A block of 32 consecutive values along the last axis shares the scale X = 2^k, k
     x_hat[i] = e2m1(code[i]) * 2^k
 
 How k is chosen from the block's largest magnitude ``amax`` differs between producers; every rule below is
-accepted on input (the converter takes any valid E8M0 code) and can be chosen on output (FACTS.md):
+accepted on input (the converter takes any valid E8M0 code) and can be chosen on output (docs/formats.md):
 
 =======  ===========================  =======================================
 rule     k                            used by

@@ -8,7 +8,7 @@ applied on dequantize*::
 ``global_scale`` is ModelOpt's ``weights_scaling_factor_2`` / TensorRT's ``scale_2`` (compressed-tensors
 stores its reciprocal). It has shape [] (one per tensor) or the tensor's first ``group_dims`` dims (one per
 expert for [E, N, K]). The product ``block_scale * global_scale`` is formed in FP32 and never stored in E4M3
-(seed 002: that fold loses up to ~25% per block).
+(that fold loses up to ~25% per block: docs/formats.md).
 
 Quantization (:meth:`NVFP4Tensor.quantize`), ModelOpt's formulas in this exact order of float operations::
 

@@ -1,7 +1,7 @@
 """The ONNX side of fp4pass: match MXFP4 patterns, rewrite them to NVFP4, insert activation quantizers,
 lower FP4 for onnxruntime, and diff two graphs. One module per pass, all on ``onnx_ir``.
 
-Public names (SPEC.md)::
+Public names::
 
     model, report = fp4pass.onnx.convert(model_or_path, method="auto", scale_form="dq", target="trt", calib=None)
     result = fp4pass.onnx.diff(original, rewritten, inputs=None, provider="auto")

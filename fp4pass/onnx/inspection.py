@@ -7,10 +7,15 @@ of 32 that hold a non-zero E2M1 code::
     lossless = spread <= 17
 
 because a global scale S = 2^(k_max - 8) puts every block scale 2^(k_j - m) among E4M3's 18 exact powers of two
-2^-9..2^8 exactly when the spread is at most 17 (FACTS.md, seed 000). The forecast is a sufficient condition:
-``--method auto`` may still find a lossless non-power-of-two global scale where it says false.
-``lossless_per_tensor_scale`` is the same test with one global scale for all experts (ModelOpt's merged cast).
-Tensors are read one at a time (external data streams), so this runs on models larger than RAM.
+2^-9..2^8 exactly when the spread is at most 17 (docs/conversion.md). ``lossless_per_tensor_scale`` is the
+same test with one global scale for all experts (ModelOpt's merged cast).
+
+The error forecast: where some expert is not lossless by that test, the tensor is converted with ``auto`` (as
+``fp4pass convert`` does by default) and the error measured, tensor-wide (``blocks16_total``,
+``blocks16_verbatim``, ``mse``, ``snr_db``) and per expert (the same keys, as in the convert report: see
+:func:`fp4pass.onnx.report.group_stats`). Where every expert is lossless nothing is converted: ``mse`` 0,
+``snr_db`` null, every 16-half verbatim. Tensors are read one at a time (external data streams), so this runs
+on models larger than RAM; ``measure=False`` skips the conversion and gives the spread forecast only.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from fp4pass.onnx import loading
+from fp4pass.onnx.report import group_stats, jsonable
 from fp4pass.onnx.sharing import find_weights
 from fp4pass.onnx.rewrite_common import WeightConversion
 
@@ -38,10 +44,36 @@ def _spread_entry(k: np.ndarray, holds: np.ndarray) -> dict:
     return {"k_min": k_min, "k_max": k_max, "spread": spread, "lossless": spread <= LOSSLESS_SPREAD}
 
 
-def inspect(model_or_path) -> dict:
+_ERROR_KEYS = ("blocks16_total", "blocks16_verbatim", "mse", "max_abs_err", "snr_db")
+
+
+def _error_forecast(mx, group_dims: int, lossless: bool) -> tuple[dict, list[dict]]:
+    """(tensor-wide error keys, per-group error keys) of converting ``mx`` with ``auto`` (module docstring)."""
+    halves = mx.shape.numel() // 16
+    if lossless:
+        tensor = {"blocks16_total": halves, "blocks16_verbatim": halves, "mse": 0.0, "max_abs_err": 0.0,
+                  "snr_db": None}
+        groups = int(np.prod(mx.shape[:group_dims])) if group_dims else 0
+        per_group = [{**tensor, "blocks16_total": halves // groups, "blocks16_verbatim": halves // groups}
+                     for _ in range(groups)]
+        return tensor, per_group
+    from fp4pass.convert import mxfp4_to_nvfp4
+
+    nv, stats = mxfp4_to_nvfp4(mx, method="auto", group_dims=group_dims)
+    tensor = {key: jsonable(stats[key]) for key in _ERROR_KEYS}
+    per_group = [{key: p[key] for key in _ERROR_KEYS} for p in group_stats(mx, nv, group_dims, stats)]
+    return tensor, per_group
+
+
+def inspect(model_or_path, *, measure: bool = True) -> dict:
     """``{"model", "tensors": [{"name", "node", "pattern", "slot", "shape", "experts", "k_min", "k_max",
-    "spread", "lossless", "lossless_per_tensor_scale", "per_expert": [{"expert", "k_min", "k_max", "spread",
-    "lossless"}]}], "declined": [...], "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``."""
+    "spread", "lossless", "lossless_per_tensor_scale", "blocks16_total", "blocks16_verbatim", "mse",
+    "max_abs_err", "snr_db", "per_expert": [{"expert", "k_min", "k_max", "spread", "lossless",
+    "blocks16_total", "blocks16_verbatim", "mse", "max_abs_err", "snr_db"}]}], "declined": [...],
+    "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``.
+
+    ``measure``: forecast the error of lossy tensors by converting them (module docstring); False leaves the
+    error keys out."""
     loaded = loading.load(model_or_path)
     records, declined = find_weights(loaded.model)
     tensors = []
@@ -63,6 +95,12 @@ def inspect(model_or_path) -> dict:
                 lossless=all(p["lossless"] for p in per_expert),
                 lossless_per_tensor_scale=whole["lossless"], per_expert=per_expert,
             )
+        if measure:
+            group_dims = 1 if record.experts is not None else 0
+            tensor_error, group_error = _error_forecast(mx, group_dims, entry["lossless"])
+            entry.update(tensor_error)
+            for p, error in zip(entry["per_expert"], group_error):
+                p.update(error)
         tensors.append(entry)
     experts = [p for t in tensors for p in t["per_expert"]]
     return {
@@ -87,9 +125,19 @@ def format_inspection(info: dict) -> str:
             lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \
                         f" one scale for all: {'yes' if t['lossless_per_tensor_scale'] else 'no'})"
         lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {k_range:<12} {t['spread']:>6}  {lossless}")
+        if not t["lossless"] and t.get("mse") is not None:
+            lines.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
+                         f"mse {t['mse']:.3g}, SNR {t['snr_db']:.2f} dB" if t["snr_db"] is not None else
+                         f"{'':<4}auto: lossless")
         for p in t["per_expert"]:
             if not p["lossless"]:
-                lines.append(f"{'':<4}expert {p['expert']}: k {p['k_min']}..{p['k_max']}, spread {p['spread']} > 17: lossy")
+                error = ""
+                if p.get("mse") is not None:
+                    snr = "lossless" if p["snr_db"] is None else f"SNR {p['snr_db']:.2f} dB"
+                    error = (f"; auto: {p['blocks16_verbatim']}/{p['blocks16_total']} verbatim, "
+                             f"mse {p['mse']:.3g}, {snr}")
+                lines.append(f"{'':<4}expert {p['expert']}: k {p['k_min']}..{p['k_max']}, spread {p['spread']} > 17: "
+                             f"lossy{error}")
     for d in info["declined"]:
         lines.append(f"declined {d['pattern']} node {d['node']!r} ({d['tensor']}): {d['reason']}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Exact lowering of FP4 graph patterns into ops onnxruntime 1.31 runs on CPU and CUDA.
 
-onnxruntime has no DequantizeLinear kernel for FLOAT4E2M1 and runs QMoE's FP4 modes on CUDA only (FACTS.md).
+onnxruntime has no DequantizeLinear kernel for FLOAT4E2M1 and runs QMoE's FP4 modes on CUDA only (docs/formats.md).
 ``lower_for_ort`` returns a copy of the model where every such pattern computes the same numbers with ops it
 does run. Passes, in the order they run:
 

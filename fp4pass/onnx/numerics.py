@@ -58,7 +58,7 @@ def _sort_key(m: TensorMetrics) -> tuple:
 
 @dataclass
 class DiffResult:
-    """What :func:`diff` found. ``to_json`` gives SPEC.md's keys; the rest is for tables and plots."""
+    """What :func:`diff` found. ``to_json`` gives the JSON keys of ``fp4pass diff --json``; the rest is for tables and plots."""
 
     provider: str
     outputs: list[TensorMetrics]

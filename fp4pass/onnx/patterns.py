@@ -1,4 +1,4 @@
-"""Finding FP4 weights in an ONNX graph: the MXFP4 patterns of SPEC.md, and the NVFP4 forms fp4pass writes.
+"""Finding FP4 weights in an ONNX graph: the MXFP4 patterns fp4pass accepts, and the NVFP4 forms fp4pass writes.
 
 MXFP4 in (one class per pattern; ``check`` returns the reason a node is declined, None when it matches):
 

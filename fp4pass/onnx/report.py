@@ -1,11 +1,13 @@
-"""The conversion report: one entry per converted tensor (SPEC.md stats keys + pattern, form, seconds).
+"""The conversion report: one entry per converted tensor (its conversion statistics + pattern, form, seconds).
 
 JSON shape::
 
     {"input", "output", "method", "scale_form", "target", "external_data",
      "tensors": [{"name", "node", "pattern", "slot", "shape", "experts", "target_form", "form_note",
                   "seconds", "blocks16_total", "blocks16_verbatim", "blocks16_requantized", "global_scale",
-                  "mse", "max_abs_err", "snr_db", "method_used"}],
+                  "mse", "max_abs_err", "snr_db", "method_used",
+                  "per_expert": [{"expert", "blocks16_total", "blocks16_verbatim", "mse", "max_abs_err",
+                                  "snr_db", "lossless"}]}],
      "declined": [{"pattern", "node", "tensor", "reason"}],
      "model": {"before": {"ir_version", "opset"}, "after": {...}},
      "activations": [...] (when calibrated), "check": {...} (with --check),
@@ -13,6 +15,20 @@ JSON shape::
 
 A tensor is lossless when its NVFP4 dequantization equals the MXFP4 one bit for bit (``mse`` 0, ``snr_db``
 null). ``worst_snr_db`` is the lowest SNR over lossy tensors (null when all are lossless).
+
+``per_expert`` (one entry per group that has its own global scale: per expert of a 3-D ``[E, N, K]`` weight,
+empty for a 2-D weight) bounds the error of each expert on its own, so that one damaged expert cannot hide
+in a tensor-wide average. With x_mx the MXFP4 values of the expert and x_nv the NVFP4 ones (dequant of the
+written codes, E4M3 scales and the expert's FP32 global scale)::
+
+    mse               = mean (x_nv - x_mx)^2                      (float64 accumulation)
+    max_abs_err       = max |x_nv - x_mx|
+    snr_db            = 10 log10(sum x_mx^2 / sum (x_nv - x_mx)^2)  (null when the expert is lossless)
+    blocks16_verbatim = 16-halves whose E2M1 nibbles are the input's AND whose values are reproduced exactly
+    lossless          = every value reproduced exactly (mse == 0)
+
+The values are compared before any prior per-expert scale the input applied (QMoE ``fc*_global_scale``),
+as the tensor-wide keys are.
 """
 
 from __future__ import annotations
@@ -20,8 +36,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
-__all__ = ["jsonable", "tensor_entry", "summarize", "summary_line", "format_report"]
+from fp4pass.metrics import snr_db
+
+__all__ = ["jsonable", "tensor_entry", "group_stats", "summarize", "summary_line", "format_report"]
+
+#: elements per chunk when measuring per-group statistics (bounded memory on large experts)
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def jsonable(value):
@@ -42,8 +64,61 @@ def jsonable(value):
     return value
 
 
+def _lossless_group(expert: int, halves: int) -> dict:
+    return {"expert": expert, "blocks16_total": halves, "blocks16_verbatim": halves, "mse": 0.0,
+            "max_abs_err": 0.0, "snr_db": None, "lossless": True}
+
+
+def group_stats(mx, nv, group_dims: int, stats=None) -> list[dict]:
+    """Per-group statistics of one conversion (module docstring): a list with one dict per group, [] when
+    ``group_dims`` is 0 (one global scale for the whole tensor: the tensor-wide keys say it all).
+
+    ``mx``: the MXFP4Tensor converted, ``nv``: the NVFP4Tensor written. ``stats``: the converter's tensor-wide
+    statistics; when they say every 16-half was kept verbatim with zero error, nothing is measured again.
+    """
+    if not group_dims:
+        return []
+    groups = int(np.prod(mx.shape[:group_dims]))
+    k = mx.shape[-1]
+    rows = int(np.prod(mx.shape[group_dims:-1]))
+    halves = rows * (k // 16)
+    if stats is not None and stats["mse"] == 0 and stats["blocks16_verbatim"] == stats["blocks16_total"]:
+        return [_lossless_group(g, halves) for g in range(groups)]
+    mx_codes = mx.codes.reshape(groups, rows, -1)
+    mx_scales = mx.scales.reshape(groups, rows, -1)
+    nv_codes = nv.codes.reshape(groups, rows, -1)
+    nv_scales = nv.scales.reshape(groups, rows, -1)
+    global_scale = nv.global_scale.reshape(groups).float()
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    out = []
+    for g in range(groups):
+        sse = signal = 0.0
+        max_err = 0.0
+        verbatim = 0
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            x_mx = type(mx)(mx_codes[g, lo:hi], mx_scales[g, lo:hi], mx.block_size).dequantize().double()
+            x_nv = type(nv)(nv_codes[g, lo:hi], nv_scales[g, lo:hi], global_scale[g]).dequantize().double()
+            err = x_nv - x_mx
+            sse += float(err.square().sum())
+            signal += float(x_mx.square().sum())
+            if err.numel():
+                max_err = max(max_err, float(err.abs().max()))
+            kept = (nv_codes[g, lo:hi] == mx_codes[g, lo:hi]).reshape(hi - lo, -1, 8).all(-1)
+            exact = (err == 0).reshape(hi - lo, -1, 16).all(-1)
+            verbatim += int((kept & exact).sum())
+        n = rows * k
+        out.append({"expert": g, "blocks16_total": halves, "blocks16_verbatim": verbatim,
+                    "mse": sse / n if n else 0.0, "max_abs_err": max_err, "snr_db": snr_db(signal, sse),
+                    "lossless": sse == 0.0})
+    return out
+
+
 def tensor_entry(record, conv, form: str, note: str | None) -> dict:
     stats = jsonable(conv.stats) if conv.stats is not None else {}
+    per_expert = getattr(conv, "per_expert", None)
+    if per_expert is not None:
+        stats["per_expert"] = jsonable(per_expert)
     return {
         "name": record.name,
         "node": record.node.name,
@@ -101,6 +176,10 @@ def format_report(report: dict) -> str:
         snr = "lossless" if _lossless(t) else _num(t.get("snr_db"), ".2f")
         lines.append(f"{t['name']:<28} {t['pattern']:<8} {'x'.join(map(str, t['shape'])):<16} "
                      f"{t['target_form']:<6} {verbatim:>13} {_num(t.get('mse'), '.3g'):>10} {snr:>8} [{shown}]")
+        for p in t.get("per_expert") or []:
+            if not p["lossless"]:
+                lines.append(f"{'':<4}expert {p['expert']}: {p['blocks16_verbatim']}/{p['blocks16_total']} verbatim, "
+                             f"mse {p['mse']:.3g}, SNR {_num(p['snr_db'], '.2f')} dB")
     for d in report.get("declined", []):
         lines.append(f"declined {d.get('pattern')} at {d.get('node')} ({d.get('tensor')}): {d.get('reason')}")
     activations = report.get("activations")

@@ -22,6 +22,7 @@ from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
+from fp4pass.onnx.report import group_stats
 
 __all__ = ["WeightConversion", "UniqueNames", "e8m0_codes_from_float"]
 
@@ -166,6 +167,7 @@ class WeightConversion:
         self.prior_global = prior_global
         self.group_dims = 1 if len(record.shape) == 3 else 0
         self.stats: dict | None = None
+        self.per_expert: list[dict] | None = None  # report.group_stats, one entry per expert
         self.seconds = 0.0
         self._result = None
         self._global: np.ndarray | None = None
@@ -236,6 +238,7 @@ class WeightConversion:
                 self._same_bytes = (source.path, source.offset or 0, source.nbytes)
             if self.stats is None:
                 self.stats, self.seconds = stats, elapsed
+                self.per_expert = group_stats(mx, nv, self.group_dims, stats)
             self._result = nv
             g = nv.global_scale.cpu().numpy().astype(np.float32)
             if self.prior_global is not None:

@@ -5,7 +5,8 @@
     s_f   = DequantizeLinear(S16 FLOAT8E4M3FN [.., K/16], G FP32 [] or [E], axis=0)    # e4m3(S16) * G
     x_hat = DequantizeLinear(W FLOAT4E2M1 [.., K], s_f, axis=-1, block_size=16)       # e2m1(W) * s_f
 
-The product e4m3(S16) * G is formed in FP32 at run time; it is never stored in E4M3 (seed 002).
+The product e4m3(S16) * G is formed in FP32 at run time; it is never stored in E4M3 (that
+product, cast back to E4M3, loses up to ~25% of a block's scale: docs/formats.md).
 
 ``alpha`` form (:class:`AlphaNVFP4`): the chain dequantizes with the E4M3 block scales only
 (``DQ(S16, 1.0)``), and the global scale multiplies the consumer's output, which is exact because the

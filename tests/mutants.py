@@ -1,0 +1,192 @@
+"""Mutation check: each mutant is a deliberate bug; the test suite must fail on every one of them.
+
+    python tests/mutants.py                 # every mutant, each against its own test files
+    python tests/mutants.py --list          # the mutants and their tests
+    python tests/mutants.py nibble-order    # only the mutants named
+    python tests/mutants.py --all-tests     # each mutant against the whole default suite (slow)
+
+A mutant is a list of edits ``(file, exact old text, new text)``; every occurrence of the old text in that
+file is replaced. For each mutant the repository (without .git and caches) is copied into a temporary
+folder, the edits applied there, and pytest run in the copy with ``PYTHONPATH`` pointing at it, so the
+checkout itself is never touched. Outcomes:
+
+- ``killed``: pytest reported a failure (exit 1), as it must;
+- ``killed (error)``: pytest could not even collect or run (exit 2..5), e.g. the bug broke an import;
+- ``SURVIVED``: every test passed with the bug in place: a test is missing or too weak;
+- ``could not apply``: an old text is no longer in its file (the code was rewritten): update the mutant.
+
+Exit status: 0 when no mutant survived and all applied, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_cmd_inspect.py", "tests/test_convert.py",
+                 "tests/test_cmd_convert.py"]
+CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
+               "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
+
+
+@dataclass
+class Mutant:
+    name: str
+    what: str
+    edits: list[tuple[str, str, str]]
+    tests: list[str] = field(default_factory=lambda: list(CONVERT_TESTS))
+    note: str = ""  # what is known when it survives
+
+
+MUTANTS = [
+    # -- formats and conversion ---------------------------------------------------------------------------
+    Mutant("nibble-order", "pack and unpack put element 2i in the HIGH nibble (formats packing)", [
+        ("fp4pass/formats/packing.py", "return (pairs[..., 0] & 0x0F) | ((pairs[..., 1] & 0x0F) << 4)",
+         "return (pairs[..., 1] & 0x0F) | ((pairs[..., 0] & 0x0F) << 4)"),
+        ("fp4pass/formats/packing.py", "pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)",
+         "pairs = torch.stack((packed >> 4, packed & 0x0F), dim=-1)"),
+    ]),
+    Mutant("nibble-order-everywhere", "the same, and the conversion tables' own unpacking too", [
+        ("fp4pass/formats/packing.py", "return (pairs[..., 0] & 0x0F) | ((pairs[..., 1] & 0x0F) << 4)",
+         "return (pairs[..., 1] & 0x0F) | ((pairs[..., 0] & 0x0F) << 4)"),
+        ("fp4pass/formats/packing.py", "pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)",
+         "pairs = torch.stack((packed >> 4, packed & 0x0F), dim=-1)"),
+        ("fp4pass/convert/tables.py", "element = torch.stack((packed & 0x0F, packed >> 4), dim=-1)",
+         "element = torch.stack((packed >> 4, packed & 0x0F), dim=-1)"),
+    ], CONVERT_TESTS + ["tests/test_mxfp4.py", "tests/test_packing.py"]),
+    Mutant("auto-without-kmax-7", "auto drops its 2^(k_max-7)/c candidate global scales", [
+        ("fp4pass/convert/methods.py", "columns += [above / c for c in MANTISSAS]", "columns += []"),
+    ], note="possibly equivalent: no input is known where a 2^(k_max-7)/c candidate has the strictly least "
+            "error (10,000+ random and structured groups searched with tests/conversion_oracle.sse_at)"),
+    Mutant("verbatim-count-ignores-nibbles", "blocks16_verbatim counts exact halves whether or not the nibbles "
+           "were kept (converter statistics)", [
+        ("fp4pass/convert/stats.py", "verbatim += int((same & exact).sum())", "verbatim += int(exact.sum())"),
+    ]),
+    Mutant("expert-verbatim-count-ignores-nibbles", "the same in the report's per-expert statistics", [
+        ("fp4pass/onnx/report.py", "verbatim += int((kept & exact).sum())", "verbatim += int(exact.sum())"),
+    ]),
+    Mutant("expert-stats-wrong-global-scale", "per-expert statistics decode every expert with expert 0's scale", [
+        ("fp4pass/onnx/report.py", "global_scale[g]).dequantize()", "global_scale[0]).dequantize()"),
+    ]),
+    Mutant("inspect-forecast-hybrid", "inspect forecasts the error of hybrid instead of auto", [
+        ("fp4pass/onnx/inspection.py", 'mxfp4_to_nvfp4(mx, method="auto", group_dims=group_dims)',
+         'mxfp4_to_nvfp4(mx, method="hybrid", group_dims=group_dims)'),
+    ]),
+    # -- ONNX passes --------------------------------------------------------------------------------------
+    Mutant("global-scale-axis", "the per-expert global scale's DequantizeLinear runs along axis 1, not 0", [
+        ("fp4pass/onnx/rewrite_trt.py", 'attrs["axis"] = ir.AttrInt64("axis", 0)',
+         'attrs["axis"] = ir.AttrInt64("axis", 1)'),
+    ]),
+    Mutant("emulate-clamp-normal", "the activation quantizer clamps E4M3 block scales at 2^-6 instead of 2^-9", [
+        ("fp4pass/onnx/emulate.py", 'f"{p}/e4m3_min_subnormal", E4M3_MIN_SUBNORMAL, f32)',
+         'f"{p}/e4m3_min_subnormal", 2.0**-6, f32)'),
+    ], ["tests/test_emulate.py", "tests/test_act_quant.py", "tests/test_lower.py"]),
+    Mutant("alpha-applied-twice", "the alpha form multiplies the consumer's alpha by the input scale twice", [
+        ("fp4pass/onnx/act_quant.py", "values = alpha.const_value.numpy().astype(np.float32) * np.float32(input_scale)",
+         "values = alpha.const_value.numpy().astype(np.float32) * np.float32(input_scale) * np.float32(input_scale)"),
+    ], ["tests/test_act_quant.py"]),
+    Mutant("lowering-quantize-axis", "the lowering's GatherBlockQuantized quantizes along axis 0", [
+        ("fp4pass/onnx/lower.py", '"quantize_axis": rank - 1,', '"quantize_axis": 0,'),
+    ], ["tests/test_lower.py", "tests/test_numerics.py", "tests/test_cmd_diff.py"]),
+    # -- calibration --------------------------------------------------------------------------------------
+    Mutant("input-scale-formula", "input_scale = g_amax / 448 instead of g_amax / (6 * 448)", [
+        ("fp4pass/calib/scales.py", "np.float32(E2M1_MAX * E4M3_MAX)", "np.float32(E4M3_MAX)"),
+    ], CALIB_TESTS + ["tests/test_act_quant.py"]),
+    Mutant("histogram-percentile-off-by-one", "the log histogram's percentile reads the next bin", [
+        ("fp4pass/calib/stats.py",
+         "index = int(torch.searchsorted(cum, torch.tensor([rank], dtype=torch.float64)).clamp(max=self.bins - 1))",
+         "index = min(int(torch.searchsorted(cum, torch.tensor([rank], dtype=torch.float64))) + 1, self.bins - 1)"),
+    ], CALIB_TESTS),
+]
+
+
+def _copy_repo(dest: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info", ".venv",
+                                    "build", "dist")
+    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
+
+
+def _apply(copy: Path, mutant: Mutant) -> str | None:
+    """Apply the edits in ``copy``; returns why not, or None when every edit applied."""
+    for rel, old, new in mutant.edits:
+        path = copy / rel
+        if not path.is_file():
+            return f"{rel}: no such file"
+        text = path.read_text()
+        if old not in text:
+            return f"{rel}: text not found: {old!r}"
+        path.write_text(text.replace(old, new))
+    return None
+
+
+def run_mutant(mutant: Mutant, all_tests: bool, verbose: bool) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory(prefix=f"fp4pass-mutant-{mutant.name}-") as tmp:
+        copy = Path(tmp) / "repo"
+        _copy_repo(copy)
+        why = _apply(copy, mutant)
+        if why is not None:
+            return "could not apply", why
+        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        tests = [] if all_tests else [t for t in mutant.tests if (copy / t).exists()]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp",
+               str(Path(tmp) / "pytest"), *tests]
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        failed = [line for line in tail if line.startswith(("FAILED", "ERROR"))]
+        detail = (failed[0] if failed else (tail[-1] if tail else ""))[:160]
+        if verbose:
+            print("\n".join(tail[-30:]))
+        if proc.returncode == 0:
+            return "SURVIVED", detail
+        if proc.returncode == 1:
+            return "killed", detail
+        return "killed (error)", f"pytest exit {proc.returncode}: {detail}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--all-tests", action="store_true", help="run the whole default suite for each mutant")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
+    args = parser.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"unknown mutant(s): {', '.join(unknown)}; see --list")
+    chosen = [known[n] for n in args.names] if args.names else MUTANTS
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:<40} {m.what}\n{'':<40} tests: {' '.join(m.tests)}")
+        return 0
+    outcomes = {}
+    for m in chosen:
+        start = time.perf_counter()
+        outcome, detail = run_mutant(m, args.all_tests, args.verbose)
+        outcomes[m.name] = outcome
+        print(f"{outcome:<16} {m.name:<40} {time.perf_counter() - start:6.1f}s  {detail}", flush=True)
+    survived = [n for n, o in outcomes.items() if o == "SURVIVED"]
+    unapplied = [n for n, o in outcomes.items() if o == "could not apply"]
+    killed = len(outcomes) - len(survived) - len(unapplied)
+    print(f"\n{killed} killed, {len(survived)} survived, {len(unapplied)} could not apply, of {len(outcomes)}")
+    if survived:
+        print("survivors: " + ", ".join(survived))
+        for n in survived:
+            if known[n].note:
+                print(f"  {n}: {known[n].note}")
+    if unapplied:
+        print("could not apply: " + ", ".join(unapplied))
+    return 1 if survived or unapplied else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
