@@ -34,7 +34,7 @@ import torch
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.fx.mxfp4 import MXFP4Experts
 
-__all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors"]
+__all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "CausalLMLogits"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,20 @@ def checkpoint_tensors(checkpoint_dir: str | Path, config, *, device="cpu", dtyp
                     elif tensor.is_floating_point():
                         tensor = tensor.to(dtype)
                     yield name, tensor
+
+
+class CausalLMLogits(torch.nn.Module):
+    """``input_ids -> logits`` around a causal LM (no cache): the plain signature ``torch.export`` wants.
+
+    The wrapped model is the attribute ``m``, so exported names read ``m.model.layers.0...``.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=input_ids, use_cache=False).logits
 
 
 def load_gpt_oss(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",

@@ -51,7 +51,9 @@ def gpt_oss_blocks(mx: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float [..., K] from gpt-oss blocks [..., K/32, 16] and scales [..., K/32]: one custom-op node."""
     weight = torch.ops.fp4pass.dequantize_mxfp4(blocks.flatten(-2), scales)
-    return weight if dtype == torch.float32 else weight.to(dtype)
+    if isinstance(dtype, torch.dtype) and dtype == torch.float32:  # a Proxy under symbolic_trace
+        return weight
+    return weight.to(dtype)
 
 
 def _check_k(name: str, k: int) -> None:

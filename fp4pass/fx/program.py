@@ -243,8 +243,10 @@ class ProgramConstants(GraphConstants):
         self.graph.lint()
         self.graph_module.recompile()
         signature = ExportGraphSignature(input_specs=self.specs, output_specs=self._output_specs())
-        return self.program._update(self.graph_module, signature, state_dict=self.state_dict,
-                                    constants=self.constants)
+        with warnings.catch_warnings():  # as in __init__: torch copies its module call graph
+            warnings.simplefilter("ignore", FutureWarning)
+            return self.program._update(self.graph_module, signature, state_dict=self.state_dict,
+                                        constants=self.constants)
 
 
 def constants_of(model) -> GraphConstants:

@@ -178,7 +178,8 @@ class MXFP4ToNVFP4FxPass:
         scales_name, scales, scales_path = _stored(store, node.args[1], "scales")
         weight = weight_name(codes_name)
         key = (codes_name, tuple(codes.shape), scales_name)
-        if key not in cache:
+        first = key not in cache
+        if first:
             cache[key] = self._convert(weight, codes, scales)
         conv = cache[key]
         nv = conv.nv
@@ -217,7 +218,8 @@ class MXFP4ToNVFP4FxPass:
         for path in (codes_path, scales_path):
             for dead in path:
                 _drop_dead(store, dead)
-        return {"record": _Record(weight, node, tuple(shape)), "conv": conv, "form": form, "note": note}
+        return {"record": _Record(weight, node, tuple(shape)), "conv": conv, "form": form, "note": note,
+                "first": first}
 
     def __call__(self, model):
         start = time.perf_counter()
@@ -232,7 +234,8 @@ class MXFP4ToNVFP4FxPass:
                 log.info("fx: %s declined: %s", node.name, reason)
                 continue
             done = self.rewrite_node(store, node, cache)
-            tensors.append(tensor_entry(done["record"], done["conv"], done["form"], done["note"]))
+            if done["first"]:  # one entry per weight, however many nodes read it
+                tensors.append(tensor_entry(done["record"], done["conv"], done["form"], done["note"]))
         if not found and isinstance(model, torch.fx.GraphModule):
             declined.extend(_folded_constants(store))
         result = store.result()
