@@ -138,6 +138,9 @@ def _on_mxfp4_grid(t: torch.Tensor) -> bool:
     t = t.detach().float()
     if not bool(torch.isfinite(t).all()) or not bool((t != 0).any()):
         return False
+    first_row = t.reshape(-1, t.shape[-1])[:1]  # most float weights are off the grid in their first blocks
+    if not torch.equal(MXFP4Tensor.quantize(first_row).dequantize(), first_row):
+        return False
     return bool(torch.equal(MXFP4Tensor.quantize(t).dequantize(), t))
 
 
@@ -230,7 +233,8 @@ class MXFP4ToNVFP4FxPass:
         for node in found:
             reason = self.check(store, node)
             if reason:
-                declined.append({"pattern": PATTERN, "node": node.name, "tensor": None, "reason": reason})
+                declined.append({"pattern": PATTERN, "node": node.name, "tensor": getattr(node.args[0], "name", None),
+                                 "reason": reason})
                 log.info("fx: %s declined: %s", node.name, reason)
                 continue
             done = self.rewrite_node(store, node, cache)
