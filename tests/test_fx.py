@@ -68,7 +68,8 @@ def test_fx_convert_is_exact_for_experts_twenty_octaves_apart():
     (entry,) = report["tensors"]
     assert entry["mse"] == 0.0 and len(entry["global_scale"]) == 2
     buffers = dict(gm.named_buffers())
-    weight = _oracle_nvfp4_weight(*(buffers[f"codes_nvfp4_{part}"] for part in ("codes", "scales", "global_scale")))
+    weight = _oracle_nvfp4_weight(*(buffers[f"weight_nvfp4_{part}"] for part in ("codes", "scales", "global_scale")))
+    assert "codes" not in buffers and "scales" not in buffers  # the MXFP4 bytes are gone
     np.testing.assert_array_equal(weight, _oracle_weight(mx))
     assert torch.equal(gm(x), before)
 
@@ -80,4 +81,4 @@ def test_fx_convert_declines_codes_that_are_inputs():
     gm = torch.fx.symbolic_trace(f)
     gm, report = fp4pass.fx.convert(gm)
     assert report["tensors"] == []
-    assert "codes is not a constant" in report["declined"][0]["reason"]
+    assert "codes is not a stored tensor: graph input" in report["declined"][0]["reason"]

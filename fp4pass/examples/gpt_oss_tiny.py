@@ -1,0 +1,205 @@
+"""A tiny gpt-oss-shaped model in MXFP4, written as a safetensors checkpoint like the real ones.
+
+Architecture: transformers' ``GptOssForCausalLM`` at a small size (:data:`TINY_CONFIG`): 3 layers alternating
+sliding-window (8) and full attention, hidden 64, 4 heads of 16 with 2 KV heads, attention biases and sinks,
+YaRN RoPE as in gpt-oss (factor 32 over 4096), 4 experts with top-2 routing, intermediate 64, clamped SwiGLU
+(alpha 1.702, limit 7) with biases, vocabulary 256.
+
+Weights are drawn from ``torch.Generator().manual_seed(seed)`` on CPU, so a seed gives the same bytes:
+O(1) embeddings, matrices with standard deviation 1/sqrt(fan-in) times a per-expert factor (x1, x1/2, x2,
+x1), small biases, norm gains near 1. The experts are quantized to MXFP4 with the OCP FLOOR rule. In layer 1,
+expert 3's ``gate_up_proj`` has 8 rows scaled by 2^-20, so its exponent spread exceeds the 17 that an
+NVFP4 global scale can hold: the one expert that converts lossily. Everything else is stored bf16, norms
+float32, as in the released checkpoints.
+
+Naming ``"hf"`` (default): ``config.json`` of ``GptOssConfig`` with ``quantization_config`` {quant_method:
+mxfp4} and ``model.safetensors`` with transformers' names (``...experts.gate_up_proj_blocks`` [E, 2I, H/32,
+16] uint8, ``..._scales`` [E, 2I, H/32] uint8). Naming ``"openai"``: the gpt-oss package's names and
+config.json (``block.{n}.mlp.mlp1_weight.blocks``, ``block.{n}.attn.qkv``, ...).
+
+    python -m fp4pass.examples.gpt_oss_tiny OUTDIR [--naming hf|openai] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fp4pass.formats import MXFP4Tensor
+
+__all__ = ["TINY_CONFIG", "tiny_state_dict", "build_tiny_gpt_oss", "main"]
+
+#: GptOssConfig fields of the tiny model (others take transformers' gpt-oss defaults).
+TINY_CONFIG = {
+    "num_hidden_layers": 3,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "head_dim": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "sliding_window": 8,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+}
+EXPERT_FACTORS = (1.0, 0.5, 2.0, 1.0)
+LOSSY = {"layer": 1, "expert": 3, "rows": 8, "factor": 2.0 ** -20}
+_MODULES_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def tiny_state_dict(seed: int = 0, config: dict | None = None) -> dict[str, torch.Tensor]:
+    """Float32 weights in transformers' names; experts as ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
+    (rows = outputs, the checkpoint's orientation)."""
+    c = {**TINY_CONFIG, **(config or {})}
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=1.0):
+        return torch.randn(*shape, generator=g) * std
+
+    h, i, e, hd = c["hidden_size"], c["intermediate_size"], c["num_local_experts"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    sd = {"model.embed_tokens.weight": normal(c["vocab_size"], h)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        sd[p + "input_layernorm.weight"] = 1 + normal(h, std=0.1)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            sd[p + f"self_attn.{name}_proj.weight"] = normal(rows, h, std=h ** -0.5)
+            sd[p + f"self_attn.{name}_proj.bias"] = normal(rows, std=0.1)
+        sd[p + "self_attn.o_proj.weight"] = normal(h, q, std=q ** -0.5)
+        sd[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)
+        sd[p + "self_attn.sinks"] = normal(c["num_attention_heads"])
+        sd[p + "post_attention_layernorm.weight"] = 1 + normal(h, std=0.1)
+        sd[p + "mlp.router.weight"] = normal(e, h, std=h ** -0.5)
+        sd[p + "mlp.router.bias"] = normal(e, std=0.1)
+        factors = torch.tensor(EXPERT_FACTORS[:e] + (1.0,) * max(0, e - len(EXPERT_FACTORS))).view(e, 1, 1)
+        gate_up = normal(e, 2 * i, h, std=h ** -0.5) * factors
+        if n == LOSSY["layer"] and LOSSY["expert"] < e:
+            gate_up[LOSSY["expert"], : LOSSY["rows"]] *= LOSSY["factor"]
+        sd[p + "mlp.experts.gate_up_proj"] = gate_up
+        sd[p + "mlp.experts.gate_up_proj_bias"] = normal(e, 2 * i, std=0.1)
+        sd[p + "mlp.experts.down_proj"] = normal(e, h, i, std=i ** -0.5) * factors
+        sd[p + "mlp.experts.down_proj_bias"] = normal(e, h, std=0.1)
+    sd["model.norm.weight"] = 1 + normal(h, std=0.1)
+    sd["lm_head.weight"] = normal(c["vocab_size"], h, std=h ** -0.5)
+    return sd
+
+
+def _stored(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors: experts -> MXFP4 blocks/scales (uint8), norms float32, the rest bf16."""
+    out = {}
+    for name, tensor in sd.items():
+        if name.endswith((".gate_up_proj", ".down_proj")):
+            mx = MXFP4Tensor.quantize(tensor, scale_rule="floor", name=name)
+            out[f"{name}_blocks"] = mx.codes.reshape(*mx.codes.shape[:-1], -1, 16).contiguous()
+            out[f"{name}_scales"] = mx.scales.contiguous()
+        elif "norm" in name:
+            out[name] = tensor.float().contiguous()
+        else:
+            out[name] = tensor.to(torch.bfloat16).contiguous()
+    return out
+
+
+def _openai_names(stored: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    out = {"embedding.weight": stored["model.embed_tokens.weight"], "norm.scale": stored["model.norm.weight"],
+           "unembedding.weight": stored["lm_head.weight"]}
+    for n in range(num_layers):
+        p, b = f"model.layers.{n}.", f"block.{n}."
+        a = p + "self_attn."
+        for kind in ("weight", "bias"):
+            out[b + f"attn.qkv.{kind}"] = torch.cat([stored[a + f"{x}_proj.{kind}"] for x in "qkv"]).contiguous()
+            out[b + f"attn.out.{kind}"] = stored[a + f"o_proj.{kind}"]
+            out[b + f"mlp.gate.{kind}"] = stored[p + f"mlp.router.{kind}"]
+        out[b + "attn.sinks"] = stored[a + "sinks"]
+        out[b + "attn.norm.scale"] = stored[p + "input_layernorm.weight"]
+        out[b + "mlp.norm.scale"] = stored[p + "post_attention_layernorm.weight"]
+        for ours, theirs in (("gate_up_proj", "mlp1"), ("down_proj", "mlp2")):
+            x = p + f"mlp.experts.{ours}"
+            out[b + f"mlp.{theirs}_weight.blocks"] = stored[x + "_blocks"]
+            out[b + f"mlp.{theirs}_weight.scales"] = stored[x + "_scales"]
+            out[b + f"mlp.{theirs}_bias"] = stored[x + "_bias"]
+    return out
+
+
+def _hf_config(c: dict) -> dict:
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(**c).to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": _MODULES_NOT_CONVERTED}
+    config.pop("transformers_version", None)
+    return config
+
+
+def _openai_config(c: dict) -> dict:
+    rope = c["rope_parameters"]
+    return {
+        "num_hidden_layers": c["num_hidden_layers"], "num_experts": c["num_local_experts"],
+        "experts_per_token": c["num_experts_per_tok"], "vocab_size": c["vocab_size"],
+        "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+        "swiglu_limit": c["swiglu_limit"], "head_dim": c["head_dim"],
+        "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
+        "sliding_window": c["sliding_window"], "initial_context_length": rope["original_max_position_embeddings"],
+        "rope_theta": rope["rope_theta"], "rope_scaling_factor": rope["factor"],
+        "rope_ntk_alpha": rope["beta_slow"], "rope_ntk_beta": rope["beta_fast"],
+    }
+
+
+def _write_atomic(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the checkpoint is for everyone to read
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_tiny_gpt_oss(out_dir: str | Path, seed: int = 0, naming: str = "hf", config: dict | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of the tiny MXFP4 gpt-oss into ``out_dir``; returns it.
+
+    ``config``: GptOssConfig fields to change from :data:`TINY_CONFIG` (the hidden and intermediate sizes must
+    stay multiples of 32).
+    """
+    from safetensors.torch import save_file
+
+    if naming not in ("hf", "openai"):
+        raise ValueError(f"naming must be 'hf' or 'openai', not {naming!r}")
+    c = {**TINY_CONFIG, **(config or {})}
+    stored = _stored(tiny_state_dict(seed, c))
+    if naming == "openai":
+        stored, config_json = _openai_names(stored, c["num_hidden_layers"]), _openai_config(c)
+    else:
+        config_json = _hf_config(c)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "model.safetensors", lambda p: save_file(stored, p, metadata={"format": "pt"}))
+    _write_atomic(out / "config.json", lambda p: Path(p).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp4pass.examples.gpt_oss_tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--naming", choices=("hf", "openai"), default="hf")
+    args = parser.parse_args(argv)
+    path = build_tiny_gpt_oss(args.out_dir, seed=args.seed, naming=args.naming)
+    print(f"wrote {path}/config.json and {path}/model.safetensors")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""torch modules that hold MXFP4 weights packed and dequantize them with ``torch.ops.fp4pass.dequantize_mxfp4``.
+
+Each weight is stored the way gpt-oss checkpoints store it, as two uint8 buffers:
+
+- ``{w}_blocks`` [..., N, K/32, 16]: E2M1 codes, two per byte, element 2i in the low nibble, 2i+1 in the high;
+- ``{w}_scales`` [..., N, K/32]: E8M0 codes, block scale 2^(code - 127), a multiplier applied on dequantize.
+
+``forward`` calls the custom op once per weight (``W = e2m1(code) * 2^(scale - 127)``, float32 [..., N, K]),
+so ``torch.export`` keeps one ``fp4pass.dequantize_mxfp4`` node per weight: the node the fx pass rewrites into
+NVFP4. Nothing is dequantized ahead of time; memory holds the packed bytes (a quarter of bf16 plus 1/32).
+
+- :class:`MXFP4Linear`: ``y = x @ W^T + b`` for W [N, K], a drop-in for ``torch.nn.Linear``.
+- :class:`MXFP4Experts`: gpt-oss's MoE experts, a drop-in for transformers' ``GptOssExperts`` (same call,
+  same math), W1 = ``gate_up_proj`` [E, 2I, H] with gate/up rows interleaved (row 2j gate, 2j+1 up),
+  W2 = ``down_proj`` [E, H, I].
+- :func:`quantize_linears`: put MXFP4Linear in place of a float model's ``nn.Linear`` modules.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4pass.errors import ShapeError
+from fp4pass.formats import MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
+
+# Registers torch.ops.fp4pass.* before any forward runs.
+from fp4pass.fx import ops  # noqa: F401
+
+__all__ = ["MXFP4Linear", "MXFP4Experts", "quantize_linears", "gpt_oss_blocks"]
+
+log = logging.getLogger(__name__)
+
+_BLOCK_BYTES = MX_BLOCK_SIZE // 2
+
+
+def gpt_oss_blocks(mx: MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MXFP4Tensor`` [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]), gpt-oss layout.
+
+    The same bytes as ``mx.codes`` (a view), grouped by scale block.
+    """
+    if mx.block_size != MX_BLOCK_SIZE:
+        raise ShapeError(f"{mx.name}: gpt-oss layout needs block size 32, got {mx.block_size}")
+    return mx.codes.reshape(*mx.codes.shape[:-1], -1, _BLOCK_BYTES), mx.scales
+
+
+def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float [..., K] from gpt-oss blocks [..., K/32, 16] and scales [..., K/32]: one custom-op node."""
+    weight = torch.ops.fp4pass.dequantize_mxfp4(blocks.flatten(-2), scales)
+    if isinstance(dtype, torch.dtype) and dtype == torch.float32:  # a Proxy under symbolic_trace
+        return weight
+    return weight.to(dtype)
+
+
+def _check_k(name: str, k: int) -> None:
+    if k % MX_BLOCK_SIZE:
+        raise ShapeError(f"{name}: K={k} is not a multiple of the MXFP4 block {MX_BLOCK_SIZE}")
+
+
+class MXFP4Linear(nn.Module):
+    """``y = x @ W^T + b`` with W [out_features, in_features] held in MXFP4 (``weight_blocks``, ``weight_scales``).
+
+    ``bias`` stays a float parameter. The dequantized weight is float32, cast to the input's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        _check_k("MXFP4Linear", in_features)
+        self.in_features, self.out_features = in_features, out_features
+        blocks = in_features // MX_BLOCK_SIZE
+        self.register_buffer("weight_blocks", torch.zeros(out_features, blocks, _BLOCK_BYTES, dtype=torch.uint8,
+                                                          device=device))
+        self.register_buffer("weight_scales", torch.full((out_features, blocks), 127, dtype=torch.uint8,
+                                                         device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scale_rule: ScaleRule | str = ScaleRule.FLOOR,
+                    *, name: str = "linear") -> "MXFP4Linear":
+        """Quantize ``linear.weight`` to MXFP4 with ``scale_rule`` (see :class:`fp4pass.ScaleRule`)."""
+        weight = linear.weight.detach()
+        _check_k(f"{name}.weight", weight.shape[-1])
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, device=weight.device,
+                     dtype=weight.dtype)
+        blocks, scales = gpt_oss_blocks(MXFP4Tensor.quantize(weight, scale_rule=scale_rule, name=f"{name}.weight"))
+        module.weight_blocks.copy_(blocks)
+        module.weight_scales.copy_(scales)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [out_features, in_features]."""
+        return _dequantize(self.weight_blocks, self.weight_scales, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, _dequantize(self.weight_blocks, self.weight_scales, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MXFP4Experts(nn.Module):
+    """gpt-oss MoE experts with MXFP4 weights; called like transformers' ``GptOssExperts``.
+
+    Buffers (checkpoint names and layout): ``gate_up_proj_blocks`` [E, 2I, H/32, 16], ``gate_up_proj_scales``
+    [E, 2I, H/32], ``down_proj_blocks`` [E, H, I/32, 16], ``down_proj_scales`` [E, H, I/32]; float parameters
+    ``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, H].
+
+    ``forward(hidden_states [T, H], router_indices [T, k], routing_weights [T, k]) -> [T, H]``, per token t
+    and each of its k experts e (weight r)::
+
+        gate_up = x_t @ W1[e]^T + b1[e]           # [2I], gate = gate_up[0::2], up = gate_up[1::2]
+        gate    = min(gate, limit);  up = clamp(up, -limit, limit)
+        h       = (up + 1) * gate * sigmoid(alpha * gate)          # alpha 1.702, limit 7 in gpt-oss
+        y_t    += r * (h @ W2[e]^T + b2[e])                        # summed in increasing expert order
+
+    Every expert runs on every token as one batched matmul (a routing weight of zero for tokens that did not
+    pick it): no data-dependent shapes, so the module exports with ``torch.export`` as two dequant nodes and
+    two ``bmm`` per layer, at E/k times the arithmetic of a routed kernel.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float = 1.702,
+                 limit: float = 7.0, device=None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        _check_k("MXFP4Experts gate_up_proj (hidden_size)", hidden_size)
+        _check_k("MXFP4Experts down_proj (intermediate_size)", intermediate_size)
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        self.alpha, self.limit = alpha, limit
+
+        def blocks(n, k):
+            return torch.zeros(e, n, k // MX_BLOCK_SIZE, _BLOCK_BYTES, dtype=torch.uint8, device=device)
+
+        def scales(n, k):
+            return torch.full((e, n, k // MX_BLOCK_SIZE), 127, dtype=torch.uint8, device=device)
+
+        self.register_buffer("gate_up_proj_blocks", blocks(2 * i, h))
+        self.register_buffer("gate_up_proj_scales", scales(2 * i, h))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=dtype, device=device))
+        self.register_buffer("down_proj_blocks", blocks(h, i))
+        self.register_buffer("down_proj_scales", scales(h, i))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dtype, device=device))
+
+    @classmethod
+    def from_config(cls, config, *, device=None, dtype: torch.dtype = torch.float32) -> "MXFP4Experts":
+        """Empty experts shaped by a transformers ``GptOssConfig``."""
+        return cls(config.num_local_experts, config.hidden_size, config.intermediate_size,
+                   alpha=getattr(config, "swiglu_alpha", 1.702), limit=config.swiglu_limit, device=device,
+                   dtype=dtype)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, scale_rule: ScaleRule | str = ScaleRule.FLOOR,
+                     *, name: str = "experts") -> "MXFP4Experts":
+        """Quantize a float ``GptOssExperts`` (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H], x @ W)."""
+        gate_up = experts.gate_up_proj.detach()
+        down = experts.down_proj.detach()
+        e, h, two_i = gate_up.shape
+        module = cls(e, h, two_i // 2, alpha=experts.alpha, limit=experts.limit, device=gate_up.device,
+                     dtype=gate_up.dtype)
+        for proj, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+            mx = MXFP4Tensor.quantize(weight.transpose(1, 2), scale_rule=scale_rule, name=f"{name}.{proj}")
+            blocks, scales = gpt_oss_blocks(mx)
+            getattr(module, f"{proj}_blocks").copy_(blocks)
+            getattr(module, f"{proj}_scales").copy_(scales)
+        module.gate_up_proj_bias.data.copy_(experts.gate_up_proj_bias.detach())
+        module.down_proj_bias.data.copy_(experts.down_proj_bias.detach())
+        return module
+
+    def dequantized(self, proj: str) -> torch.Tensor:
+        """float32 weight of ``proj`` ("gate_up_proj" [E, 2I, H] or "down_proj" [E, H, I])."""
+        return _dequantize(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"), torch.float32)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * glu
+
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        dtype = x.dtype
+        w1 = _dequantize(self.gate_up_proj_blocks, self.gate_up_proj_scales, dtype)  # [E, 2I, H]
+        w2 = _dequantize(self.down_proj_blocks, self.down_proj_scales, dtype)  # [E, H, I]
+        xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)  # [E, T, H]
+        gate_up = torch.bmm(xe, w1.transpose(1, 2)) + self.gate_up_proj_bias.unsqueeze(1)  # [E, T, 2I]
+        out = torch.bmm(self._apply_gate(gate_up), w2.transpose(1, 2)) + self.down_proj_bias.unsqueeze(1)
+        # routing weight per (token, expert), zero where the token did not pick the expert
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=routing_weights.dtype, device=x.device)
+        dense = dense.scatter(1, router_indices.reshape(x.shape[0], -1), routing_weights.reshape(x.shape[0], -1))
+        weighted = out * dense.transpose(0, 1).unsqueeze(-1).to(out.dtype)  # [E, T, H]
+        return weighted.sum(0).to(dtype).reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}")
+
+
+def quantize_linears(model: nn.Module, scale_rule: ScaleRule | str = "floor", *,
+                     exclude: tuple[str, ...] = ()) -> nn.Module:
+    """Put an :class:`MXFP4Linear` in place of every ``nn.Linear`` of ``model`` (in place; returns ``model``).
+
+    The weights are quantized with ``scale_rule`` (floor | ceil | even | rceil, see :class:`fp4pass.ScaleRule`).
+    Skipped, with a log line: linears whose ``in_features`` is not a multiple of 32, and module names matching
+    a pattern of ``exclude`` (fnmatch, e.g. ``"lm_head"``, ``"*.router"``).
+    """
+    rule = ScaleRule(scale_rule)
+    if type(model) is nn.Linear:
+        return MXFP4Linear.from_linear(model, rule)
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, linear in targets:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
+            log.info("quantize_linears: %s excluded", name)
+            continue
+        if linear.in_features % MX_BLOCK_SIZE:
+            log.info("quantize_linears: %s skipped, in_features %d is not a multiple of 32", name,
+                     linear.in_features)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MXFP4Linear.from_linear(linear, rule, name=name))
+    return model

@@ -1,0 +1,215 @@
+"""load_gpt_oss on the tiny MXFP4 gpt-oss: bytes, logits against transformers, both namings, and fx.convert.
+
+Oracles: the gpt-oss package's reference dequant (gpt_oss.torch.weights), transformers' own
+GptOssForCausalLM on those dequantized weights, OpenAI's reference model (gpt_oss.torch.model) for the OpenAI
+naming, and numpy decoders (tests/conversion_oracle.py) for the NVFP4 result.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import fp4pass.fx  # noqa: E402
+from conversion_oracle import mx_dequant, nv_dequant, spread, unpack  # noqa: E402
+from fp4pass.errors import ModelError  # noqa: E402
+from fp4pass.examples.gpt_oss_tiny import LOSSY, build_tiny_gpt_oss  # noqa: E402
+from fp4pass.fx.gpt_oss import CausalLMLogits, read_config  # noqa: E402
+from fp4pass.fx.mxfp4 import MXFP4Experts  # noqa: E402
+
+CKPT = Path(__file__).resolve().parents[1] / "models" / "tiny_gpt_oss"
+PROJS = ("gate_up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fp4pass.fx.load_gpt_oss(CKPT)
+
+
+@pytest.fixture(scope="module")
+def input_ids():
+    # longer than the sliding window (8), so both attention kinds matter
+    return torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from safetensors.torch import load_file
+
+    return load_file(str(CKPT / "model.safetensors"))
+
+
+def _reference_dequant(ckpt_dir: Path, blocks_name: str) -> torch.Tensor:
+    weights = pytest.importorskip("gpt_oss.torch.weights")
+    ck = weights.Checkpoint(str(ckpt_dir), torch.device("cpu"))
+    return ck._get_mxfp4_tensor(blocks_name, blocks_name.replace("blocks", "scales"), dtype=torch.float32)
+
+
+def test_experts_hold_the_checkpoint_bytes_and_dequantize_like_gpt_oss(model, checkpoint):
+    layers = model.model.layers
+    assert all(isinstance(layer.mlp.experts, MXFP4Experts) for layer in layers)
+    for i, layer in enumerate(layers):
+        experts = layer.mlp.experts
+        for proj in PROJS:
+            name = f"model.layers.{i}.mlp.experts.{proj}_blocks"
+            assert torch.equal(getattr(experts, f"{proj}_blocks"), checkpoint[name])
+            assert getattr(experts, f"{proj}_blocks").dtype == torch.uint8
+            assert torch.equal(experts.dequantized(proj), _reference_dequant(CKPT, name))
+        # packed only: no float copy of an expert weight anywhere in the module
+        floats = [t for t in experts.state_dict().values() if t.is_floating_point()]
+        assert all(t.dim() <= 2 for t in floats)
+
+
+def _stock_model_on_reference_weights(ckpt_dir: Path, checkpoint):
+    from transformers import GptOssForCausalLM
+
+    config = read_config(ckpt_dir)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    stock = GptOssForCausalLM(config).eval()
+    state = {}
+    for name, tensor in checkpoint.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            # the checkpoint's [E, N, K]; transformers' float experts multiply x @ W with W [E, K, N]
+            state[name[: -len("_blocks")]] = _reference_dequant(ckpt_dir, name).transpose(1, 2).contiguous()
+        else:
+            state[name] = tensor.float()
+    stock.load_state_dict(state, strict=True)
+    return stock
+
+
+def test_logits_equal_transformers_forward_on_reference_dequantized_weights(model, input_ids, checkpoint):
+    stock = _stock_model_on_reference_weights(CKPT, checkpoint)
+    with torch.no_grad():
+        ours = model(input_ids).logits
+        theirs = stock(input_ids).logits
+    assert ours.abs().max() > 1.0  # a model that does something
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_openai_naming_loads_the_same_model(tmp_path, model, input_ids):
+    build_tiny_gpt_oss(tmp_path / "original", naming="openai")
+    other = fp4pass.fx.load_gpt_oss(tmp_path / "original")
+    ours = model.state_dict()
+    theirs = other.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    with torch.no_grad():
+        assert torch.equal(other(input_ids).logits, model(input_ids).logits)
+
+
+def test_openai_naming_agrees_with_openai_reference_model(tmp_path, model, input_ids):
+    reference = pytest.importorskip("gpt_oss.torch.model")
+    path = build_tiny_gpt_oss(tmp_path / "original", naming="openai")
+    transformer = reference.Transformer.from_checkpoint(str(path), device="cpu")
+    tokens = input_ids[0]
+    with torch.no_grad():
+        theirs = transformer(tokens).float()  # bf16 weights and activations
+        ours = model(tokens[None]).logits[0]
+    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0)
+    assert cosine > 0.999, float(cosine)
+    assert (ours - theirs).abs().max() < 0.05 * ours.abs().max()
+
+
+def test_config_overrides_keep_the_first_layers(input_ids):
+    small = fp4pass.fx.load_gpt_oss(CKPT, num_hidden_layers=1)
+    assert len(small.model.layers) == 1 and small.config.layer_types == ["sliding_attention"]
+    with torch.no_grad():
+        assert small(input_ids).logits.shape == (2, 20, 256)
+
+
+def test_bad_checkpoints_name_the_problem(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        fp4pass.fx.load_gpt_oss(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    bad = build_tiny_gpt_oss(tmp_path / "bad")
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ModelError, match="missing model.layers.2.mlp.experts.down_proj_scales"):
+        fp4pass.fx.load_gpt_oss(bad)
+
+
+@pytest.fixture(scope="module")
+def exported(model, input_ids):
+    return torch.export.export(CausalLMLogits(model), (input_ids,))
+
+
+@pytest.fixture(scope="module")
+def converted(exported):
+    return fp4pass.fx.convert(exported, method="auto")
+
+
+def test_convert_is_lossless_per_expert_where_the_exponent_spread_forecasts_it(converted, checkpoint):
+    program, report = converted
+    state = program.state_dict
+    lossy = []
+    for i in range(3):
+        for proj in PROJS:
+            base = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks, scales = checkpoint[f"{base}_blocks"].numpy(), checkpoint[f"{base}_scales"].numpy()
+            codes = unpack(blocks.reshape(*blocks.shape[:-2], -1))
+            mx = mx_dequant(codes, scales).astype(np.float32)
+            nv_codes = unpack(state[f"m.{base}_nvfp4_codes"].numpy())
+            nv = nv_dequant(nv_codes, state[f"m.{base}_nvfp4_scales"].numpy(),
+                            state[f"m.{base}_nvfp4_global_scale"].numpy())
+            for e in range(codes.shape[0]):
+                if spread(codes[e], scales[e]) <= 17:
+                    np.testing.assert_array_equal(nv[e], mx[e], err_msg=f"{base} expert {e}")
+                else:
+                    lossy.append((i, proj, e))
+                    assert not np.array_equal(nv[e], mx[e])
+            assert f"m.{base}_blocks" not in state and f"m.{base}_scales" not in state
+    assert lossy == [(LOSSY["layer"], "gate_up_proj", LOSSY["expert"])]
+    s = report["summary"]
+    assert (s["tensors_converted"], s["lossless"], s["declined"]) == (6, 5, 0)
+    entry = next(t for t in report["tensors"] if t["name"] == "m.model.layers.1.mlp.experts.gate_up_proj")
+    assert entry["experts"] == 4 and len(entry["global_scale"]) == 4 and entry["mse"] > 0
+
+
+@pytest.mark.slow
+def test_exported_program_in_out_saved_loaded_and_run(tmp_path, exported, converted, input_ids):
+    program, _ = converted
+    assert isinstance(program, torch.export.ExportedProgram)
+    assert any(n.target == torch.ops.fp4pass.dequantize_mxfp4.default for n in exported.graph.nodes)  # input kept
+    with torch.no_grad():
+        before = exported.module()(input_ids)
+        after = program.module()(input_ids)
+    err = (after - before).norm() / before.norm()
+    assert 0 < err < 1e-5  # only the lossy expert's 2^-20 rows moved
+    path = tmp_path / "tiny_nvfp4.pt2"
+    torch.export.save(program, path)
+    loaded = torch.export.load(path)
+    with torch.no_grad():
+        assert torch.equal(loaded.module()(input_ids), after)
+    again = torch.export.export(loaded.module(), (input_ids,))
+    targets = [n.target for n in again.graph.nodes]
+    assert targets.count(torch.ops.fp4pass.dequantize_nvfp4.default) == 6
+    with torch.no_grad():
+        assert torch.equal(again.module()(input_ids), after)
+
+
+def test_alpha_form_scales_the_expert_matmuls(exported, converted, input_ids):
+    program, report = fp4pass.fx.convert(exported, scale_form="alpha")
+    assert {t["target_form"] for t in report["tensors"]} == {"alpha"}
+    alphas = [k for k in program.state_dict if k.endswith("_nvfp4_alpha")]
+    assert len(alphas) == 6 and all(program.state_dict[k].shape == (4, 1, 1) for k in alphas)
+    assert not any(k.endswith("_nvfp4_global_scale") for k in program.state_dict)
+    with torch.no_grad():
+        dq = converted[0].module()(input_ids)
+        alpha = program.module()(input_ids)
+    torch.testing.assert_close(alpha, dq, rtol=1e-5, atol=1e-5)
+
+
+def test_exported_experts_dequantize_once_per_weight(exported):
+    nodes = [n for n in exported.graph.nodes if n.target == torch.ops.fp4pass.dequantize_mxfp4.default]
+    assert len(nodes) == 6

@@ -1,0 +1,130 @@
+"""MXFP4Linear, MXFP4Experts and quantize_linears against numpy oracles and a loop written from the gpt-oss math.
+
+Oracles: tests/oracles.py's numpy MXFP4 quantizer (OCP FLOOR rule), tests/conversion_oracle.py's decoder, and
+the experts' math written out per token and expert (gate/up interleaved, clamped SwiGLU, biases).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import fp4pass.fx
+from conversion_oracle import mx_dequant, unpack
+from fp4pass.errors import ShapeError
+from fp4pass.fx.mxfp4 import MXFP4Experts, MXFP4Linear
+from oracles import mx_quantize_np
+
+
+def _decoded(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    b = blocks.numpy()
+    return mx_dequant(unpack(b.reshape(*b.shape[:-2], -1)), scales.numpy()).astype(np.float32)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 96)
+        self.fc2 = torch.nn.Linear(96, 32, bias=False)
+        self.head = torch.nn.Linear(32, 10)
+        self.odd = torch.nn.Linear(10, 4)  # in_features 10: not a multiple of 32, stays float
+
+    def forward(self, x):
+        return self.odd(self.head(torch.relu(self.fc2(torch.relu(self.fc1(x))))))
+
+
+def test_quantize_linears_swaps_every_linear_it_can():
+    torch.manual_seed(0)
+    mlp = MLP()
+    weights = {name: mlp.get_submodule(name).weight.detach().numpy().copy() for name in ("fc1", "fc2", "head")}
+    model = fp4pass.fx.quantize_linears(mlp, scale_rule="floor", exclude=("head",))
+    assert isinstance(model.fc1, MXFP4Linear) and isinstance(model.fc2, MXFP4Linear)
+    assert type(model.head) is torch.nn.Linear and type(model.odd) is torch.nn.Linear
+    for name in ("fc1", "fc2"):
+        layer = model.get_submodule(name)
+        codes, scales = mx_quantize_np(weights[name], "floor")
+        assert np.array_equal(unpack(layer.weight_blocks.numpy().reshape(layer.out_features, -1)), codes)
+        assert np.array_equal(layer.weight_scales.numpy(), scales)
+    x = torch.randn(4, 64)
+    h = torch.relu(x @ torch.from_numpy(_decoded(model.fc1.weight_blocks, model.fc1.weight_scales)).T + model.fc1.bias)
+    h = torch.relu(h @ torch.from_numpy(_decoded(model.fc2.weight_blocks, model.fc2.weight_scales)).T)
+    expected = model.odd(model.head(h))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_quantized_mlp_exports_one_dequant_per_weight_and_converts_losslessly():
+    torch.manual_seed(0)
+    model = fp4pass.fx.quantize_linears(MLP())
+    x = torch.randn(4, 64)
+    program = torch.export.export(model, (x,))
+    targets = [n.target for n in program.graph.nodes]
+    assert targets.count(torch.ops.fp4pass.dequantize_mxfp4.default) == 3
+    out, report = fp4pass.fx.convert(program)
+    assert report["summary"]["lossless"] == 3 and sorted(t["name"] for t in report["tensors"]) == [
+        "fc1.weight", "fc2.weight", "head.weight"]
+    with torch.no_grad():
+        assert torch.equal(out.module()(x), model(x))
+
+
+def test_quantize_linears_on_a_bare_linear_and_other_scale_rules():
+    lin = torch.nn.Linear(32, 4)
+    for rule in ("floor", "ceil", "even", "rceil"):
+        q = fp4pass.fx.quantize_linears(lin, scale_rule=rule)
+        _, scales = mx_quantize_np(lin.weight.detach().numpy(), rule)
+        assert isinstance(q, MXFP4Linear) and np.array_equal(q.weight_scales.numpy(), scales)
+    with pytest.raises(ShapeError, match="multiple of the MXFP4 block"):
+        MXFP4Linear(48, 4)
+
+
+def _loop_experts(x, w1, b1, w2, b2, indices, weights, alpha=1.702, limit=7.0):
+    """gpt-oss experts per token and chosen expert, in float64 (w1 [E, 2I, H] rows interleave gate/up)."""
+    x, w1, b1, w2, b2 = (torch.as_tensor(t, dtype=torch.float64) for t in (x, w1, b1, w2, b2))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for slot in range(indices.shape[1]):
+            e = int(indices[t, slot])
+            gate_up = w1[e] @ x[t] + b1[e]
+            gate, up = gate_up[0::2].clamp(max=limit), gate_up[1::2].clamp(-limit, limit)
+            h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            out[t] += float(weights[t, slot]) * (w2[e] @ h + b2[e])
+    return out
+
+
+def test_experts_match_the_gpt_oss_math_written_per_token():
+    torch.manual_seed(0)
+    e, h, i, t = 4, 64, 32, 6
+    m = MXFP4Experts(e, h, i)
+    for proj, shape in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
+        codes, scales = mx_quantize_np(np.random.default_rng(1).standard_normal(shape) * 0.5)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+        getattr(m, f"{proj}_blocks").copy_(torch.from_numpy(packed.reshape(*shape[:2], -1, 16)))
+        getattr(m, f"{proj}_scales").copy_(torch.from_numpy(scales))
+    with torch.no_grad():
+        m.gate_up_proj_bias.normal_()
+        m.down_proj_bias.normal_()
+    x = torch.randn(t, h) * 3  # large enough that the clamps at +-7 bite
+    logits = torch.randn(t, e)
+    top, indices = torch.topk(logits, 2, dim=-1)
+    weights = torch.softmax(top, -1)
+    expected = _loop_experts(x, _decoded(m.gate_up_proj_blocks, m.gate_up_proj_scales), m.gate_up_proj_bias.detach(),
+                             _decoded(m.down_proj_blocks, m.down_proj_scales), m.down_proj_bias.detach(),
+                             indices, weights)
+    with torch.no_grad():
+        got = m(x, indices, weights)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_experts_from_float_experts_keep_the_checkpoint_orientation():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig(num_local_experts=2, hidden_size=64, intermediate_size=32)
+    float_experts = GptOssExperts(config)
+    with torch.no_grad():
+        for p in float_experts.parameters():
+            p.normal_()
+    m = MXFP4Experts.from_experts(float_experts)
+    # transformers multiplies x @ W with W [E, H, 2I]; the MXFP4 weight is [E, 2I, H], rows = outputs
+    codes, scales = mx_quantize_np(float_experts.gate_up_proj.detach().transpose(1, 2).numpy())
+    assert np.array_equal(unpack(m.gate_up_proj_blocks.numpy().reshape(2, 64, -1)), codes)
+    assert np.array_equal(m.gate_up_proj_scales.numpy(), scales)
