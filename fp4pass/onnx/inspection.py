@@ -19,6 +19,7 @@ import numpy as np
 
 from fp4pass.onnx import loading
 from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.report import layout_entry
 from fp4pass.onnx.rewrite_common import WeightConversion
 
 __all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
@@ -43,7 +44,7 @@ def inspect(model_or_path) -> dict:
     "spread", "lossless", "lossless_per_tensor_scale", "per_expert": [{"expert", "k_min", "k_max", "spread",
     "lossless"}]}], "declined": [...], "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``."""
     loaded = loading.load(model_or_path)
-    records, declined = find_mxfp4(loaded.model)
+    records, declined = find_mxfp4(loaded.model, loaded.path.parent if loaded.path is not None else None)
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")
@@ -53,7 +54,7 @@ def inspect(model_or_path) -> dict:
         holds = ((packed & 0x77) != 0).any(-1)  # a non-zero magnitude in either nibble of any byte of the block
         whole = _spread_entry(k, holds)
         entry = {"name": record.name, "node": record.node.name, "pattern": record.pattern, "slot": record.slot,
-                 "shape": list(record.shape), "experts": record.experts}
+                 "shape": list(record.shape), "experts": record.experts, **layout_entry(record)}
         if record.experts is None:
             entry.update(whole, lossless_per_tensor_scale=whole["lossless"], per_expert=[])
         else:
@@ -87,6 +88,9 @@ def format_inspection(info: dict) -> str:
             lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \
                         f" one scale for all: {'yes' if t['lossless_per_tensor_scale'] else 'no'})"
         lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {k_range:<12} {t['spread']:>6}  {lossless}")
+        if t.get("layout_read"):
+            lines.append(f"{'':<4}QMoE weight layout read: {t['layout_read']} {t['layout_read_shape']} "
+                         f"({t['layout_reason']}); convert writes {t['layout_written']} {t['layout_written_shape']}")
         for p in t["per_expert"]:
             if not p["lossless"]:
                 lines.append(f"{'':<4}expert {p['expert']}: k {p['k_min']}..{p['k_max']}, spread {p['spread']} > 17: lossy")

@@ -22,6 +22,7 @@ from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
+from fp4pass.onnx.qmoe_layout import KERNEL, kernel_to_schema, schema_to_kernel
 
 __all__ = ["WeightConversion", "e8m0_codes_from_float"]
 
@@ -171,14 +172,19 @@ class WeightConversion:
 
         External data is memory-mapped copy-on-write: the lossless path never touches the codes (it needs
         only the scales), so they are neither read nor resident. Shapes and E8M0 code 255 were checked in
-        ``_read_scales``, hence no second pass of ``from_codes``.
+        ``_read_scales``, hence no second pass of ``from_codes``. A QMoE weight in the kernel layout
+        [E, K, N/2] is repacked here into [E, N, K/2] (a copy; the converter works along K).
         """
-        packed = _map_external(self._source)
-        if packed is None:
-            packed = tensor_bytes(self._source)
-            if not packed.flags.writeable:  # a view of in-model raw data
-                packed = packed.copy()
         *lead, k = self.record.shape
+        if self.record.layout == KERNEL:
+            e, n = lead
+            packed = kernel_to_schema(tensor_bytes(self._source), n, k)
+        else:
+            packed = _map_external(self._source)
+            if packed is None:
+                packed = tensor_bytes(self._source)
+                if not packed.flags.writeable:  # a view of in-model raw data
+                    packed = packed.copy()
         codes = torch.from_numpy(packed.reshape(*lead, k // 2))
         return MXFP4Tensor(codes, torch.from_numpy(self._read_scales(check=False)), name=self.record.name)
 
@@ -220,15 +226,20 @@ class WeightConversion:
             _release_memory()
 
     # -- lazy tensors ----------------------------------------------------------------------------------
-    def codes_tensor(self, name: str, packed_uint8: bool = False) -> ir.LazyTensor:
-        """E2M1 codes: FLOAT4E2M1 [..., K] (ONNX), or uint8 [..., K/2] when ``packed_uint8`` (QMoE)."""
+    def codes_tensor(self, name: str, packed_uint8: bool = False, layout: str | None = None) -> ir.LazyTensor:
+        """E2M1 codes: FLOAT4E2M1 [..., K] (ONNX), or uint8 [..., K/2] when ``packed_uint8`` (QMoE); with
+        ``layout="kernel"`` the QMoE kernel layout uint8 [E, K, N/2] (nibbles paired along N)."""
         *lead, k = self.record.shape
         self._pending.add("codes")
+        kernel = layout == KERNEL
 
         def make():
             codes = self.result().codes.cpu().numpy()
-            same = self._same_bytes
+            # the input's bytes are the output's only when both are in the same layout
+            same = self._same_bytes if kernel == (self.record.layout == KERNEL) else None
             self._fetched("codes")
+            if kernel:
+                codes = schema_to_kernel(codes, lead[1], k)
             if same is not None:
                 if packed_uint8:
                     return _SameBytesTensor(codes, name=name, source=same)
@@ -238,6 +249,8 @@ class WeightConversion:
                 return ir.Tensor(codes, name=name)
             return ir.PackedTensor(codes, ir.DataType.FLOAT4E2M1, shape=ir.Shape([*lead, k]), name=name)
 
+        if kernel:
+            return ir.LazyTensor(make, ir.DataType.UINT8, ir.Shape([lead[0], k, lead[1] // 2]), name=name)
         if packed_uint8:
             return ir.LazyTensor(make, ir.DataType.UINT8, ir.Shape([*lead, k // 2]), name=name)
         return ir.LazyTensor(make, ir.DataType.FLOAT4E2M1, ir.Shape([*lead, k]), name=name)
