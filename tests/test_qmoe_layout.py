@@ -129,3 +129,27 @@ def test_byte_maps_against_an_independent_decode(n, k):
     np.testing.assert_array_equal(schema & 0x0F, codes[:, :, 0::2])
     np.testing.assert_array_equal(schema >> 4, codes[:, :, 1::2])
     np.testing.assert_array_equal(schema_to_kernel(schema, n, k), kernel)
+
+
+@pytest.mark.parametrize("layout", [SCHEMA, KERNEL])
+@pytest.mark.parametrize("external", [False, True])
+def test_lossless_conversion_writes_the_same_codes_in_the_kernel_layout(layout, external, tmp_path):
+    """Every expert within 17 octaves: codes kept, written [E, K, N/2] (bytes equal to a kernel-layout input)."""
+    from fp4pass.onnx import convert
+
+    model, logical = _qmoe(128, 64, layout)
+    source = model
+    if external:
+        source = tmp_path / "in.onnx"
+        ir.save(model, source, external_data="in.onnx.data", size_threshold_bytes=0)
+        model = ir.load(source)
+    out_path = tmp_path / "out.onnx"
+    _, report = convert(str(source) if external else model, target="ort", output=out_path)
+    assert report["summary"]["lossless"] == 2
+    out = ir.load(out_path)
+    node = _node(out)
+    for fc, wi in (("fc1", 2), ("fc2", 5)):
+        written = node.inputs[wi].const_value.numpy()
+        np.testing.assert_array_equal(qmoe_kernel_codes(written), logical[fc])
+        if layout == KERNEL:
+            np.testing.assert_array_equal(written, _node(model).inputs[wi].const_value.numpy())

@@ -201,23 +201,28 @@ def detect(node: ir.Node, block: int, hints: Hints | None = None) -> Detected:
     return Detected(hint, f"shapes fit both layouts; {hint_reason}", candidates[hint])
 
 
+def _repack(packed: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """uint8 [E, rows, cols/2] paired along cols -> uint8 [E, cols, rows/2] paired along rows (the transpose).
+
+    One expert at a time, so the working set beyond input and output is one expert's codes.
+    """
+    e = packed.size // (rows * cols // 2)
+    packed = np.asarray(packed, np.uint8).reshape(e, rows, cols // 2)
+    out = np.empty((e, cols, rows // 2), np.uint8)
+    for i in range(e):
+        codes = np.empty((rows, cols), np.uint8)
+        codes[:, 0::2] = packed[i] & 0x0F
+        codes[:, 1::2] = packed[i] >> 4
+        t = codes.T  # [cols, rows]
+        out[i] = t[:, 0::2] | (t[:, 1::2] << 4)
+    return out
+
+
 def kernel_to_schema(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     """uint8 [E, K, N/2] (nibbles paired along N) -> uint8 [E, N, K/2] (nibbles paired along K)."""
-    e = packed.size // (n * k // 2)
-    packed = np.asarray(packed, np.uint8).reshape(e, k, n // 2)
-    codes = np.empty((e, k, n), np.uint8)
-    codes[..., 0::2] = packed & 0x0F
-    codes[..., 1::2] = packed >> 4
-    codes = codes.transpose(0, 2, 1)  # [E, N, K]
-    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
+    return _repack(packed, k, n)
 
 
 def schema_to_kernel(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     """uint8 [E, N, K/2] (nibbles paired along K) -> uint8 [E, K, N/2] (nibbles paired along N)."""
-    e = packed.size // (n * k // 2)
-    packed = np.asarray(packed, np.uint8).reshape(e, n, k // 2)
-    codes = np.empty((e, n, k), np.uint8)
-    codes[..., 0::2] = packed & 0x0F
-    codes[..., 1::2] = packed >> 4
-    codes = codes.transpose(0, 2, 1)  # [E, K, N]
-    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
+    return _repack(packed, n, k)
