@@ -122,6 +122,11 @@ def test_convert_writes_nvfp4_in_the_kernel_layout_against_the_reference(convert
             err = np.abs(ours - reference)
             assert 0 < err[3].max() <= entry["max_abs_err"]
             np.testing.assert_allclose(np.mean(err ** 2), entry["mse"], rtol=1e-9)
+            # the per-expert errors the report gives are the ones measured here against the reference
+            assert [p["lossless"] for p in entry["per_expert"]] == [x in LOSSLESS_EXPERTS for x in range(e)]
+            for p in entry["per_expert"]:
+                assert p["max_abs_err"] == err[p["expert"]].max()
+                np.testing.assert_allclose(p["mse"], np.mean(err[p["expert"]] ** 2), rtol=1e-9, atol=0)
 
 
 @pytest.mark.parametrize("fixture", [MAIN, H64])

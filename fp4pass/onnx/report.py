@@ -7,7 +7,7 @@ JSON shape::
                   "seconds", "blocks16_total", "blocks16_verbatim", "blocks16_requantized", "global_scale",
                   "mse", "max_abs_err", "snr_db", "method_used",
                   QMoE only: "layout_read", "layout_read_shape", "layout_reason", "layout_written",
-                  "layout_written_shape"}],
+                  "layout_written_shape", "per_expert": [{"expert", "lossless", "max_abs_err", "mse"}]}],
      "declined": [{"pattern", "node", "tensor", "reason"}],
      "model": {"before": {"ir_version", "opset"}, "after": {...}},
      "activations": [...] (when calibrated), "check": {...} (with --check),
@@ -73,6 +73,7 @@ def tensor_entry(record, conv, form: str, note: str | None) -> dict:
         **layout_entry(record),
         "seconds": round(conv.seconds, 6),
         **stats,
+        **({"per_expert": conv.per_expert} if getattr(conv, "per_expert", None) is not None else {}),
     }
 
 
@@ -122,6 +123,9 @@ def format_report(report: dict) -> str:
         if t.get("layout_read"):
             lines.append(f"{'':<4}QMoE layout read {t['layout_read']} {t['layout_read_shape']} ({t['layout_reason']}), "
                          f"written {t['layout_written']} {t['layout_written_shape']}")
+        for p in t.get("per_expert") or []:
+            if not p["lossless"]:
+                lines.append(f"{'':<4}expert {p['expert']}: lossy, max_abs_err {p['max_abs_err']:.3g}, mse {p['mse']:.3g}")
     for d in report.get("declined", []):
         lines.append(f"declined {d.get('pattern')} at {d.get('node')} ({d.get('tensor')}): {d.get('reason')}")
     activations = report.get("activations")

@@ -18,7 +18,7 @@ import onnx_ir as ir
 import torch
 
 from fp4pass.errors import FormatError, ShapeError, UsageError
-from fp4pass.formats import MXFP4Tensor
+from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
@@ -118,6 +118,22 @@ class _SameBytesTensor(_SameBytes, ir.Tensor):
     """uint8 codes (QMoE's packed weights)."""
 
 
+def _per_expert_errors(mx: MXFP4Tensor, nv: NVFP4Tensor, stats) -> list[dict]:
+    """Per expert e: max |x_nv - x_mx| and mean (x_nv - x_mx)^2 over expert e's weight (float64), and whether
+    it is 0 (lossless). A conversion proven lossless (mse 0) measures nothing; else one expert at a time."""
+    experts = mx.shape[0]
+    if stats["mse"] == 0 and stats["snr_db"] is None:
+        return [{"expert": e, "lossless": True, "max_abs_err": 0.0, "mse": 0.0} for e in range(experts)]
+    out = []
+    for e in range(experts):
+        x_mx = MXFP4Tensor(mx.codes[e], mx.scales[e], mx.block_size).dequantize().double()
+        x_nv = NVFP4Tensor(nv.codes[e], nv.scales[e], nv.global_scale.reshape(-1)[e]).dequantize().double()
+        err = x_nv - x_mx
+        out.append({"expert": e, "lossless": bool((err == 0).all()), "max_abs_err": float(err.abs().max()),
+                    "mse": float(err.square().mean())})
+    return out
+
+
 class WeightConversion:
     """Converts one :class:`FP4Weight` with ``fp4pass.convert.mxfp4_to_nvfp4`` on demand.
 
@@ -131,6 +147,7 @@ class WeightConversion:
         self.prior_global = prior_global
         self.group_dims = 1 if len(record.shape) == 3 else 0
         self.stats: dict | None = None
+        self.per_expert: list[dict] | None = None  # QMoE: [{"expert", "lossless", "max_abs_err", "mse"}]
         self.seconds = 0.0
         self._result = None
         self._global: np.ndarray | None = None
@@ -208,6 +225,8 @@ class WeightConversion:
                 mx = self.mx()
                 nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
             self._codes_layout = KERNEL if as_stored else None
+            if self.record.pattern == "qmoe" and self.per_expert is None:
+                self.per_expert = _per_expert_errors(mx, nv, stats)
             elapsed = time.perf_counter() - start
             source = self._source
             if isinstance(source, ir.ExternalTensor) and nv.codes.data_ptr() == mx.codes.data_ptr():
