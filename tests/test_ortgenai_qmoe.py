@@ -35,9 +35,8 @@ CONVERSIONS = [(MAIN, "trt"), (MAIN, "ort"), (H64, "ort")]  # QMoE becomes 'nvfp
 
 def _reference(fixture: Path, layer: int, proj: str) -> np.ndarray:
     """The checkpoint's MXFP4 expert weight [E, N, K] decoded by the gpt-oss reference, in float64."""
-    from gpt_oss.torch.weights import Checkpoint
-
-    ckpt = Checkpoint(str(fixture / "checkpoint"), torch.device("cpu"))
+    weights = pytest.importorskip("gpt_oss.torch.weights", reason="gpt-oss package not installed")
+    ckpt = weights.Checkpoint(str(fixture / "checkpoint"), torch.device("cpu"))
     prefix = f"model.layers.{layer}.mlp.experts.{proj}"
     w = ckpt._get_mxfp4_tensor(f"{prefix}_blocks", f"{prefix}_scales", dtype=torch.float32)
     return w.double().numpy()

@@ -275,7 +275,8 @@ class LowerQMoEFP4:
             new_nodes.append(gather)
             float_weights[fc] = gather.outputs[0]
             if x_dtype is not None and x_dtype != ir.DataType.FLOAT:
-                cast = ir.node("Cast", [gather.outputs[0]], {"to": x_dtype}, name=f"{node.name}/{fc}/to_{x_dtype.name.lower()}")
+                cast = ir.node("Cast", [gather.outputs[0]], {"to": x_dtype},
+                               name=f"{node.name}/{fc}/to_{x_dtype.name.lower()}")
                 new_nodes.append(cast)
                 float_weights[fc] = cast.outputs[0]
         fc1_bias, fc2_bias = self._input(node, 4), self._input(node, 7)

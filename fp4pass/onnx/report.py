@@ -125,7 +125,8 @@ def format_report(report: dict) -> str:
                          f"written {t['layout_written']} {t['layout_written_shape']}")
         for p in t.get("per_expert") or []:
             if not p["lossless"]:
-                lines.append(f"{'':<4}expert {p['expert']}: lossy, max_abs_err {p['max_abs_err']:.3g}, mse {p['mse']:.3g}")
+                lines.append(f"{'':<4}expert {p['expert']}: lossy, max_abs_err {p['max_abs_err']:.3g}, "
+                             f"mse {p['mse']:.3g}")
     for d in report.get("declined", []):
         lines.append(f"declined {d.get('pattern')} at {d.get('node')} ({d.get('tensor')}): {d.get('reason')}")
     activations = report.get("activations")
