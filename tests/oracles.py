@@ -75,3 +75,27 @@ def nv_dq_model(codes: np.ndarray, scales: np.ndarray, global_scale) -> onnx.Mod
     out = helper.make_tensor_value_info("y", TensorProto.FLOAT, list(codes.shape))
     graph = helper.make_graph([dq_s, dq_w], "nv", [], [out], initializer=[w, s, g])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=11)
+
+
+E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def qmoe_kernel_codes(packed: np.ndarray) -> np.ndarray:
+    """onnxruntime's CUDA QMoE layout uint8 [E, K, N/2] -> E2M1 codes [E, N, K].
+
+    Byte [e, k, j] holds element (n=2j, k) in its low nibble and (n=2j+1, k) in its high nibble, the map the
+    onnxruntime-genai builder writes (loaders/gptoss.py pack_blocks_for_qmoe) and the kernel reads.
+    """
+    e, k, half_n = packed.shape
+    codes = np.zeros((e, 2 * half_n, k), np.uint8)
+    for j in range(half_n):
+        codes[:, 2 * j, :] = packed[:, :, j] % 16
+        codes[:, 2 * j + 1, :] = packed[:, :, j] // 16
+    return codes
+
+
+def qmoe_nvfp4_kernel_dequant(packed: np.ndarray, e4m3_codes: np.ndarray, global_scale: np.ndarray) -> np.ndarray:
+    """W[e, n, k] = e2m1 * e4m3(scale[e, n, k // 16]) * global[e] (float64) from the kernel layout."""
+    values = E2M1_VALUES[qmoe_kernel_codes(packed)]
+    scales = np.asarray(e4m3_codes).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return values * np.repeat(scales, 16, axis=-1) * np.asarray(global_scale, np.float64)[:, None, None]

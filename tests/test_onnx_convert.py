@@ -12,6 +12,7 @@ from onnx.reference import ReferenceEvaluator
 
 import conversion_oracle as O
 import onnx_builders as B
+from oracles import qmoe_nvfp4_kernel_dequant
 from fp4pass.onnx import convert
 from oracles import mx_dq_model
 
@@ -145,12 +146,15 @@ def test_qmoe_fp4_becomes_nvfp4():
         s_in = numpy_helper.to_array(B.init(original, f"{name}.scales")).astype(np.float32)
         g_in = numpy_helper.to_array(B.init(original, f"{name}.global_scale"))[:, None, None]
         before = w_in * np.repeat(s_in, 32, -1) * g_in
-        w_out = B.unpack_fp4(numpy_helper.to_array(B.init(out, f"{name}.weight")), before.shape)
-        s_out = numpy_helper.to_array(B.init(out, f"{name}.weight_scale_e4m3")).astype(np.float32)
+        # written in the CUDA kernel's layout [E, K, N/2] whatever the input's layout
+        w_out = numpy_helper.to_array(B.init(out, f"{name}.weight"))
+        assert w_out.shape == (before.shape[0], before.shape[2], before.shape[1] // 2)
+        s_out = numpy_helper.to_array(B.init(out, f"{name}.weight_scale_e4m3"))
         g_out = numpy_helper.to_array(B.init(out, f"{name}.global_scale"))
         assert s_out.shape == (*before.shape[:2], before.shape[2] // 16) and g_out.shape == (2,)
-        after = w_out * np.repeat(s_out * g_out[:, None, None], 16, -1)
-        assert np.array_equal(before, after)
+        assert np.array_equal(before, qmoe_nvfp4_kernel_dequant(w_out, s_out, g_out))
+    assert {p.key: p.value for p in node.metadata_props} == {"fp4pass.qmoe_weight_layout": "kernel"}
+    assert report["tensors"][0]["layout_read"] == "schema" and report["tensors"][0]["layout_written"] == "kernel"
     assert "fc*_global_scale" in report["tensors"][0]["form_note"]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from fp4pass.onnx import loading
-from fp4pass.onnx.report import group_stats, jsonable
+from fp4pass.onnx.report import group_stats, jsonable, layout_entry
 from fp4pass.onnx.sharing import find_weights
 from fp4pass.onnx.rewrite_common import WeightConversion
 
@@ -75,7 +75,7 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
     ``measure``: forecast the error of lossy tensors by converting them (module docstring); False leaves the
     error keys out."""
     loaded = loading.load(model_or_path)
-    records, declined = find_weights(loaded.model)
+    records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else None)
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")
@@ -85,7 +85,7 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
         holds = ((packed & 0x77) != 0).any(-1)  # a non-zero magnitude in either nibble of any byte of the block
         whole = _spread_entry(k, holds)
         entry = {"name": record.name, "node": record.node.name, "pattern": record.pattern, "slot": record.slot,
-                 "shape": list(record.shape), "experts": record.experts}
+                 "shape": list(record.shape), "experts": record.experts, **layout_entry(record)}
         if record.experts is None:
             entry.update(whole, lossless_per_tensor_scale=whole["lossless"], per_expert=[])
         else:
@@ -125,6 +125,9 @@ def format_inspection(info: dict) -> str:
             lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \
                         f" one scale for all: {'yes' if t['lossless_per_tensor_scale'] else 'no'})"
         lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {k_range:<12} {t['spread']:>6}  {lossless}")
+        if t.get("layout_read"):
+            lines.append(f"{'':<4}QMoE weight layout read: {t['layout_read']} {t['layout_read_shape']} "
+                         f"({t['layout_reason']}); convert writes {t['layout_written']} {t['layout_written_shape']}")
         if not t["lossless"] and t.get("mse") is not None:
             lines.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
                          f"mse {t['mse']:.3g}, SNR {t['snr_db']:.2f} dB" if t["snr_db"] is not None else

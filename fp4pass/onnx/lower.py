@@ -13,7 +13,10 @@ does run. Passes, in the order they run:
 2. :class:`LowerQMoEFP4` - ``com.microsoft::QMoE`` with ``quant_type`` 'fp4' (E8M0 per 32) or 'nvfp4' (E4M3
    per 16) becomes the float ``com.microsoft::MoE``, its weights dequantized in the graph by
    GatherBlockQuantized: W[e] = e2m1(code) * (block_scale * fc_global_scale[e]), the product formed in FP32
-   (the NVFP4Tensor convention; a scale of 2^k times 1.0 is exact, so MXFP4 is exact in any order).
+   (the NVFP4Tensor convention; a scale of 2^k times 1.0 is exact, so MXFP4 is exact in any order). The
+   weights may be in the schema layout [E, N, K/2] or the CUDA kernel's [E, K, N/2]
+   (:mod:`fp4pass.onnx.qmoe_layout` tells which; kernel-layout codes are repacked to [E, N, K/2] here, exactly).
+   With fp16/bf16 activations the dequantized weights are cast to that type (as the CUDA kernel does).
 3. :class:`LowerFP4DequantizeLinear` - ``DequantizeLinear(W FLOAT4E2M1 [.., N, K], S, axis=-1, block_size=B)``
    with W an initializer becomes ``com.microsoft::GatherBlockQuantized(W, arange(dim0), S_f, gather_axis=0,
    quantize_axis=-1, block_size=B)``: out = e2m1(code) * S_f, one FP32 multiply, as DQ defines. E8M0 scales
@@ -38,7 +41,7 @@ import torch
 
 from fp4pass.errors import ModelError
 from fp4pass.formats import decode_e4m3, decode_e8m0
-from fp4pass.onnx import emulate
+from fp4pass.onnx import emulate, qmoe_layout
 
 __all__ = [
     "lower_for_ort",
@@ -203,11 +206,16 @@ _QMOE_BLOCK = {"fp4": (32, ir.DataType.FLOAT8E8M0), "nvfp4": (16, ir.DataType.FL
 class LowerQMoEFP4:
     """QMoE 'fp4' / 'nvfp4' -> float MoE with GatherBlockQuantized-dequantized weights (module docstring, pass 2).
 
-    W_fc[e, n, k] = e2m1(nibble k of weights[e, n]) * (decode(scales[e, n, k // B]) * global_scale[e]),
-    B = 32 (E8M0) for 'fp4', 16 (E4M3) for 'nvfp4'; a missing global scale is 1.
+    W_fc[e, n, k] = e2m1(code(e, n, k)) * (decode(scales[e, n, k // B]) * global_scale[e]),
+    B = 32 (E8M0) for 'fp4', 16 (E4M3) for 'nvfp4'; a missing global scale is 1. code(e, n, k) is nibble k of
+    weights[e, n] in the schema layout, nibble n of weights[e, k] in the kernel layout.
+    ``hints``: the model-level evidence for a node whose shapes fit both layouts (set by :func:`lower`).
     """
 
     name = "QMoE FP4 -> MoE"
+
+    def __init__(self, hints: qmoe_layout.Hints | None = None) -> None:
+        self.hints = hints
 
     def matches(self, node: ir.Node) -> bool:
         return node.op_type == "QMoE" and node.domain == MS_DOMAIN and _attr(node, "quant_type", "int") in _QMOE_BLOCK
@@ -233,22 +241,31 @@ class LowerQMoEFP4:
                 return f"{node.name}: {fc} scales are {scales.dtype}, quant_type '{quant_type}' needs {scale_dtype}"
             if global_scale is not None and global_scale.const_value is None:
                 return f"{node.name}: {fc}_global_scale must be an initializer"
-            w_shape, s_shape = tuple(weights.shape), tuple(scales.shape)
-            if len(w_shape) != 3 or s_shape != (*w_shape[:2], w_shape[2] * 2 // block):
-                return f"{node.name}: {fc} weights {w_shape} and scales {s_shape} do not fit block {block}"
+        detected = qmoe_layout.detect(node, block, self.hints)
+        if detected.layout is None:
+            return f"{node.name}: {detected.reason}"
+        x_dtype = node.inputs[0].dtype if node.inputs and node.inputs[0] is not None else None
+        if x_dtype is not None and x_dtype not in _FLOAT_TYPES:
+            return f"{node.name}: input of type {x_dtype} (want float, float16 or bfloat16)"
         return None
 
     def rewrite(self, graph: ir.Graph, node: ir.Node) -> None:
         quant_type = _attr(node, "quant_type")
         block, _ = _QMOE_BLOCK[quant_type]
         decode = decode_e8m0 if quant_type == "fp4" else decode_e4m3
+        detected = qmoe_layout.detect(node, block, self.hints)
+        x_dtype = node.inputs[0].dtype
         new_nodes: list[ir.Node] = []
         float_weights: dict[str, ir.Value] = {}
         for fc, (w_i, s_i, _, g_i) in _QMOE_FC.items():
             weights, scales, global_scale = (self._input(node, i) for i in (w_i, s_i, g_i))
-            experts, rows, half_k = (int(d) for d in weights.shape)
+            experts = int(weights.shape[0])
+            rows, k = detected.dims[fc]
             codes = np.ascontiguousarray(weights.const_value.numpy()).view(np.uint8)
-            fp4 = ir.PackedTensor(codes, ir.DataType.FLOAT4E2M1, shape=(experts, rows, 2 * half_k))
+            if detected.layout == qmoe_layout.KERNEL:
+                codes = qmoe_layout.kernel_to_schema(codes, rows, k)
+            fp4 = ir.PackedTensor(codes.reshape(experts, rows, k // 2), ir.DataType.FLOAT4E2M1,
+                                  shape=(experts, rows, k))
             fp4_value = _initializer(graph, f"{weights.name}/fp4", fp4)
             block_scale = decode(_scale_codes(scales)).numpy()
             g = (np.ones(experts, np.float32) if global_scale is None
@@ -257,6 +274,11 @@ class LowerQMoEFP4:
             gather = _dequant_gbq(graph, fp4_value, scale_f, block, f"{node.name}/{fc}")
             new_nodes.append(gather)
             float_weights[fc] = gather.outputs[0]
+            if x_dtype is not None and x_dtype != ir.DataType.FLOAT:
+                cast = ir.node("Cast", [gather.outputs[0]], {"to": x_dtype},
+                               name=f"{node.name}/{fc}/to_{x_dtype.name.lower()}")
+                new_nodes.append(cast)
+                float_weights[fc] = cast.outputs[0]
         fc1_bias, fc2_bias = self._input(node, 4), self._input(node, 7)
         attrs = {k: node.attributes[k] for k in _MOE_ATTRS if k in node.attributes}
         moe = ir.Node(
@@ -345,12 +367,18 @@ class LowerTRTFP4DynamicQuantize:
 PASSES = (LowerTRTFP4DynamicQuantize(), LowerQMoEFP4(), LowerFP4DequantizeLinear())
 
 
+def _passes(model: ir.Model):
+    """The passes, with the QMoE one given ``model``'s producer and metadata (for an ambiguous layout)."""
+    hints = qmoe_layout.Hints.of(model)
+    return tuple(LowerQMoEFP4(hints) if isinstance(p, LowerQMoEFP4) else p for p in PASSES)
+
+
 def lower(model: ir.Model) -> tuple[ir.Model, LoweringReport]:
     """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done."""
     lowered = model.clone()
     graph = lowered.graph
     report = LoweringReport()
-    for lowering in PASSES:
+    for lowering in _passes(lowered):
         for node in list(graph):
             if not lowering.matches(node):
                 continue

@@ -4,8 +4,9 @@ MXFP4 in (one class per pattern; ``check`` returns the reason a node is declined
 
 1. :class:`MXFP4Dequantize` - ``DequantizeLinear(W FLOAT4E2M1 [.., K], S FLOAT8E8M0 [.., K/32], axis=last,
    block_size=32)``, W and S initializers, rank 2 [N, K] or 3 [E, N, K]. x_hat = e2m1(W) * 2^(S - 127).
-2. :class:`QMoEFp4` - ``com.microsoft::QMoE(quant_type='fp4')``: fc1/fc2 weights uint8 [E, N, K/2] (low nibble
-   first) with E8M0 scales [E, N, K/32]; x_hat = e2m1(W) * 2^(S - 127) * fc*_global_scale[e].
+2. :class:`QMoEFp4` - ``com.microsoft::QMoE(quant_type='fp4')``: fc1/fc2 weights uint8 in the schema layout
+   [E, N, K/2] or the CUDA kernel's [E, K, N/2] (:mod:`fp4pass.onnx.qmoe_layout`), E8M0 scales [E, N, K/32];
+   x_hat = e2m1(W) * 2^(S - 127) * fc*_global_scale[e].
 3. :class:`GatherBlockQuantizedFp4` - ``com.microsoft::GatherBlockQuantized(W FLOAT4E2M1, idx, S float)`` with
    block_size 32 along the last axis and every scale a power of two (an E8M0 scale stored as float).
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
+
+from fp4pass.onnx import qmoe_layout
 
 __all__ = [
     "FP4Weight",
@@ -56,7 +59,9 @@ class FP4Weight:
 
     ``codes``/``scales`` are the initializer values (E2M1 packed / E8M0 codes, or float scales for pattern 3);
     ``shape`` the logical [..., K] shape; ``experts`` the leading expert dim for 3-D weights (else None);
-    ``slot`` names the weight within its node ("fc1"/"fc2" for QMoE, else "weight").
+    ``slot`` names the weight within its node ("fc1"/"fc2" for QMoE, else "weight"); ``layout`` is the byte
+    layout of a QMoE weight as stored ("schema" [E, N, K/2] or "kernel" [E, K, N/2]; None for other patterns)
+    and ``layout_reason`` how it was recognised.
     """
 
     pattern: str
@@ -66,6 +71,8 @@ class FP4Weight:
     shape: tuple[int, ...]
     slot: str = "weight"
     consumers: list[Consumer] = field(default_factory=list)
+    layout: str | None = None
+    layout_reason: str | None = None
 
     @property
     def name(self) -> str:
@@ -219,12 +226,18 @@ class MXFP4Dequantize:
 
 
 class QMoEFp4:
-    """Pattern 2: ``com.microsoft::QMoE(quant_type='fp4')``, fc1 and fc2 expert weights.
+    """Pattern 2: ``com.microsoft::QMoE(quant_type='fp4')``, fc1 and fc2 expert weights, in either byte layout.
 
-    Math per expert e: x_hat[e, n, i] = e2m1(W[e, n, i]) * 2^(S[e, n, i // 32] - 127) * fc*_global_scale[e].
+    Math per expert e: x_hat[e, n, i] = e2m1(c[e, n, i]) * 2^(S[e, n, i // 32] - 127) * fc*_global_scale[e],
+    with c the code at (n, i) in the layout :func:`fp4pass.onnx.qmoe_layout.detect` recognises (schema
+    [E, N, K/2] or kernel [E, K, N/2]); a node whose layout cannot be told is declined with the reason.
+    ``hints``: the model-level evidence used only when the shapes fit both layouts.
     """
 
     name = "qmoe"
+
+    def __init__(self, hints: qmoe_layout.Hints | None = None) -> None:
+        self.hints = hints
 
     def match(self, node: ir.Node) -> bool:
         return node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") == "fp4"
@@ -252,16 +265,19 @@ class QMoEFp4:
                 if reason:
                     return reason
             if w.const_value.shape.rank() != 3 or s.const_value.shape.rank() != 3:
-                return f"{slot} weights must be 3-D [E, N, K/2]"
-        return None
+                return f"{slot} weights and scales must be 3-D ([E, N, K/2] or [E, K, N/2], scales [E, N, K/32])"
+        detected = qmoe_layout.detect(node, 32, self.hints)
+        return None if detected.layout else detected.reason
 
     def records(self, node: ir.Node) -> list[FP4Weight]:
+        detected = qmoe_layout.detect(node, 32, self.hints)
         out = []
         for slot, (wi, si, _) in QMOE_WEIGHTS.items():
             w, s = node.inputs[wi], node.inputs[si]
-            e, n, half_k = w.const_value.shape.numpy()
-            out.append(FP4Weight(self.name, node, w, s, (e, n, 2 * half_k), slot=slot,
-                                 consumers=[Consumer(node, wi, 0)]))
+            e = w.const_value.shape.numpy()[0]
+            n, k = detected.dims[slot]
+            out.append(FP4Weight(self.name, node, w, s, (e, n, k), slot=slot, consumers=[Consumer(node, wi, 0)],
+                                 layout=detected.layout, layout_reason=detected.reason))
         return out
 
 
@@ -310,12 +326,17 @@ def _all_nodes(model: ir.Model):
     return list(ir.traversal.RecursiveGraphIterator(model.graph))
 
 
-def find_mxfp4(model: ir.Model) -> tuple[list[FP4Weight], list[Declined]]:
-    """Every MXFP4 weight pattern in ``model`` (subgraphs included), and the near-misses with their reason."""
+def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[Declined]]:
+    """Every MXFP4 weight pattern in ``model`` (subgraphs included), and the near-misses with their reason.
+
+    ``model_dir``: the model's folder, where a ``genai_config.json`` tells an ambiguous QMoE layout.
+    """
     found: list[FP4Weight] = []
     declined: list[Declined] = []
+    hints = qmoe_layout.Hints.of(model, model_dir)
+    patterns = tuple(QMoEFp4(hints) if isinstance(p, QMoEFp4) else p for p in PATTERNS)
     for node in _all_nodes(model):
-        for pattern in PATTERNS:
+        for pattern in patterns:
             if not pattern.match(node):
                 continue
             reason = pattern.check(node)

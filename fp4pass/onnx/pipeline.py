@@ -209,7 +209,7 @@ def convert(
     if check:
         original_for_check = str(loaded.path) if loaded.path is not None else ir.serde.serialize_model(model)
 
-    records, declined = find_weights(model)
+    records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
     done, alphas, wrote_dq = _rewrite(records, convs, scale_form)
     versions = SetOpsetAndIR().call(model, wrote_dq)

@@ -7,11 +7,16 @@ JSON shape::
                   "seconds", "blocks16_total", "blocks16_verbatim", "blocks16_requantized", "global_scale",
                   "mse", "max_abs_err", "snr_db", "method_used",
                   "per_expert": [{"expert", "blocks16_total", "blocks16_verbatim", "mse", "max_abs_err",
-                                  "snr_db", "lossless"}]}],
+                                  "snr_db", "lossless"}],
+                  QMoE only: "layout_read", "layout_read_shape", "layout_reason", "layout_written",
+                  "layout_written_shape"}],
      "declined": [{"pattern", "node", "tensor", "reason"}],
      "model": {"before": {"ir_version", "opset"}, "after": {...}},
      "activations": [...] (when calibrated), "check": {...} (with --check),
      "summary": {"tensors_converted", "lossless", "declined", "worst_snr_db", "seconds"}}
+
+``shape`` is the logical [E, N, K]; for QMoE the byte layouts are "schema" ([E, N, K/2]) and "kernel"
+([E, K, N/2], what onnxruntime's CUDA kernel reads and every converted QMoE is written in).
 
 A tensor is lossless when its NVFP4 dequantization equals the MXFP4 one bit for bit (``mse`` 0, ``snr_db``
 null). ``worst_snr_db`` is the lowest SNR over lossy tensors (null when all are lossless).
@@ -36,11 +41,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from fp4pass.metrics import snr_db
 
-__all__ = ["jsonable", "tensor_entry", "group_stats", "summarize", "summary_line", "format_report"]
+__all__ = ["jsonable", "tensor_entry", "group_stats", "layout_entry", "summarize", "summary_line", "format_report"]
 
 #: elements per chunk when measuring per-group statistics (bounded memory on large experts)
 _CHUNK_ELEMENTS = 1 << 22
@@ -114,6 +118,18 @@ def group_stats(mx, nv, group_dims: int, stats=None) -> list[dict]:
     return out
 
 
+def layout_entry(record) -> dict:
+    """The QMoE byte layouts of ``record``: the one read (and how it was recognised) and the one written."""
+    if getattr(record, "layout", None) is None:
+        return {}
+    from fp4pass.onnx.qmoe_layout import LAYOUT_SHAPES
+    from fp4pass.onnx.rewrite_qmoe import WRITTEN_LAYOUT
+
+    return {"layout_read": record.layout, "layout_read_shape": LAYOUT_SHAPES[record.layout],
+            "layout_reason": record.layout_reason, "layout_written": WRITTEN_LAYOUT,
+            "layout_written_shape": LAYOUT_SHAPES[WRITTEN_LAYOUT]}
+
+
 def tensor_entry(record, conv, form: str, note: str | None) -> dict:
     stats = jsonable(conv.stats) if conv.stats is not None else {}
     per_expert = getattr(conv, "per_expert", None)
@@ -128,8 +144,10 @@ def tensor_entry(record, conv, form: str, note: str | None) -> dict:
         "experts": record.experts,
         "target_form": form,
         "form_note": note,
+        **layout_entry(record),
         "seconds": round(conv.seconds, 6),
         **stats,
+        **({"per_expert": conv.per_expert} if getattr(conv, "per_expert", None) is not None else {}),
     }
 
 
@@ -176,6 +194,9 @@ def format_report(report: dict) -> str:
         snr = "lossless" if _lossless(t) else _num(t.get("snr_db"), ".2f")
         lines.append(f"{t['name']:<28} {t['pattern']:<8} {'x'.join(map(str, t['shape'])):<16} "
                      f"{t['target_form']:<6} {verbatim:>13} {_num(t.get('mse'), '.3g'):>10} {snr:>8} [{shown}]")
+        if t.get("layout_read"):
+            lines.append(f"{'':<4}QMoE layout read {t['layout_read']} {t['layout_read_shape']} ({t['layout_reason']}), "
+                         f"written {t['layout_written']} {t['layout_written_shape']}")
         for p in t.get("per_expert") or []:
             if not p["lossless"]:
                 lines.append(f"{'':<4}expert {p['expert']}: {p['blocks16_verbatim']}/{p['blocks16_total']} verbatim, "

@@ -22,6 +22,7 @@ from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
+from fp4pass.onnx.qmoe_layout import KERNEL, kernel_to_schema, schema_to_kernel
 from fp4pass.onnx.report import group_stats
 
 __all__ = ["WeightConversion", "UniqueNames", "e8m0_codes_from_float"]
@@ -173,6 +174,7 @@ class WeightConversion:
         self._global: np.ndarray | None = None
         self._pending: set[str] = set()
         self._same_bytes: tuple[str, int, int] | None = None  # (path, offset, length) when codes are unchanged
+        self._codes_layout: str | None = None  # KERNEL when the result's codes are the stored kernel-layout bytes
         self._source = record.codes.const_value  # the MXFP4 codes; the value itself gets the lazy NVFP4 codes
         self._scale_source = record.scales.const_value
         # validated now (nothing written yet), read again when converting: holding every weight's scales from
@@ -204,19 +206,26 @@ class WeightConversion:
             check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
         return codes
 
-    def mx(self) -> MXFP4Tensor:
+    def mx(self, as_stored: bool = False) -> MXFP4Tensor:
         """The MXFP4 tensor over the codes as stored, without copying them.
 
         External data is memory-mapped copy-on-write: the lossless path never touches the codes (it needs
         only the scales), so they are neither read nor resident. Shapes and E8M0 code 255 were checked in
-        ``_read_scales``, hence no second pass of ``from_codes``.
+        ``_read_scales``, hence no second pass of ``from_codes``. A QMoE weight in the kernel layout
+        [E, K, N/2] is repacked here into [E, N, K/2] (a copy; the converter works along K), unless
+        ``as_stored``: then the codes are the stored bytes viewed as [E, N, K/2], meaningful only to a
+        conversion that never reads a code (see :meth:`_codes_untouched`).
         """
-        packed = _map_external(self._source)
-        if packed is None:
-            packed = tensor_bytes(self._source)
-            if not packed.flags.writeable:  # a view of in-model raw data
-                packed = packed.copy()
         *lead, k = self.record.shape
+        if self.record.layout == KERNEL and not as_stored:
+            e, n = lead
+            packed = kernel_to_schema(tensor_bytes(self._source), n, k)
+        else:
+            packed = _map_external(self._source)
+            if packed is None:
+                packed = tensor_bytes(self._source)
+                if not packed.flags.writeable:  # a view of in-model raw data
+                    packed = packed.copy()
         codes = torch.from_numpy(packed.reshape(*lead, k // 2))
         return MXFP4Tensor(codes, torch.from_numpy(self._read_scales(check=False)), name=self.record.name)
 
@@ -229,8 +238,14 @@ class WeightConversion:
             except ImportError as exc:  # pragma: no cover - while the converter is being written
                 raise UsageError(f"the MXFP4 -> NVFP4 converter is not available in this build ({exc})") from None
             start = time.perf_counter()
-            mx = self.mx()
+            as_stored = self._codes_untouched()
+            mx = self.mx(as_stored)
             nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
+            if as_stored and nv.codes.data_ptr() != mx.codes.data_ptr():  # a code was re-encoded after all
+                as_stored = False
+                mx = self.mx()
+                nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
+            self._codes_layout = KERNEL if as_stored else None
             elapsed = time.perf_counter() - start
             source = self._source
             if isinstance(source, ir.ExternalTensor) and nv.codes.data_ptr() == mx.codes.data_ptr():
@@ -246,6 +261,21 @@ class WeightConversion:
             self._global = g
         return self._result
 
+    def _codes_untouched(self) -> bool:
+        """Whether the conversion can run on the kernel-layout bytes as they are, without repacking them.
+
+        ``auto`` on groups whose E8M0 codes all lie within 17 of each other (over all blocks) is lossless
+        without reading a single E2M1 code: the output shares the input's nibbles and the E4M3 scales come from
+        the E8M0 codes alone (``fp4pass.convert``). The codes then stay in the kernel layout, and are written
+        back as they came. :meth:`result` checks that the nibbles were indeed shared, and repacks otherwise.
+        """
+        if self.record.layout != KERNEL or self.method != "auto":
+            return False
+        scales = self._read_scales(check=False).reshape(self.record.shape[0], -1)
+        if scales.size == 0:
+            return False
+        return bool((scales.max(axis=1).astype(np.int64) - scales.min(axis=1) <= 17).all())
+
     def global_scale(self) -> np.ndarray:
         """FP32 global scale, [] or [E] (small; kept after the big parts are released)."""
         if self._global is None:
@@ -259,15 +289,22 @@ class WeightConversion:
             _release_memory()
 
     # -- lazy tensors ----------------------------------------------------------------------------------
-    def codes_tensor(self, name: str, packed_uint8: bool = False) -> ir.LazyTensor:
-        """E2M1 codes: FLOAT4E2M1 [..., K] (ONNX), or uint8 [..., K/2] when ``packed_uint8`` (QMoE)."""
+    def codes_tensor(self, name: str, packed_uint8: bool = False, layout: str | None = None) -> ir.LazyTensor:
+        """E2M1 codes: FLOAT4E2M1 [..., K] (ONNX), or uint8 [..., K/2] when ``packed_uint8`` (QMoE); with
+        ``layout="kernel"`` the QMoE kernel layout uint8 [E, K, N/2] (nibbles paired along N)."""
         *lead, k = self.record.shape
         self._pending.add("codes")
+        kernel = layout == KERNEL
 
         def make():
             codes = self.result().codes.cpu().numpy()
-            same = self._same_bytes
+            # the input's bytes are the output's only when both are in the same layout
+            same = self._same_bytes if kernel == (self.record.layout == KERNEL) else None
             self._fetched("codes")
+            if kernel and self._codes_layout == KERNEL:  # the stored kernel-layout bytes, kept as they are
+                codes = codes.reshape(lead[0], k, lead[1] // 2)
+            elif kernel:
+                codes = schema_to_kernel(codes, lead[1], k)
             if same is not None:
                 if packed_uint8:
                     return _SameBytesTensor(codes, name=name, source=same)
@@ -277,6 +314,8 @@ class WeightConversion:
                 return ir.Tensor(codes, name=name)
             return ir.PackedTensor(codes, ir.DataType.FLOAT4E2M1, shape=ir.Shape([*lead, k]), name=name)
 
+        if kernel:
+            return ir.LazyTensor(make, ir.DataType.UINT8, ir.Shape([lead[0], k, lead[1] // 2]), name=name)
         if packed_uint8:
             return ir.LazyTensor(make, ir.DataType.UINT8, ir.Shape([*lead, k // 2]), name=name)
         return ir.LazyTensor(make, ir.DataType.FLOAT4E2M1, ir.Shape([*lead, k]), name=name)

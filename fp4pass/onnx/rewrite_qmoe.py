@@ -6,9 +6,13 @@ Per expert e and weight fc in {fc1, fc2}, every scale a multiplier applied on de
     out: x_hat[e] = e2m1(W'[e]) * e4m3(S16[e]) * (g_in[e] * G[e])  (E4M3 per 16; FP32 [E] global scale)
 
 ``G`` is the converter's per-expert global scale; the product g_in * G is formed once in FP32 (exact when
-g_in is 1 or a power of two). Weights stay uint8 [E, N, K/2] under their names; the E4M3 scales are new
-initializers ``{W}_scale_e4m3`` [E, N, K/16]; the global scale replaces ``fc*_global_scale`` (inputs 15, 16),
-or is added as ``{W}_global_scale``. ``block_size`` becomes 16. QMoE 'nvfp4' runs on the CUDA EP only.
+g_in is 1 or a power of two) and never folded into the E4M3 scales. The input weights may be in either byte
+layout (:mod:`fp4pass.onnx.qmoe_layout`); the output weights are always written, under their names, in the
+layout onnxruntime's CUDA kernel for 'nvfp4' reads: uint8 [E, K, N/2], byte [e, k, j] = c[e, 2j, k] (low
+nibble) | c[e, 2j+1, k] << 4. The E4M3 scales are new initializers ``{W}_scale_e4m3`` [E, N, K/16]; the
+global scale replaces ``fc*_global_scale`` (inputs 15, 16), or is added as ``{W}_global_scale`` FP32 [E].
+``block_size`` becomes 16, and the node gets the metadata ``fp4pass.qmoe_weight_layout = kernel`` so that
+the layout stays known when its shapes alone cannot tell it. QMoE 'nvfp4' runs on the CUDA EP only.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ import numpy as np
 import onnx_ir as ir
 
 from fp4pass.onnx.patterns import QMOE_WEIGHTS, FP4Weight
+from fp4pass.onnx.qmoe_layout import KERNEL, LAYOUT_KEY
 from fp4pass.onnx.rewrite_common import WeightConversion
 
-__all__ = ["QMoEToNVFP4", "prior_global_scale"]
+__all__ = ["QMoEToNVFP4", "prior_global_scale", "WRITTEN_LAYOUT"]
+
+#: the byte layout every 'nvfp4' QMoE weight is written in (onnxruntime's CUDA kernel reads it)
+WRITTEN_LAYOUT = KERNEL
 
 
 def prior_global_scale(record: FP4Weight) -> np.ndarray | None:
@@ -41,7 +49,9 @@ class QMoEToNVFP4:
         node, graph = record.node, record.node.graph
         wi, si, gi = QMOE_WEIGHTS[record.slot]
         w = record.name
-        record.codes.const_value = conv.codes_tensor(w, packed_uint8=True)
+        codes = conv.codes_tensor(w, packed_uint8=True, layout=WRITTEN_LAYOUT)
+        record.codes.const_value = codes
+        record.codes.shape = ir.Shape(codes.shape)
         scales_tensor = conv.scales_tensor(f"{w}_scale_e4m3")
         scales = ir.Value(name=f"{w}_scale_e4m3", const_value=scales_tensor, shape=ir.Shape(scales_tensor.shape),
                           type=ir.TensorType(ir.DataType.FLOAT8E4M3FN))
@@ -64,6 +74,7 @@ class QMoEToNVFP4:
             node.replace_input_with(gi, g_value)
         node.attributes["quant_type"] = ir.AttrString("quant_type", "nvfp4")
         node.attributes["block_size"] = ir.AttrInt64("block_size", 16)
+        node.metadata_props[LAYOUT_KEY] = WRITTEN_LAYOUT
         return {"form": self.form}
 
 

@@ -82,6 +82,15 @@ def _initializer_bytes(model: ir.Model) -> int:
     return total
 
 
+def _external_folder(model: ir.Model, options: ort.SessionOptions) -> None:
+    """A model passed as bytes whose initializers still live in external files (loaded lazily from a path)
+    needs their folder named, or onnxruntime resolves them against the working directory."""
+    folders = {str(Path(v.const_value.base_dir)) for g in model.graphs() for v in g.initializers.values()
+               if isinstance(v.const_value, ir.ExternalTensor) and v.const_value.base_dir}
+    if len(folders) == 1:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folders.pop())
+
+
 def make_session(model, provider: str = "auto", *, options: ort.SessionOptions | None = None):
     """Create an ``ort.InferenceSession`` for ``model``; returns ``(session, provider_used, note)``."""
     providers, provider_used, note = _providers(provider)
@@ -99,6 +108,7 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
     if isinstance(model, ir.Model):
         if _initializer_bytes(model) < _INLINE_LIMIT:
             source = ir.serde.serialize_model(model).SerializeToString()
+            _external_folder(model, options)
         else:
             tmpdir = tempfile.TemporaryDirectory(prefix="fp4pass-ort-")
             path = Path(tmpdir.name) / "model.onnx"

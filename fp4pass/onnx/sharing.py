@@ -101,6 +101,7 @@ def group_shared(records: list[FP4Weight], declined: list[Declined]) -> tuple[li
     return out, out_declined
 
 
-def find_weights(model: ir.Model) -> tuple[list[FP4Weight], list[Declined]]:
-    """:func:`fp4pass.onnx.patterns.find_mxfp4`, with the readers of one weight merged (module docstring)."""
-    return group_shared(*find_mxfp4(model))
+def find_weights(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[Declined]]:
+    """:func:`fp4pass.onnx.patterns.find_mxfp4` (``model_dir``: where a QMoE layout hint may lie), with the
+    readers of one weight merged (module docstring)."""
+    return group_shared(*find_mxfp4(model, model_dir))
