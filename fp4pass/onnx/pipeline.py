@@ -32,7 +32,9 @@ from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4, prior_global_scale
-from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4
+from fp4pass.onnx.rewrite_quark import (activation_fake_quants, drop_unused_quark_opset, fold_constants,
+                                        materialize_weight, remove_activation_fake_quants)
+from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, keep_output_dtype
 from fp4pass.progress import progress
 
 __all__ = ["convert", "METHODS", "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
@@ -66,18 +68,22 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
     done, alphas, wrote_dq = [], {}, False
     alpha_pass, dq_pass, gbq_pass, qmoe_pass = AlphaNVFP4(), DequantizeToNVFP4(), GatherToNVFP4(), QMoEToNVFP4()
     for record, conv in zip(records, convs):
-        note = None
-        if record.pattern == "dq":
+        note = conv.lossy_reason
+        if record.pattern == "quark":
+            materialize_weight(record)
+        elif record.pattern == "dq_float":
+            keep_output_dtype(record)
+        if record.pattern in ("dq", "dq_float", "quark"):
             wrote_dq = True
             reason = alpha_pass.check(record) if scale_form == "alpha" else None
             if scale_form == "alpha" and reason is None:
                 out = alpha_pass.rewrite(record, conv)
                 alphas.update(out["alphas"])
                 if out["gemm_alpha"]:
-                    note = f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"
+                    note = "; ".join(filter(None, [note, f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"]))
             else:
                 if reason:
-                    note = f"alpha form not possible ({reason}); wrote the dq form"
+                    note = "; ".join(filter(None, [note, f"alpha form not possible ({reason}); wrote the dq form"]))
                 out = dq_pass.rewrite(record, conv)
         elif record.pattern == "gbq":
             wrote_dq = True
@@ -88,6 +94,24 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
                 note = "global scale multiplied by the input's fc*_global_scale"
         done.append((record, conv, out["form"], note))
     return done, alphas, wrote_dq
+
+
+def _quark_rest(model: ir.Model, calibrated: bool, declined: list) -> list[dict]:
+    """Quark fake-quants left after the weights: constants folded; activations removed when calibrated
+    quantizers replace them, else kept and declined (running them needs Quark's custom-op library)."""
+    from fp4pass.onnx.patterns import Declined, node_label
+
+    entries = fold_constants(model)
+    if calibrated:
+        entries += remove_activation_fake_quants(model)
+    else:
+        for node in activation_fake_quants(model):
+            reason = ("Quark MX fake-quant on an activation, left as it is: running the output needs Quark's "
+                      "custom-op library (com.amd.quark); convert with --calib to replace it by calibrated NVFP4 "
+                      "activation quantizers")
+            declined.append(Declined("quark", node_label(node), node.inputs[0].name if node.inputs[0] else None, reason))
+    drop_unused_quark_opset(model)
+    return entries
 
 
 def _group_initializers(model: ir.Model, records) -> None:
@@ -199,6 +223,7 @@ def convert(
     records, declined = find_mxfp4(model)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
     done, alphas, wrote_dq = _rewrite(records, convs, scale_form)
+    quark = _quark_rest(model, calibrated=calib is not None or scales is not None, declined=declined)
     versions = SetOpsetAndIR().call(model, wrote_dq)
     _group_initializers(model, records)
 
@@ -246,6 +271,8 @@ def convert(
     }
     if activations is not None:
         report["activations"] = jsonable(activations)
+    if quark:
+        report["quark"] = quark
     report["summary"] = summarize(tensors, declined_json, time.perf_counter() - start)
     if check:
         rewritten = str(output) if output is not None else ir.serde.serialize_model(model)

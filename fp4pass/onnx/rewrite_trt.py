@@ -28,7 +28,7 @@ import onnx_ir as ir
 from fp4pass.onnx.patterns import FP4Weight
 from fp4pass.onnx.rewrite_common import WeightConversion
 
-__all__ = ["DequantizeToNVFP4", "AlphaNVFP4", "GatherToNVFP4"]
+__all__ = ["DequantizeToNVFP4", "AlphaNVFP4", "GatherToNVFP4", "keep_output_dtype"]
 
 
 def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
@@ -53,12 +53,21 @@ def _scale_chain(record: FP4Weight, conv: WeightConversion, graph: ir.Graph, wit
     node_name = f"{record.node.name or w}_scale"
     dq = ir.Node("", "DequantizeLinear", [scales, g], attrs, outputs=[out], name=node_name)
     record.node.prepend(dq)
-    record.node.replace_input_with(1 if record.pattern == "dq" else 2, out)
+    record.node.replace_input_with(2 if record.pattern == "gbq" else 1, out)
     if not old_scales.uses():
         graph.initializers.pop(old_scales.name, None)
     record.codes.const_value = conv.codes_tensor(w)
     record.node.attributes["block_size"] = ir.AttrInt64("block_size", 16)
     return out
+
+
+def keep_output_dtype(record: FP4Weight) -> None:
+    """Pattern 4 with FLOAT16/BFLOAT16 scales: the DQ's output type came from its scale; once the scale is
+    the FP32 ``DQ(S16, G)`` it would turn FP32, so ``output_dtype`` pins the graph's own type."""
+    node = record.node
+    scale_type = record.scales.const_value.dtype if record.scales.const_value is not None else record.scales.dtype
+    if "output_dtype" not in node.attributes and scale_type not in (None, ir.DataType.FLOAT):
+        node.attributes["output_dtype"] = ir.AttrInt64("output_dtype", scale_type.value)
 
 
 class DequantizeToNVFP4:
