@@ -10,7 +10,8 @@ because a global scale S = 2^(k_max - 8) puts every block scale 2^(k_j - m) amon
 2^-9..2^8 exactly when the spread is at most 17 (FACTS.md, seed 000). The forecast is a sufficient condition:
 ``--method auto`` may still find a lossless non-power-of-two global scale where it says false.
 ``lossless_per_tensor_scale`` is the same test with one global scale for all experts (ModelOpt's merged cast).
-Tensors are read one at a time (external data streams), so this runs on models larger than RAM.
+FP4 with arbitrary float scales (pattern 4 where a scale is not a power of two) has no exponents: it is
+listed as lossy, with the reason. Tensors are read one at a time (external data streams), so this runs on models larger than RAM.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from fp4pass.onnx import loading
-from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.patterns import find_mxfp4, node_label
 from fp4pass.onnx.rewrite_common import WeightConversion
 
 __all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
@@ -47,6 +48,13 @@ def inspect(model_or_path) -> dict:
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")
+        if conv.lossy_reason is not None:  # FP4 with arbitrary float scales: no exponents, never lossless
+            lossy = {"k_min": None, "k_max": None, "spread": None, "lossless": False}
+            experts = [{"expert": e, **lossy} for e in range(record.experts or 0)]
+            tensors.append({"name": record.name, "node": node_label(record.node), "pattern": record.pattern,
+                            "slot": record.slot, "shape": list(record.shape), "experts": record.experts, **lossy,
+                            "lossless_per_tensor_scale": False, "per_expert": experts, "reason": conv.lossy_reason})
+            continue
         mx = conv.mx()
         k = mx.exponents.numpy().astype(np.int64)
         packed = mx.codes.numpy().reshape(*k.shape, 16)
@@ -82,6 +90,9 @@ def format_inspection(info: dict) -> str:
     lines.append(header)
     for t in info["tensors"]:
         k_range = "-" if t["k_min"] is None else f"{t['k_min']}..{t['k_max']}"
+        if t.get("reason"):
+            lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {'-':<12} {'-':>6}  no ({t['reason']})")
+            continue
         lossless = "yes" if t["lossless"] else "no"
         if t["experts"]:
             lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \

@@ -114,6 +114,15 @@ def _quark_rest(model: ir.Model, calibrated: bool, declined: list) -> list[dict]
     return entries
 
 
+def _quark_replaced(entries: list[dict], activations: list[dict]) -> None:
+    """Say, per removed Quark activation fake-quant, whether a calibrated NVFP4 quantizer took its place."""
+    inserted = {a["activation"] for a in activations if a.get("inserted")}
+    for entry in entries:
+        if entry["kind"] == "activation":
+            entry["action"] = ("removed; replaced by a calibrated NVFP4 quantizer" if entry["tensor"] in inserted else
+                               "removed; not replaced: it feeds no FP4 GEMM (NVFP4 quantizes only FP4 GEMM inputs)")
+
+
 def _group_initializers(model: ir.Model, records) -> None:
     """Put each weight's new scale initializers right after its codes, so that ``ir.save`` writes a weight's
     parts one after another and its conversion is freed before the next one starts (peak memory ~ one weight)."""
@@ -232,6 +241,7 @@ def convert(
         activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
                                    calibrator_options or {})
         versions["after"]["ir_version"] = model.ir_version
+        _quark_replaced(quark, activations)
 
     used_external = False
     if output is not None:

@@ -59,7 +59,7 @@ def _float32(value: ir.Value) -> np.ndarray:
 
 def quark_mxfp4(x: np.ndarray, block_size: int = MX_BLOCK_SIZE, *, name: str = "weight") -> MXFP4Tensor:
     """Quark's MX quantization of float32 ``x`` [..., K] along its last axis (K a multiple of the block)."""
-    return MXFP4Tensor.quantize(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), block_size,
+    return MXFP4Tensor.quantize(torch.from_numpy(np.array(x, dtype=np.float32, order="C", copy=True)), block_size,
                                 QUARK_SCALE_RULE, name=name)
 
 
@@ -201,7 +201,7 @@ def remove_activation_fake_quants(model: ir.Model) -> list[dict]:
                 user.replace_input_with(index, x)
         graph.remove(node, safe=True)
         entries.append({"node": label, "tensor": x.name, "kind": "activation",
-                        "action": "removed; calibrated NVFP4 quantizers go in front of the FP4 GEMMs"})
+                        "action": "removed"})
     return entries
 
 
