@@ -98,7 +98,8 @@ def _quark_model(w: np.ndarray, axis: int, b: np.ndarray | None = None, block: i
     dtype = helper.np_dtype_to_tensor_dtype(w.dtype)
     graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", dtype, [2, w.shape[0]])],
                               [helper.make_tensor_value_info("y", dtype, [2, w.shape[1]])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.amd.quark", 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.amd.quark", 1)],
+                             ir_version=9)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
