@@ -21,6 +21,7 @@ import numpy as np
 from fp4pass.onnx import loading
 from fp4pass.onnx.patterns import find_mxfp4, node_label
 from fp4pass.onnx.rewrite_common import WeightConversion
+from fp4pass.onnx.rewrite_quark import activation_declines
 
 __all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
 
@@ -45,6 +46,7 @@ def inspect(model_or_path) -> dict:
     "lossless"}]}], "declined": [...], "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``."""
     loaded = loading.load(model_or_path)
     records, declined = find_mxfp4(loaded.model)
+    declined += activation_declines(loaded.model)
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")
@@ -60,7 +62,7 @@ def inspect(model_or_path) -> dict:
         packed = mx.codes.numpy().reshape(*k.shape, 16)
         holds = ((packed & 0x77) != 0).any(-1)  # a non-zero magnitude in either nibble of any byte of the block
         whole = _spread_entry(k, holds)
-        entry = {"name": record.name, "node": record.node.name, "pattern": record.pattern, "slot": record.slot,
+        entry = {"name": record.name, "node": node_label(record.node), "pattern": record.pattern, "slot": record.slot,
                  "shape": list(record.shape), "experts": record.experts}
         if record.experts is None:
             entry.update(whole, lossless_per_tensor_scale=whole["lossless"], per_expert=[])

@@ -32,7 +32,7 @@ from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4, prior_global_scale
-from fp4pass.onnx.rewrite_quark import (activation_fake_quants, drop_unused_quark_opset, fold_constants,
+from fp4pass.onnx.rewrite_quark import (activation_declines, drop_unused_quark_opset, fold_constants,
                                         materialize_weight, remove_activation_fake_quants)
 from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, keep_output_dtype
 from fp4pass.progress import progress
@@ -99,17 +99,11 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
 def _quark_rest(model: ir.Model, calibrated: bool, declined: list) -> list[dict]:
     """Quark fake-quants left after the weights: constants folded; activations removed when calibrated
     quantizers replace them, else kept and declined (running them needs Quark's custom-op library)."""
-    from fp4pass.onnx.patterns import Declined, node_label
-
     entries = fold_constants(model)
     if calibrated:
         entries += remove_activation_fake_quants(model)
     else:
-        for node in activation_fake_quants(model):
-            reason = ("Quark MX fake-quant on an activation, left as it is: running the output needs Quark's "
-                      "custom-op library (com.amd.quark); convert with --calib to replace it by calibrated NVFP4 "
-                      "activation quantizers")
-            declined.append(Declined("quark", node_label(node), node.inputs[0].name if node.inputs[0] else None, reason))
+        declined.extend(activation_declines(model))
     drop_unused_quark_opset(model)
     return entries
 

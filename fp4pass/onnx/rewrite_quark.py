@@ -31,7 +31,7 @@ import onnx_ir as ir
 import torch
 
 from fp4pass.formats import MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
-from fp4pass.onnx.patterns import QUARK_DOMAIN, QuarkWeight, _quark_fp4, node_label, quark_constant, trace_consumers
+from fp4pass.onnx.patterns import QUARK_DOMAIN, Declined, QuarkWeight, _quark_fp4, node_label, quark_constant, trace_consumers
 
 __all__ = [
     "QUARK_SCALE_RULE",
@@ -41,6 +41,7 @@ __all__ = [
     "materialize_weight",
     "fold_constants",
     "activation_fake_quants",
+    "activation_declines",
     "remove_activation_fake_quants",
     "drop_unused_quark_opset",
 ]
@@ -179,6 +180,17 @@ def fold_constants(model: ir.Model) -> list[dict]:
 def activation_fake_quants(model: ir.Model) -> list[ir.Node]:
     """Case 3: the Quark FP4 fake-quants on values computed at run time (or graph inputs)."""
     return [node for graph in model.graphs() for node in graph if _quark_fp4(node) and not quark_constant(node)]
+
+
+ACTIVATION_REASON = ("Quark MX fake-quant on an activation, left as it is: running the output needs Quark's "
+                     "custom-op library (com.amd.quark); convert with --calib to replace it by calibrated NVFP4 "
+                     "activation quantizers")
+
+
+def activation_declines(model: ir.Model) -> list[Declined]:
+    """Case 3 without calibration: one decline per activation fake-quant (pattern ``quark``)."""
+    return [Declined("quark", node_label(node), node.inputs[0].name if node.inputs and node.inputs[0] else None,
+                     ACTIVATION_REASON) for node in activation_fake_quants(model)]
 
 
 def remove_activation_fake_quants(model: ir.Model) -> list[dict]:
