@@ -211,3 +211,18 @@ def test_quark_diff_needs_quarks_library_or_says_so(tmp_path, capsys):
         assert "custom-op library" in capsys.readouterr().err
     else:
         assert code == 0
+
+
+def test_alpha_form(tmp_path):
+    """Alpha form: the weight's DQ carries the E4M3 block scales only; times the global scale (a power of two
+    here, so exact) it is the source weight; Quark's Gemm takes the global scale in its own alpha."""
+    source = onnx.load(str(FIXTURES / "torch_fp4dq_f32.onnx"))
+    model, report = _convert(tmp_path, "torch_fp4dq_f32.onnx", scale_form="alpha")
+    assert [t["target_form"] for t in report["tensors"]] == ["alpha", "alpha"]
+    for value, entry in zip(fp4_dq_outputs(source), report["tensors"]):
+        g = np.asarray(entry["global_scale"], np.float32).reshape([-1, 1, 1] if entry["experts"] else [])
+        np.testing.assert_array_equal(constant_value(model, value) * g, constant_value(source, value))
+    quark, report = _convert(tmp_path, "quark_mlp.onnx", scale_form="alpha")
+    (gemm,) = [n for n in quark.graph.node if n.op_type == "Gemm"]
+    alpha = next(a.f for a in gemm.attribute if a.name == "alpha")
+    assert alpha == pytest.approx(report["tensors"][0]["global_scale"][0], rel=0)
