@@ -4,7 +4,9 @@
 2. match      - :func:`fp4pass.onnx.patterns.find_mxfp4`: the MXFP4 patterns, and near-misses with a reason
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
 4. rewrite    - per weight: :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
-                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy
+                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy. A Quark weight becomes an
+                MXFP4 DQ first; the Quark fake-quants left are folded (constants) or go with the activations
+                (:mod:`rewrite_quark`)
 5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR`
 6. activations (optional) - ``fp4pass.calib.calibrate_model`` then ``fp4pass.onnx.act_quant``
 7. write      - streamed with external data (one weight's conversion in memory at a time), or materialized
