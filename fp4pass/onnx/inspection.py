@@ -16,6 +16,9 @@ The error forecast: where some expert is not lossless by that test, the tensor i
 :func:`fp4pass.onnx.report.group_stats`). Where every expert is lossless nothing is converted: ``mse`` 0,
 ``snr_db`` null, every 16-half verbatim. Tensors are read one at a time (external data streams), so this runs
 on models larger than RAM; ``measure=False`` skips the conversion and gives the spread forecast only.
+The forecast is a sufficient condition: ``--method auto`` may still find a lossless non-power-of-two global
+scale where it says false. FP4 with arbitrary float scales (the torch exporter's DequantizeLinear where a scale is
+not a power of two) has no exponents: it is listed as lossy, with the reason.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import numpy as np
 
 from fp4pass.onnx import loading
+from fp4pass.onnx.patterns import node_label
 from fp4pass.onnx.report import group_stats, jsonable, layout_entry
 from fp4pass.onnx.sharing import find_weights
 from fp4pass.onnx.rewrite_common import WeightConversion
+from fp4pass.onnx.rewrite_quark import activation_declines
 
 __all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
 
@@ -76,15 +81,23 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
     error keys out."""
     loaded = loading.load(model_or_path)
     records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else None)
+    declined += activation_declines(loaded.model)
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")
+        if conv.lossy_reason is not None:  # FP4 with arbitrary float scales: no exponents, never lossless
+            lossy = {"k_min": None, "k_max": None, "spread": None, "lossless": False}
+            experts = [{"expert": e, **lossy} for e in range(record.experts or 0)]
+            tensors.append({"name": record.name, "node": node_label(record.node), "pattern": record.pattern,
+                            "slot": record.slot, "shape": list(record.shape), "experts": record.experts, **lossy,
+                            "lossless_per_tensor_scale": False, "per_expert": experts, "reason": conv.lossy_reason})
+            continue
         mx = conv.mx()
         k = mx.exponents.numpy().astype(np.int64)
         packed = mx.codes.numpy().reshape(*k.shape, 16)
         holds = ((packed & 0x77) != 0).any(-1)  # a non-zero magnitude in either nibble of any byte of the block
         whole = _spread_entry(k, holds)
-        entry = {"name": record.name, "node": record.node.name, "pattern": record.pattern, "slot": record.slot,
+        entry = {"name": record.name, "node": node_label(record.node), "pattern": record.pattern, "slot": record.slot,
                  "shape": list(record.shape), "experts": record.experts, **layout_entry(record)}
         if record.experts is None:
             entry.update(whole, lossless_per_tensor_scale=whole["lossless"], per_expert=[])
@@ -120,6 +133,9 @@ def format_inspection(info: dict) -> str:
     lines.append(header)
     for t in info["tensors"]:
         k_range = "-" if t["k_min"] is None else f"{t['k_min']}..{t['k_max']}"
+        if t.get("reason"):
+            lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {'-':<12} {'-':>6}  no ({t['reason']})")
+            continue
         lossless = "yes" if t["lossless"] else "no"
         if t["experts"]:
             lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \

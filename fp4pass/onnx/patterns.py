@@ -9,6 +9,15 @@ MXFP4 in (one class per pattern; ``check`` returns the reason a node is declined
    x_hat = e2m1(W) * 2^(S - 127) * fc*_global_scale[e].
 3. :class:`GatherBlockQuantizedFp4` - ``com.microsoft::GatherBlockQuantized(W FLOAT4E2M1, idx, S float)`` with
    block_size 32 along the last axis and every scale a power of two (an E8M0 scale stored as float).
+4. :class:`FP4FloatScaleDequantize` - ``DequantizeLinear-23/24(W FLOAT4E2M1, S FLOAT|FLOAT16|BFLOAT16,
+   block_size=32)``, the torch exporter's form: MXFP4 where every scale is a power of two in E8M0's range,
+   else FP4 with arbitrary scales (lossy path).
+5. :class:`QuarkMXFakeQuant` - ``com.amd.quark::MXQuantizeDequantize(W float, element_dtype='fp4_e2m1',
+   block_size=32, axis)`` on a linear weight initializer (AMD Quark): W is quantized with Quark's own rule.
+
+Declined only, so that a user learns why they stay (the report names op, reason and what would convert):
+:class:`Bnb4Decline` (``MatMulBnb4``, bitsandbytes FP4/NF4) and :class:`GatherBlockQuantizedInt4Decline`
+(INT4 ``GatherBlockQuantized``). fp4pass's own NVFP4 output (block-16 FP4 DQ fed by an E4M3 DQ) is skipped.
 
 Each match becomes an :class:`FP4Weight` record (bytes are read later, lazily, from the initializers).
 :func:`find_fp4_consumers` lists the nodes that compute with an FP4 weight, in the input (MXFP4) or the
@@ -30,6 +39,13 @@ __all__ = [
     "MXFP4Dequantize",
     "QMoEFp4",
     "GatherBlockQuantizedFp4",
+    "FP4FloatScaleDequantize",
+    "QuarkMXFakeQuant",
+    "QuarkWeight",
+    "Bnb4Decline",
+    "GatherBlockQuantizedInt4Decline",
+    "node_label",
+    "quark_constant",
     "PATTERNS",
     "find_mxfp4",
     "find_fp4_consumers",
@@ -194,7 +210,8 @@ class MXFP4Dequantize:
     name = "dq"
 
     def match(self, node: ir.Node) -> bool:
-        return node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
+        return (node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
+                and not _float_scaled(node))
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
@@ -318,8 +335,192 @@ class GatherBlockQuantizedFp4:
         return [FP4Weight(self.name, node, w, s, tuple(w.const_value.shape.numpy()),
                           consumers=[Consumer(node, 0, None)])]
 
+FLOAT_SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+QUARK_DOMAIN = "com.amd.quark"
+QUARK_MX_OP = "MXQuantizeDequantize"
+QUARK_FP4 = "fp4_e2m1"
 
-PATTERNS = (MXFP4Dequantize(), QMoEFp4(), GatherBlockQuantizedFp4())
+
+def _float_scaled(node: ir.Node) -> bool:
+    """An FP4 DequantizeLinear whose scale input is FLOAT/FLOAT16/BFLOAT16 (pattern 4, or fp4pass's NVFP4 output)."""
+    return len(node.inputs) > 1 and _dtype(node.inputs[1]) in FLOAT_SCALE_TYPES
+
+
+class FP4FloatScaleDequantize:
+    """Pattern 4: ``DequantizeLinear-23/24(W FLOAT4E2M1, S FLOAT|FLOAT16|BFLOAT16, axis=last, block_size=32)``.
+
+    The torch exporter's form (torch 2.13 ``torch.onnx.export(dynamo=True)`` has no E8M0 type, so a
+    ``torch.onnx.ops.symbolic("DequantizeLinear", ...)`` on a float4_e2m1fn_x2 buffer carries float scales).
+    Math: x_hat[..., i] = e2m1(W[..., i]) * S[..., i // 32], one multiply in the scale's float type.
+
+    Where every S is a power of two 2^k with k in [-127, 127] (or 0 over a block whose codes are all ±0), it
+    is MXFP4 by value: E8M0 code k + 127 (0 for the zero scales), converted exactly as pattern 1. Otherwise
+    it is FP4 with arbitrary block scales, converted through the lossy path (:mod:`fp4pass.convert.scaled`),
+    and the report says so. FP4 DequantizeLinear at block 16 whose scale is fp4pass's own ``DQ(E4M3, G)`` is
+    NVFP4 already and is neither matched nor declined.
+    """
+
+    name = "dq_float"
+
+    def match(self, node: ir.Node) -> bool:
+        return (node.domain == "" and node.op_type == "DequantizeLinear"
+                and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1 and _float_scaled(node))
+
+    def check(self, node: ir.Node) -> str | None:
+        w, s = node.inputs[0], node.inputs[1]
+        reason = _constants_reason(node, w, s)
+        if reason:
+            return reason
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            return f"weight {w.name!r} has a zero point"
+        shape = tuple(w.const_value.shape.numpy())
+        rank = len(shape)
+        if rank not in (2, 3):
+            return f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported"
+        axis = _attr(node, "axis", 1)
+        if axis not in (-1, rank - 1):
+            return f"weight {w.name!r} is blocked along axis {axis}, not the last axis"
+        block = _attr(node, "block_size", 0)
+        if block != 32:
+            fix = ("store its block scales as FLOAT8E4M3FN with an FP32 global scale (NVFP4's two-DQ form)"
+                   if block == 16 else "requantize it with blocks of 32 along the last axis")
+            return f"weight {w.name!r} has block size {block} with float scales; FP4 converts at block 32 only ({fix})"
+        if tuple(s.const_value.shape.numpy()) != (*shape[:-1], shape[-1] // 32) or shape[-1] % 32:
+            return (f"scale {s.name!r} has shape {list(s.const_value.shape.numpy())}, "
+                    f"expected {[*shape[:-1], shape[-1] // 32]} for weight {list(shape)}")
+        return None
+
+    def records(self, node: ir.Node) -> list[FP4Weight]:
+        w, s = node.inputs[0], node.inputs[1]
+        return [FP4Weight(self.name, node, w, s, tuple(w.const_value.shape.numpy()),
+                          consumers=trace_consumers(node.outputs[0]))]
+
+
+@dataclass
+class QuarkWeight(FP4Weight):
+    """A float weight under Quark's MX fake-quant, quantized to MXFP4 (``codes``/``scales`` are new values not
+    yet in the graph). ``source`` is the float initializer; ``perm`` the axis swap that brings Quark's block
+    axis last (None when it is last already): codes are stored permuted and a Transpose restores the layout."""
+
+    source: ir.Value | None = None
+    perm: list[int] | None = None
+
+
+def _quark_fp4(node: ir.Node) -> bool:
+    element = _attr(node, "element_dtype", "")
+    if isinstance(element, bytes):
+        element = element.decode()
+    return node.domain == QUARK_DOMAIN and node.op_type == QUARK_MX_OP and element == QUARK_FP4
+
+
+def quark_constant(node: ir.Node) -> bool:
+    """A Quark FP4 fake-quant whose input is a stored constant (weight or bias), not an activation."""
+    x = node.inputs[0] if node.inputs else None
+    return _quark_fp4(node) and x is not None and not x.is_graph_input() and x.const_value is not None
+
+
+def _linear_weight(value: ir.Value) -> bool:
+    consumers = trace_consumers(value)
+    return bool(consumers) and all(c.node.domain == "" and c.node.op_type in LINEAR_CONSUMERS
+                                   and c.activation_input is not None for c in consumers)
+
+
+class QuarkMXFakeQuant:
+    """Pattern 5: ``com.amd.quark::MXQuantizeDequantize(W, element_dtype='fp4_e2m1', block_size=32, axis)`` on a
+    float weight initializer that MatMul / Gemm / Einsum read as their weight (AMD Quark ``quark.onnx``).
+
+    Quark's rule (its ``mx_kernel.cc`` / ``funcs.cuh``, amd-quark 0.13): the block exponent is the largest
+    float32 exponent in the block minus E2M1's emax 2, k = floor(log2(amax)) - 2 (OCP's rule, ``ScaleRule.FLOOR``),
+    and each x / 2^k is rounded to nearest, ties to even, on the E2M1 grid, saturating at ±6. The weight is
+    quantized so, its block axis moved last, then converted to NVFP4 like any MXFP4 weight; the fake-quant
+    node is dropped. Biases and other constants under the fake-quant are folded (:mod:`rewrite_quark`), and
+    activations are left to the activation step.
+    """
+
+    name = "quark"
+
+    def match(self, node: ir.Node) -> bool:
+        return quark_constant(node) and node.inputs[0].const_value.shape.rank() >= 2 and _linear_weight(node.outputs[0])
+
+    def check(self, node: ir.Node) -> str | None:
+        w = node.inputs[0]
+        reason = _initializer_reason(w, "weight") or _shared_reason(w, node, "weight")
+        if reason:
+            return reason
+        if _dtype(w) not in FLOAT_SCALE_TYPES:
+            return f"weight {w.name!r} is {_dtype(w)}, not a float type"
+        shape = tuple(w.const_value.shape.numpy())
+        rank = len(shape)
+        if rank not in (2, 3):
+            return f"weight {w.name!r} has rank {rank}; 2-D or 3-D is supported"
+        block = _attr(node, "block_size", 32)
+        if block != 32:
+            return f"weight {w.name!r} has MX block size {block}; MXFP4 needs 32 (re-run Quark with block_size 32)"
+        axis = _attr(node, "axis", 1)
+        if not -rank <= axis < rank:
+            return f"weight {w.name!r}: axis {axis} is out of range for rank {rank}"
+        if shape[axis] % 32:
+            return f"weight {w.name!r}: dim {shape[axis]} along the block axis {axis} is not a multiple of 32"
+        if rank == 3 and axis % rank == 0:
+            return f"weight {w.name!r} is blocked along the expert axis 0"
+        return None
+
+    def records(self, node: ir.Node) -> list[FP4Weight]:
+        from fp4pass.onnx.rewrite_quark import quantize_weight
+
+        w = node.inputs[0]
+        rank = w.const_value.shape.rank()
+        axis = _attr(node, "axis", 1) % rank
+        perm = None
+        if axis != rank - 1:
+            perm = list(range(rank))
+            perm[axis], perm[-1] = perm[-1], perm[axis]
+        codes, scales, shape = quantize_weight(w, perm)
+        return [QuarkWeight(self.name, node, codes, scales, shape, consumers=trace_consumers(node.outputs[0]),
+                            source=w, perm=perm)]
+
+
+class DeclineOnly:
+    """FP4-looking ops that are not OCP FP4 (or not FP4 at all): matched only to say why they are left alone."""
+
+    def records(self, node: ir.Node) -> list[FP4Weight]:
+        return []
+
+
+class Bnb4Decline(DeclineOnly):
+    """``com.microsoft::MatMulBnb4``: bitsandbytes 4-bit (FP4 or NF4), onnxruntime's quantization tools."""
+
+    name = "bnb4"
+
+    def match(self, node: ir.Node) -> bool:
+        return node.domain == MS_DOMAIN and node.op_type == "MatMulBnb4"
+
+    def tensor(self, node: ir.Node) -> str | None:
+        return node.inputs[1].name if len(node.inputs) > 1 and node.inputs[1] is not None else None
+
+    def check(self, node: ir.Node) -> str | None:
+        kind = {0: "FP4", 1: "NF4"}.get(_attr(node, "quant_type", -1), "4-bit")
+        return (f"bitsandbytes {kind} (MatMulBnb4): its own 4-bit code book with one float absmax per block, "
+                "not OCP E2M1 with power-of-two scales; export the weight as MXFP4 "
+                "(DequantizeLinear FLOAT4E2M1 + FLOAT8E8M0, block 32) to convert it")
+
+
+class GatherBlockQuantizedInt4Decline(DeclineOnly):
+    """``com.microsoft::GatherBlockQuantized`` over INT4/UINT4 (or uint8-packed 4-bit) integer data."""
+
+    name = "gbq_int4"
+
+    def match(self, node: ir.Node) -> bool:
+        return (node.domain == MS_DOMAIN and node.op_type == "GatherBlockQuantized"
+                and _dtype(node.inputs[0]) != ir.DataType.FLOAT4E2M1)
+
+    def check(self, node: ir.Node) -> str | None:
+        return (f"{_dtype(node.inputs[0])} data with bits={_attr(node, 'bits', 4)}: integer 4-bit quantization, "
+                "not FP4; export the table as FLOAT4E2M1 with power-of-two block-32 scales to convert it")
+
+
+PATTERNS = (MXFP4Dequantize(), QMoEFp4(), GatherBlockQuantizedFp4(), FP4FloatScaleDequantize(), QuarkMXFakeQuant(),
+            Bnb4Decline(), GatherBlockQuantizedInt4Decline())
 
 
 def _all_nodes(model: ir.Model):
@@ -336,16 +537,24 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
     hints = qmoe_layout.Hints.of(model, model_dir)
     patterns = tuple(QMoEFp4(hints) if isinstance(p, QMoEFp4) else p for p in PATTERNS)
     for node in _all_nodes(model):
+        if _is_nvfp4_dq(node):  # fp4pass's own NVFP4 output: nothing to convert, nothing to decline
+            continue
         for pattern in patterns:
             if not pattern.match(node):
                 continue
-            reason = pattern.check(node)
+            try:
+                reason = pattern.check(node)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+                # a malformed node: declined with its reason, the others still convert
+                reason = f"malformed node ({type(exc).__name__}: {exc})"
             if reason is None:
                 found.extend(pattern.records(node))
             else:
                 tensor = node.inputs[0].name if node.inputs and node.inputs[0] is not None else None
                 if pattern.name == "qmoe":
                     tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
+                if hasattr(pattern, "tensor"):
+                    tensor = pattern.tensor(node)
                 declined.append(Declined(pattern.name, node_label(node), tensor, reason))
             break
     return found, declined
@@ -377,9 +586,10 @@ def find_fp4_consumers(model: ir.Model) -> list[tuple[ir.Node, int, FP4Weight | 
             seen.add(id(node))
             result.append((node, act, weight))
 
-    mx_pattern = PATTERNS[0]
+    mx_patterns = (PATTERNS[0], FP4FloatScaleDequantize())
     for node in _all_nodes(model):
-        if mx_pattern.match(node) and mx_pattern.check(node) is None:
+        mx_pattern = next((p for p in mx_patterns if p.match(node)), None)
+        if mx_pattern is not None and not _is_nvfp4_dq(node) and mx_pattern.check(node) is None:
             for record in mx_pattern.records(node):
                 for c in record.consumers:
                     if c.node.op_type in LINEAR_CONSUMERS and c.node.domain == "":

@@ -5,7 +5,9 @@
                 many dequantize nodes read it), and near-misses with a reason
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
 4. rewrite    - per weight: :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
-                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy
+                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy. A Quark weight becomes an
+                MXFP4 DQ first; the Quark fake-quants left are folded (constants) or go with the activations
+                (:mod:`rewrite_quark`)
 5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR`
 6. activations (optional) - ``fp4pass.calib.calibrate_model`` then ``fp4pass.onnx.act_quant``
 7. write      - streamed with external data (one weight's conversion in memory at a time), or materialized
@@ -32,6 +34,8 @@ from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import UniqueNames, WeightConversion
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4, prior_global_scale
+from fp4pass.onnx.rewrite_quark import (activation_declines, drop_unused_quark_opset, fold_constants,
+                                        materialize_weight, remove_activation_fake_quants)
 from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, alpha_note
 from fp4pass.onnx.sharing import find_weights, sharing_note
 from fp4pass.progress import progress
@@ -69,20 +73,22 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
     alpha_pass, dq_pass, gbq_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names)
     qmoe_pass = QMoEToNVFP4()
     for record, conv in zip(records, convs):
-        note = None
-        if record.pattern == "dq":
+        note = conv.lossy_reason
+        if record.pattern == "quark":
+            materialize_weight(record)
+        if record.pattern in ("dq", "dq_float", "quark"):
             wrote_dq = True
             reason = alpha_pass.check(record) if scale_form == "alpha" else None
             if scale_form == "alpha" and reason is None:
                 out = alpha_pass.rewrite(record, conv)
                 alphas.update(out["alphas"])
                 if out["gemm_alpha"]:
-                    note = f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"
+                    note = "; ".join(filter(None, [note, f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"]))
                 if out["cast"]:  # worded once the global scale is known (after the conversion)
                     note = _joined_note(note, lambda out=out, conv=conv: alpha_note(out, conv))
             else:
                 if reason:
-                    note = f"alpha form not possible ({reason}); wrote the dq form"
+                    note = "; ".join(filter(None, [note, f"alpha form not possible ({reason}); wrote the dq form"]))
                 out = dq_pass.rewrite(record, conv)
         elif record.pattern == "gbq":
             wrote_dq = True
@@ -101,6 +107,27 @@ def _rewrite(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, st
 def _joined_note(first: str | None, later):
     """A note completed after the conversion ran: ``first``, then what ``later()`` says."""
     return lambda: "; ".join(n for n in (first, later()) if n)
+
+
+def _quark_rest(model: ir.Model, calibrated: bool, declined: list) -> list[dict]:
+    """Quark fake-quants left after the weights: constants folded; activations removed when calibrated
+    quantizers replace them, else kept and declined (running them needs Quark's custom-op library)."""
+    entries = fold_constants(model)
+    if calibrated:
+        entries += remove_activation_fake_quants(model)
+    else:
+        declined.extend(activation_declines(model))
+    drop_unused_quark_opset(model)
+    return entries
+
+
+def _quark_replaced(entries: list[dict], activations: list[dict]) -> None:
+    """Say, per removed Quark activation fake-quant, whether a calibrated NVFP4 quantizer took its place."""
+    inserted = {a["activation"] for a in activations if a.get("inserted")}
+    for entry in entries:
+        if entry["kind"] == "activation":
+            entry["action"] = ("removed; replaced by a calibrated NVFP4 quantizer" if entry["tensor"] in inserted else
+                               "removed; not replaced: it feeds no FP4 GEMM (NVFP4 quantizes only FP4 GEMM inputs)")
 
 
 def _group_initializers(model: ir.Model, records) -> None:
@@ -212,6 +239,7 @@ def convert(
     records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
     done, alphas, wrote_dq = _rewrite(records, convs, scale_form)
+    quark = _quark_rest(model, calibrated=calib is not None or scales is not None, declined=declined)
     versions = SetOpsetAndIR().call(model, wrote_dq)
     _group_initializers(model, records)
 
@@ -220,6 +248,7 @@ def convert(
         activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
                                    calibrator_options or {})
         versions["after"]["ir_version"] = model.ir_version
+        _quark_replaced(quark, activations)
 
     used_external = False
     if output is not None:
@@ -259,6 +288,8 @@ def convert(
     }
     if activations is not None:
         report["activations"] = jsonable(activations)
+    if quark:
+        report["quark"] = quark
     report["summary"] = summarize(tensors, declined_json, time.perf_counter() - start)
     if check:
         rewritten = str(output) if output is not None else ir.serde.serialize_model(model)

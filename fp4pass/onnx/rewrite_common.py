@@ -25,7 +25,7 @@ from fp4pass.onnx.patterns import FP4Weight
 from fp4pass.onnx.qmoe_layout import KERNEL, kernel_to_schema, schema_to_kernel
 from fp4pass.onnx.report import group_stats
 
-__all__ = ["WeightConversion", "UniqueNames", "e8m0_codes_from_float"]
+__all__ = ["WeightConversion", "UniqueNames", "e8m0_codes_from_float", "float_scales_to_e8m0"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,39 @@ class UniqueNames:
     def release(self, graph: ir.Graph, name: str) -> None:
         """``name`` is free again (its value left the graph)."""
         self._names(graph).discard(name)
+
+
+def float_scales_to_e8m0(scales: np.ndarray, codes: ir.TensorProtocol, name: str) -> tuple[np.ndarray | None, str | None]:
+    """Float block scales of FP4 DequantizeLinear (pattern 4) -> (E8M0 codes, None) when they are MXFP4 by value.
+
+    A scale 2^k with k in [-127, 127] is E8M0 code k + 127, exactly (float32 subnormal 2^-127..2^-149 count
+    only down to 2^-127). A scale of 0 is accepted over a block whose E2M1 codes are all ±0 (any scale gives
+    0 there; code 0 = 2^-127 is written). Anything else (another value, a negative scale, 0 over non-zero
+    codes) returns ``(None, reason)``: FP4 with arbitrary scales, for the lossy path. A NaN or infinite scale
+    makes the file untrustworthy and raises.
+    """
+    scales = np.asarray(scales, dtype=np.float32)
+    if not np.isfinite(scales).all():
+        raise FormatError(f"{name}: scales hold NaN or infinity")
+    mantissa, exponent = np.frexp(scales)
+    k = exponent.astype(np.int64) - 1
+    pow2 = (mantissa == 0.5) & (k >= -127) & (k <= 127)
+    zero = scales == 0
+    if zero.any():
+        packed = tensor_bytes(codes).reshape(*scales.shape, -1)
+        empty = ((packed & 0x77) == 0).all(-1)
+        zero_ok = zero & empty
+        pow2 |= zero_ok
+        k = np.where(zero_ok, -127, k)
+    if not pow2.all():
+        where = tuple(int(i) for i in np.argwhere(~pow2)[0])
+        bad = float(scales[where])
+        why = ("negative" if bad < 0 else "0 over a block with non-zero codes" if bad == 0
+               else "outside E8M0's range 2^-127..2^127" if mantissa[where] == 0.5 else "not a power of two")
+        return None, (f"lossy: block scales are not all powers of two in E8M0's range (scale {bad!r} at "
+                      f"{list(where)} is {why}), so this is FP4 with arbitrary scales, not MXFP4; "
+                      "converted through the lossy path")
+    return (k + 127).astype(np.uint8), None
 
 
 def _malloc_trim():
@@ -177,6 +210,8 @@ class WeightConversion:
         self._codes_layout: str | None = None  # KERNEL when the result's codes are the stored kernel-layout bytes
         self._source = record.codes.const_value  # the MXFP4 codes; the value itself gets the lazy NVFP4 codes
         self._scale_source = record.scales.const_value
+        self.lossy_reason: str | None = None  # FP4 with arbitrary float scales (pattern 4, not MXFP4 by value)
+        self._float_scales: np.ndarray | None = None
         # validated now (nothing written yet), read again when converting: holding every weight's scales from
         # here to the end would grow memory with the model (1/16 of its bytes) instead of its largest tensor
         self._read_scales()
@@ -192,6 +227,11 @@ class WeightConversion:
         name = record.name
         if record.pattern == "gbq":
             codes = e8m0_codes_from_float(scales.numpy(), f"{name} scales")
+        elif record.pattern == "dq_float":
+            floats = np.asarray(scales.numpy()).astype(np.float32)
+            codes, self.lossy_reason = float_scales_to_e8m0(floats, self._source, f"{name} scales {record.scales.name!r}")
+            if codes is None:
+                codes = floats
         else:
             codes = tensor_bytes(scales).reshape(scales.shape.numpy())
             if not codes.flags.writeable:  # a view of in-model raw data
@@ -202,6 +242,8 @@ class WeightConversion:
         if tuple(codes.shape) != (*lead, k // 32):
             raise ShapeError(f"{name}: scales {record.scales.name!r} have shape {list(codes.shape)}, "
                              f"expected {[*lead, k // 32]} for weight {list(record.shape)}")
+        if self.lossy_reason is not None:
+            return codes
         if check and (codes == 255).any():  # numpy: one thread; the torch check only to name the position
             check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
         return codes
@@ -215,7 +257,10 @@ class WeightConversion:
         [E, K, N/2] is repacked here into [E, N, K/2] (a copy; the converter works along K), unless
         ``as_stored``: then the codes are the stored bytes viewed as [E, N, K/2], meaningful only to a
         conversion that never reads a code (see :meth:`_codes_untouched`).
+        Not for FP4 with arbitrary scales (``lossy_reason`` set): that is no MXFP4 tensor (:meth:`scaled_inputs`).
         """
+        if self.lossy_reason is not None:
+            raise UsageError(f"{self.record.name}: {self.lossy_reason}")
         *lead, k = self.record.shape
         if self.record.layout == KERNEL and not as_stored:
             e, n = lead
@@ -229,6 +274,13 @@ class WeightConversion:
         codes = torch.from_numpy(packed.reshape(*lead, k // 2))
         return MXFP4Tensor(codes, torch.from_numpy(self._read_scales(check=False)), name=self.record.name)
 
+    def scaled_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 with arbitrary scales: (packed codes uint8 [..., K/2], float32 scales [..., K/32])."""
+        packed = tensor_bytes(self._source).copy()
+        *lead, k = self.record.shape
+        scales = np.asarray(self._scale_source.numpy()).astype(np.float32)
+        return torch.from_numpy(packed.reshape(*lead, k // 2)), torch.from_numpy(scales)
+
     # -- conversion ------------------------------------------------------------------------------------
     def result(self):
         """The NVFP4Tensor, converting now if needed (stats and seconds recorded on the first run)."""
@@ -238,22 +290,29 @@ class WeightConversion:
             except ImportError as exc:  # pragma: no cover - while the converter is being written
                 raise UsageError(f"the MXFP4 -> NVFP4 converter is not available in this build ({exc})") from None
             start = time.perf_counter()
-            as_stored = self._codes_untouched()
-            mx = self.mx(as_stored)
-            nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
-            if as_stored and nv.codes.data_ptr() != mx.codes.data_ptr():  # a code was re-encoded after all
-                as_stored = False
-                mx = self.mx()
+            if self.lossy_reason is not None:
+                from fp4pass.convert.scaled import scaled_fp4_to_nvfp4
+
+                codes, scales = self.scaled_inputs()
+                nv, stats = scaled_fp4_to_nvfp4(codes, scales, self.method, self.group_dims, name=self.record.name)
+                mx = None
+            else:
+                as_stored = self._codes_untouched()
+                mx = self.mx(as_stored)
                 nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
-            self._codes_layout = KERNEL if as_stored else None
+                if as_stored and nv.codes.data_ptr() != mx.codes.data_ptr():  # a code was re-encoded after all
+                    as_stored = False
+                    mx = self.mx()
+                    nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
+                self._codes_layout = KERNEL if as_stored else None
             elapsed = time.perf_counter() - start
             source = self._source
-            if isinstance(source, ir.ExternalTensor) and nv.codes.data_ptr() == mx.codes.data_ptr():
+            if mx is not None and isinstance(source, ir.ExternalTensor) and nv.codes.data_ptr() == mx.codes.data_ptr():
                 # the converter shares nibbles it keeps and copies any it re-encodes: these are the input's
                 self._same_bytes = (source.path, source.offset or 0, source.nbytes)
             if self.stats is None:
                 self.stats, self.seconds = stats, elapsed
-                self.per_expert = group_stats(mx, nv, self.group_dims, stats)
+                self.per_expert = group_stats(mx, nv, self.group_dims, stats) if mx is not None else None
             self._result = nv
             g = nv.global_scale.cpu().numpy().astype(np.float32)
             if self.prior_global is not None:

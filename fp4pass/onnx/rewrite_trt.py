@@ -80,10 +80,10 @@ def _scale_chain(record: FP4Weight, conv: WeightConversion, names: UniqueNames, 
         name = names.take(graph, f"{w}_scale_one")
         g = _initializer(graph, name, ir.tensor(np.float32(1.0), name=name))
     outs = []
-    scale_input = 1 if record.pattern == "dq" else 2
+    scale_input = 2 if record.pattern == "gbq" else 1
     for reader in reader_nodes(record):
-        if record.pattern == "dq" and "output_dtype" not in reader.attributes:
-            # the output type followed the old scale's; the new scale is FP32: keep the graph's type explicit
+        if record.pattern != "gbq" and "output_dtype" not in reader.attributes:
+            # the output type followed the old (possibly FLOAT16/BFLOAT16) scale's; the new scale is FP32: keep the graph's type explicit
             dtype = dequantize_dtype(reader)
             if dtype != ir.DataType.FLOAT:
                 reader.attributes["output_dtype"] = ir.AttrInt64("output_dtype", dtype)

@@ -91,6 +91,24 @@ def _external_folder(model: ir.Model, options: ort.SessionOptions) -> None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folders.pop())
 
 
+_QUARK_DOMAIN = "com.amd.quark"
+
+
+def _with_quark_ops(options: ort.SessionOptions, exc: Exception) -> ort.SessionOptions:
+    """A model with AMD Quark's custom ops (``com.amd.quark``, e.g. MX fake-quant on activations) runs only
+    with Quark's custom-op library: registered when the ``amd-quark`` package is installed, else a clear error."""
+    try:
+        from quark.onnx.operators.custom_ops import get_library_path
+
+        library = get_library_path("CPU")
+    except Exception:  # not installed, or its library cannot be built here
+        raise ModelError("the model has AMD Quark custom ops (com.amd.quark); onnxruntime runs them only with "
+                         "Quark's custom-op library (pip install amd-quark), or convert with --calib to replace "
+                         "Quark's activation fake-quants") from exc
+    options.register_custom_ops_library(library)
+    return options
+
+
 def make_session(model, provider: str = "auto", *, options: ort.SessionOptions | None = None):
     """Create an ``ort.InferenceSession`` for ``model``; returns ``(session, provider_used, note)``."""
     providers, provider_used, note = _providers(provider)
@@ -118,10 +136,17 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
     elif not isinstance(model, (str, os.PathLike, onnx.ModelProto)):
         raise ModelError(f"cannot make a session from {type(model).__name__}")
     try:
-        session = ort.InferenceSession(source, options, providers=providers)
+        try:
+            session = ort.InferenceSession(source, options, providers=providers)
+        except Exception as exc:
+            if _QUARK_DOMAIN not in str(exc):
+                raise
+            session = ort.InferenceSession(source, _with_quark_ops(options, exc), providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types; name what failed
         if tmpdir is not None:
             tmpdir.cleanup()
+        if isinstance(exc, ModelError):
+            raise
         raise ModelError(f"onnxruntime could not load the model: {str(exc).strip().splitlines()[0]}") from exc
     if tmpdir is not None:
         session._fp4pass_tmpdir = tmpdir  # keep the external data alive with the session

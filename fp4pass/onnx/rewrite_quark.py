@@ -1,0 +1,225 @@
+"""AMD Quark's MX fake-quant ``com.amd.quark::MXQuantizeDequantize(element_dtype='fp4_e2m1')`` -> plain ONNX.
+
+Quark (``quark.onnx`` 0.13, ``MXFP4E2M1`` config) puts one such node on every float weight, bias and
+activation. Its rule, read from Quark's kernel (``mx_kernel.cc``, ``funcs.cuh``), for a block of 32 values
+along ``axis`` (the tensor is zero-padded to a multiple of the block, which leaves amax unchanged)::
+
+    k     = E(amax) - 2                  E(v): the unbiased float32 exponent field of v, i.e. floor(log2 v)
+    y[i]  = 2^k * rne_e2m1(x[i] / 2^k)   round to nearest, ties to even, saturating at ±6
+
+That is OCP's scale rule, :attr:`fp4pass.formats.ScaleRule.FLOOR`, with E2M1 round-half-even, which is what
+``MXFP4Tensor.quantize(x, 32, ScaleRule.FLOOR)`` computes. Two corners differ and are outside any real
+weight: Quark reads a float32 subnormal amax as exponent -127 and lets k go below -127 (blocks with
+amax < 2^-125); fp4pass clamps k to E8M0's -127. Inputs in FLOAT16/BFLOAT16 are computed in float32, as Quark's
+kernel casts them.
+
+1. weights (pattern 5, :class:`fp4pass.onnx.patterns.QuarkMXFakeQuant`): :func:`quantize_weight` gives the
+   MXFP4 codes and E8M0 scales (block axis moved last), :func:`materialize_weight` replaces the fake-quant by
+   ``DequantizeLinear(codes, scales, axis=-1, block_size=32)`` (+ a Transpose back when Quark blocked another
+   axis), which the NVFP4 rewrite of pattern 1 then converts. The float weight initializer is removed.
+2. other constants (biases): :func:`fold_constants` replaces the fake-quant and its input by one initializer
+   holding the exact fake-quantized values (named after the node's output).
+3. activations: :func:`remove_activation_fake_quants` drops them when calibrated NVFP4 activation quantizers
+   take over (``convert --calib``); without it they stay, and running the model then needs Quark's custom-op
+   library (:func:`activation_fake_quants` lists them for the report).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from fp4pass.formats import MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
+from fp4pass.onnx.patterns import QUARK_DOMAIN, Declined, QuarkWeight, _quark_fp4, node_label, quark_constant, trace_consumers
+
+__all__ = [
+    "QUARK_SCALE_RULE",
+    "quark_mxfp4",
+    "quark_fake_quant",
+    "quantize_weight",
+    "materialize_weight",
+    "fold_constants",
+    "activation_fake_quants",
+    "activation_declines",
+    "remove_activation_fake_quants",
+    "drop_unused_quark_opset",
+]
+
+QUARK_SCALE_RULE = ScaleRule.FLOOR
+
+
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _float32(value: ir.Value) -> np.ndarray:
+    return np.asarray(value.const_value.numpy()).astype(np.float32)
+
+
+def quark_mxfp4(x: np.ndarray, block_size: int = MX_BLOCK_SIZE, *, name: str = "weight") -> MXFP4Tensor:
+    """Quark's MX quantization of float32 ``x`` [..., K] along its last axis (K a multiple of the block)."""
+    return MXFP4Tensor.quantize(torch.from_numpy(np.array(x, dtype=np.float32, order="C", copy=True)), block_size,
+                                QUARK_SCALE_RULE, name=name)
+
+
+def quark_fake_quant(x: np.ndarray, axis: int, block_size: int = MX_BLOCK_SIZE, *, name: str = "tensor") -> np.ndarray:
+    """The float32 values Quark's ``MXQuantizeDequantize(x, axis, block_size)`` computes (module docstring)."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0:
+        x = x.reshape(1)
+        axis = 0
+    moved = np.moveaxis(x, axis, -1)
+    k = moved.shape[-1]
+    pad = -k % block_size
+    if pad:
+        moved = np.concatenate([moved, np.zeros((*moved.shape[:-1], pad), np.float32)], axis=-1)
+    y = quark_mxfp4(moved, block_size, name=name).dequantize().numpy()[..., :k]
+    return np.moveaxis(y, -1, axis).reshape(np.shape(x))
+
+
+def quantize_weight(weight: ir.Value, perm: list[int] | None) -> tuple[ir.Value, ir.Value, tuple[int, ...]]:
+    """A float weight -> (FLOAT4E2M1 codes value, FLOAT8E8M0 scales value, logical shape), not in any graph.
+
+    ``perm`` (an axis swap) moves Quark's block axis last first. The codes value takes the weight's name (the
+    float initializer is removed when the weight is rewritten); the scales are ``{W}_scale_e8m0``.
+    """
+    x = _float32(weight)
+    if perm is not None:
+        x = x.transpose(perm)
+    mx = quark_mxfp4(x, name=weight.name)
+    shape = tuple(int(d) for d in x.shape)
+    codes = ir.PackedTensor(mx.codes.numpy(), ir.DataType.FLOAT4E2M1, shape=ir.Shape(shape), name=weight.name)
+    scales = ir.Tensor(mx.scales.numpy(), dtype=ir.DataType.FLOAT8E8M0, name=f"{weight.name}_scale_e8m0")
+    codes_value = ir.Value(name=weight.name, const_value=codes, shape=ir.Shape(shape),
+                           type=ir.TensorType(ir.DataType.FLOAT4E2M1))
+    scales_value = ir.Value(name=scales.name, const_value=scales, shape=ir.Shape(list(mx.scales.shape)),
+                            type=ir.TensorType(ir.DataType.FLOAT8E8M0))
+    return codes_value, scales_value, shape
+
+
+def _replace_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    """Every reader of ``old`` (graph outputs included) reads ``new``, which then takes ``old``'s name."""
+    for user, index in list(old.uses()):
+        user.replace_input_with(index, new)
+    for i, out in enumerate(graph.outputs):
+        if out is old:
+            graph.outputs[i] = new
+    name = old.name
+    old.name = f"{name}__fp4pass_replaced"
+    new.name = name
+
+
+def materialize_weight(record: QuarkWeight) -> None:
+    """Case 1: the fake-quant node becomes ``DQ(codes, scales, axis=-1, block_size=32)`` [-> Transpose].
+
+    ``record.node`` and ``record.consumers`` then describe that DequantizeLinear, as for pattern 1.
+    """
+    node = record.node
+    graph = node.graph
+    source = record.source
+    out_dtype = source.const_value.dtype
+    graph.initializers.pop(source.name, None)
+    graph.register_initializer(record.codes)
+    graph.register_initializer(record.scales)
+    attrs = {"axis": -1, "block_size": MX_BLOCK_SIZE}
+    if out_dtype != ir.DataType.FLOAT:
+        attrs["output_dtype"] = out_dtype
+    dq = ir.node("DequantizeLinear", [record.codes, record.scales], attributes=attrs, name=f"{node_label(node)}/dq")
+    dq.outputs[0].type = ir.TensorType(out_dtype)
+    dq.outputs[0].shape = ir.Shape(list(record.shape))
+    new_nodes = [dq]
+    final = dq.outputs[0]
+    if record.perm is not None:
+        transpose = ir.node("Transpose", [final], attributes={"perm": record.perm}, name=f"{node_label(node)}/transpose")
+        final = transpose.outputs[0]
+        final.type = ir.TensorType(out_dtype)
+        final.shape = ir.Shape(list(source.const_value.shape.numpy()))
+        new_nodes.append(transpose)
+    dq.outputs[0].name = f"{record.name}_dequantized"
+    graph.insert_before(node, new_nodes)
+    _replace_output(graph, node.outputs[0], final)
+    graph.remove(node, safe=True)
+    record.node = dq
+    record.consumers = trace_consumers(dq.outputs[0])
+
+
+def fold_constants(model: ir.Model) -> list[dict]:
+    """Case 2: every Quark FP4 fake-quant left on a constant is folded into its exact values (report entries)."""
+    entries = []
+    for graph in model.graphs():
+        for node in list(graph):
+            if not quark_constant(node):
+                continue
+            x = node.inputs[0]
+            axis = _attr(node, "axis", 1)
+            block = _attr(node, "block_size", MX_BLOCK_SIZE)
+            values = quark_fake_quant(_float32(x), axis, block, name=x.name)
+            dtype = x.const_value.dtype
+            out = node.outputs[0]
+            name = out.name
+            out.name = f"{name}__fp4pass_replaced"
+            tensor = ir.Tensor(values.astype(ir.DataType(dtype).numpy()), name=name)
+            folded = ir.Value(name=name, const_value=tensor, shape=ir.Shape(list(values.shape)),
+                              type=ir.TensorType(dtype))
+            graph.register_initializer(folded)
+            for user, index in list(out.uses()):
+                user.replace_input_with(index, folded)
+            for i, value in enumerate(graph.outputs):
+                if value is out:
+                    graph.outputs[i] = folded
+            graph.remove(node, safe=True)
+            if not x.uses() and not x.is_graph_output():
+                graph.initializers.pop(x.name, None)
+            entries.append({"node": node_label(node), "tensor": x.name, "kind": "constant",
+                            "action": f"folded into {folded.name!r}: Quark's MXFP4 values (axis {axis}, block {block})"})
+    return entries
+
+
+def activation_fake_quants(model: ir.Model) -> list[ir.Node]:
+    """Case 3: the Quark FP4 fake-quants on values computed at run time (or graph inputs)."""
+    return [node for graph in model.graphs() for node in graph if _quark_fp4(node) and not quark_constant(node)]
+
+
+ACTIVATION_REASON = ("Quark MX fake-quant on an activation, left as it is: running the output needs Quark's "
+                     "custom-op library (com.amd.quark); convert with --calib to replace it by calibrated NVFP4 "
+                     "activation quantizers")
+
+
+def activation_declines(model: ir.Model) -> list[Declined]:
+    """Case 3 without calibration: one decline per activation fake-quant (pattern ``quark``)."""
+    return [Declined("quark", node_label(node), node.inputs[0].name if node.inputs and node.inputs[0] else None,
+                     ACTIVATION_REASON) for node in activation_fake_quants(model)]
+
+
+def remove_activation_fake_quants(model: ir.Model) -> list[dict]:
+    """Case 3 with calibration: every activation fake-quant is removed (its readers read its input).
+
+    Where its output is a graph output, an Identity keeps the output's name.
+    """
+    entries = []
+    for node in activation_fake_quants(model):
+        graph = node.graph
+        x, out = node.inputs[0], node.outputs[0]
+        label = node_label(node)
+        if out.is_graph_output():
+            identity = ir.node("Identity", [x], name=f"{label}/identity")
+            graph.insert_before(node, [identity])
+            _replace_output(graph, out, identity.outputs[0])
+            identity.outputs[0].type, identity.outputs[0].shape = out.type, out.shape
+        else:
+            for user, index in list(out.uses()):
+                user.replace_input_with(index, x)
+        graph.remove(node, safe=True)
+        entries.append({"node": label, "tensor": x.name, "kind": "activation",
+                        "action": "removed"})
+    return entries
+
+
+def drop_unused_quark_opset(model: ir.Model) -> None:
+    """Remove the com.amd.quark opset import once no node of that domain is left."""
+    if any(node.domain == QUARK_DOMAIN for graph in model.graphs() for node in graph):
+        return
+    model.opset_imports.pop(QUARK_DOMAIN, None)
+    model.graph.opset_imports.pop(QUARK_DOMAIN, None)
