@@ -7,10 +7,13 @@
 import importlib
 
 from fp4pass.fx import ops  # noqa: F401  (registers torch.ops.fp4pass.*)
+from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_quantize_nvfp4, for torch.export.load)
 
-__all__ = ["convert", "diff"]
+__all__ = ["convert", "calibrate", "diff", "export"]
 
-_LAZY = {"convert": ("fp4pass.fx.rewrite", "convert"), "diff": ("fp4pass.fx.numerics", "diff")}
+# module names differ from the function names, so that importing a submodule never shadows the function
+_LAZY = {"convert": ("fp4pass.fx.rewrite", "convert"), "diff": ("fp4pass.fx.numerics", "diff"),
+         "calibrate": ("fp4pass.fx.calibration", "calibrate"), "export": ("fp4pass.fx.exporter", "export")}
 
 
 def __getattr__(name: str):

@@ -38,7 +38,7 @@ from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
 from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
 
-__all__ = ["insert_activation_quantizers", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+__all__ = ["insert_activation_quantizers", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def _scalar(name: str, value: float) -> ir.Value:
                     type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
 
 
-def _trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+def trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+    """Form 1 of the module docstring on FLOAT ``x``: (the three nodes, x_hat); names start with ``prefix``."""
     quantize = ir.node(TRT_QUANTIZE_OP, [x, g], domain=TRT_DOMAIN, num_outputs=2, name=f"{prefix}/quantize",
                        attributes={"axis": -1, "block_size": NV_BLOCK_SIZE, "scale_type": ir.DataType.FLOAT8E4M3FN.value})
     x_fp4, s_e4m3 = quantize.outputs
@@ -154,7 +155,7 @@ def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, targ
         else:
             g_dq = g
         if target == "trt":
-            new_nodes, x_hat = _trt_quantizer(x_in, g, g_dq, prefix)
+            new_nodes, x_hat = trt_quantizer(x_in, g, g_dq, prefix)
         else:
             tape = ir.tape.Tape()
             x_hat = nvfp4_fake_quant(tape, x_in, g, name=name, **({"dequant_scale": None} if form == "alpha" else {}))
