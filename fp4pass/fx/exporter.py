@@ -33,7 +33,9 @@ Staged as export -> lower -> set opset/IR -> save:
       becomes the scalar FP32 initializer ``{x}_nvfp4/input_scale``; FLOAT16/BFLOAT16 activations are cast
       to FLOAT around the quantizer.
 
-   Each lowered node's output keeps its fx name. A uint8 initializer read only by lowered nodes is replaced
+   Each lowered dequantize's output keeps its fx name; a quantizer's output is named
+   ``{x}_fake_quantize_nvfp4``, the name :func:`fp4pass.fx.calibrate` gives its node (torch.onnx's
+   decompositions rename custom nodes after their op). A uint8 initializer read only by lowered nodes is replaced
    by its typed form under the same name; one also read elsewhere stays, beside a ``{name}_fp4`` /
    ``_e8m0`` / ``_e4m3`` copy. Codes or scales computed in the graph (not constants) raise ModelError.
 3. Opset and IR: the lowest that hold the types (:class:`fp4pass.onnx.rewrite_cleanup.SetOpsetAndIR`): the
@@ -249,6 +251,7 @@ def lower_placeholders(model: ir.Model, target: str = "trt") -> dict:
     typed = _TypedInitializers(graph)
     prefixes: set[str] = set()
     counts = {"mxfp4": 0, "nvfp4": 0, "fake_quantize": 0}
+    names: set[str] = set()
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if node.domain != PLACEHOLDER_DOMAIN:
             continue
@@ -268,6 +271,12 @@ def lower_placeholders(model: ir.Model, target: str = "trt") -> dict:
         old = node.outputs[0]
         ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
         name = old.name
+        if node.op_type == "FakeQuantizeNVFP4" and not out.is_graph_output():
+            # torch.onnx's decompositions rename custom nodes after their op; fx.calibrate's name is {x}_...
+            name = f"{node.inputs[0].name}_fake_quantize_nvfp4"
+            while name in names:
+                name += "_"
+        names.add(name)
         owner.remove(node, safe=True)
         out.name = name
     typed.finish()
