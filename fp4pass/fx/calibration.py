@@ -55,7 +55,7 @@ from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_
 from fp4pass.fx import ops  # noqa: F401  (registers torch.ops.fp4pass.dequantize_*)
 from fp4pass.progress import progress
 
-__all__ = ["calibrate", "calibration_targets", "FxCalibrationTarget", "DEQUANT_TARGETS"]
+__all__ = ["calibrate", "calibration_targets", "insert_fake_quantizers", "FxCalibrationTarget", "DEQUANT_TARGETS"]
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def _fetch(module: torch.nn.Module, target: str):
     return obj
 
 
-def copy_sharing_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _copy_sharing_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A deep copy of ``gm`` (graph, submodules, hooks) whose parameters, buffers and tensor attributes are the
     same tensors as ``gm``'s: editing the copy's graph leaves ``gm`` as it was, and no weight is copied."""
     tensors = itertools.chain(gm.parameters(), gm.buffers(),
@@ -233,7 +233,7 @@ def _runnable(program) -> torch.fx.GraphModule:
     """A GraphModule of ``program`` to run and to edit, sharing its weights (node names are kept)."""
     if isinstance(program, torch.export.ExportedProgram):
         return program.module()
-    return copy_sharing_weights(program)
+    return _copy_sharing_weights(program)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -332,7 +332,7 @@ def _with_fake_quantizers(program, scales: ActivationScales, targets: list[FxCal
             state_dict=program.state_dict, range_constraints=copy.deepcopy(program.range_constraints),
             module_call_graph=copy.deepcopy(program.module_call_graph), example_inputs=program.example_inputs,
             constants=program.constants, verifiers=program.verifiers)
-    gm = copy_sharing_weights(program)
+    gm = _copy_sharing_weights(program)
     insert_fake_quantizers(gm.graph, scales, targets)
     gm.recompile()
     return gm
