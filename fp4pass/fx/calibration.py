@@ -12,8 +12,8 @@ Signature::
 2. Targets (:func:`calibration_targets`): the activation operand of every matmul whose other operand is an
    FP4 weight, i.e. comes from ``torch.ops.fp4pass.dequantize_mxfp4`` / ``dequantize_nvfp4`` through
    view, transpose, dtype, indexing and split ops. Matmuls are ``aten.mm / matmul / bmm / linear / addmm /
-   baddbmm / einsum`` (and ``torch.matmul``, ``@``, ``F.linear``, ... in a ``symbolic_trace`` graph). Each
-   activation is calibrated once however many FP4 matmuls read it. Declined, with the reason (logged):
+   baddbmm / _grouped_mm / einsum`` (and ``torch.matmul``, ``@``, ``F.linear``, ... in a ``symbolic_trace``
+   graph). Each activation is calibrated once however many FP4 matmuls read it. Declined, with the reason (logged):
    an activation not contracted along its last axis (the weight is ``mm``'s first operand, an einsum that
    does not contract it), a constant activation, a last dim that is not a multiple of 16.
 3. Collect: the batches are streamed, one at a time, through a copy of the graph with an observer after each
@@ -74,6 +74,7 @@ _PASSTHROUGH = frozenset({
 _MATMULS = {
     "mm": ((0, 1), 0), "matmul": ((0, 1), 0), "bmm": ((0, 1), 0), "linear": ((0, 1), 0),
     "addmm": ((1, 2), 1), "baddbmm": ((1, 2), 1), "addbmm": ((1, 2), 1),
+    "_grouped_mm": ((0, 1), 0), "grouped_mm": ((0, 1), 0),
 }
 _FAKE_QUANT = torch.ops.fp4pass.fake_quantize_nvfp4.default
 
@@ -176,7 +177,8 @@ def calibration_targets(program) -> tuple[list[FxCalibrationTarget], list[dict]]
             ok = einsum_contracts_last(equation, activation_index)
             reason = None if ok else "einsum does not contract the activation's last axis"
         else:
-            reason = None if activation_index == contracted else "activation is the second operand (its last axis is not contracted)"
+            reason = None if activation_index == contracted else \
+                "activation is the second operand (its last axis is not contracted)"
         reason = reason or _activation_reason(activation, constants)
         if reason:
             entry = {"node": node.name, "activation": getattr(activation, "name", None), "reason": reason}

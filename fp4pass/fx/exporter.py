@@ -189,7 +189,8 @@ def _lower_nvfp4(node: ir.Node, typed: _TypedInitializers) -> tuple[list[ir.Node
     codes, scales, global_scale = node.inputs[:3]
     code_bytes = typed.codes(codes, "NVFP4 codes", node)
     scale_bytes = typed.codes(scales, "NVFP4 scales", node)
-    if code_bytes.shape[:-1] != scale_bytes.shape[:-1] or code_bytes.shape[-1] * 2 != scale_bytes.shape[-1] * NV_BLOCK_SIZE:
+    k = code_bytes.shape[-1] * 2
+    if code_bytes.shape[:-1] != scale_bytes.shape[:-1] or k != scale_bytes.shape[-1] * NV_BLOCK_SIZE:
         raise ModelError(f"fx export: node {node.name!r}: codes {list(code_bytes.shape)} and scales "
                          f"{list(scale_bytes.shape)} do not fit NVFP4 (block 16)")
     w = typed.get(codes, ir.DataType.FLOAT4E2M1, code_bytes)
@@ -209,7 +210,8 @@ def _lower_nvfp4(node: ir.Node, typed: _TypedInitializers) -> tuple[list[ir.Node
     return [dq_scale, dq], out
 
 
-def _lower_fake_quant(node: ir.Node, graph: ir.Graph, target: str, prefixes: set[str]) -> tuple[list[ir.Node], ir.Value]:
+def _lower_fake_quant(node: ir.Node, graph: ir.Graph, target: str,
+                      prefixes: set[str]) -> tuple[list[ir.Node], ir.Value]:
     x = node.inputs[0]
     attr = node.attributes.get("global_scale")
     if attr is None:

@@ -60,7 +60,8 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
         return tuple(example_inputs), {}
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
-    raise UsageError(f"fx diff: example_inputs must be a tuple, a dict or a tensor, got {type(example_inputs).__name__}")
+    raise UsageError("fx diff: example_inputs must be a tuple, a dict or a tensor, "
+                     f"got {type(example_inputs).__name__}")
 
 
 def _graph_module(model, args: tuple, kwargs: dict, label: str) -> torch.fx.GraphModule:
