@@ -174,6 +174,12 @@ def test_declines_an_activation_not_contracted_along_its_last_axis():
         fp4pass.fx.calibrate(ep, [torch.randn(64, 16)])
 
 
+def test_a_symbolic_trace_that_folded_the_dequant_is_told_the_fix():
+    gm = torch.fx.symbolic_trace(MXFP4MLP())  # buffers are constants to symbolic_trace: the dequant is folded
+    with pytest.raises(ModelError, match="torch.export.export"):
+        fp4pass.fx.calibrate(gm, [torch.randn(8, 64)])
+
+
 @pytest.mark.slow
 def test_same_scales_as_onnx_calibrate_on_the_export(program, tmp_path):
     """fx.calibrate and fp4pass calibrate on fx.export's ONNX agree on every SCALES.json field."""

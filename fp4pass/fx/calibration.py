@@ -3,7 +3,7 @@
 Signature::
 
     program, scales = calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=None,
-                                show_progress=False, **calibrator_options)
+                                process_group=None, show_progress=False, **calibrator_options)
 
 1. ``model``: a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule`` (returned as the same kind), or
    any other ``nn.Module``, which is first exported with ``torch.export.export(model, *first batch*,
@@ -343,13 +343,14 @@ def _with_fake_quantizers(program, scales: ActivationScales, targets: list[FxCal
 # -- the run -------------------------------------------------------------------------------------------------
 
 
-def calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=None, show_progress: bool = False,
-              **calibrator_options):
+def calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=None, process_group=None,
+              show_progress: bool = False, **calibrator_options):
     """Calibrate the NVFP4 activations of ``model`` on ``batches``; return ``(program, scales)``.
 
     Every step is in the module docstring. ``calibrator``: "max" | "percentile" | "headroom" | "mse" or a
     :class:`~fp4pass.calib.Calibrator`, ``calibrator_options`` its constructor's (rho, margin, percentile, ...).
-    ``device``: where the statistics are reduced (default: the model's device).
+    ``device``: where the statistics are reduced (default: the model's device). ``process_group``: the
+    ``torch.distributed`` group to reduce the statistics over (default: the whole world, when initialised).
     """
     method = make_calibrator(calibrator, **calibrator_options)
     stream = iter(batches)
@@ -359,8 +360,11 @@ def calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=N
     program = _as_program(model, first, dynamic_shapes)
     targets, _declined = calibration_targets(program)
     if not targets:
+        folded = any(n.op == "get_attr" and n.target.startswith("_tensor_constant") for n in program.graph.nodes)
+        hint = ("; symbolic_trace folded a dequant of buffers into a constant: export the model with "
+                "torch.export.export instead") if folded else ""
         raise ModelError("fx calibrate: no activation to calibrate: no matmul reads an FP4 weight "
-                         "(torch.ops.fp4pass.dequantize_mxfp4 / dequantize_nvfp4)")
+                         f"(torch.ops.fp4pass.dequantize_mxfp4 / dequantize_nvfp4){hint}")
     gm = _runnable(program)
     model_device = _device_of(gm)
     stats_device = torch.device(device) if device is not None else model_device
@@ -370,7 +374,7 @@ def calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=N
     del first
     count = _collect(_observed(gm, stats), stream, model_device, show_progress)
     if distributed_ready():
-        all_reduce_stats(list(stats.values()))
+        all_reduce_stats(list(stats.values()), group=process_group)
     scales = ActivationScales(method.name, provider=f"torch:{model_device.type}", batches=count)
     for name, activation_stats in stats.items():
         scales.tensors[name] = scale_for(activation_stats, method)
