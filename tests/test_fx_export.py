@@ -64,7 +64,7 @@ def test_mxfp4_becomes_dequantize_linear_24_with_the_same_bytes(mxfp4_export):
     for i, name in enumerate(["dequantize_mxfp4", "dequantize_mxfp4_1", "dequantize_mxfp4_2"]):
         expected = mxfp4_weight(getattr(model, f"codes{i}"), getattr(model, f"scales{i}"))
         np.testing.assert_array_equal(results[name], expected)
-    np.testing.assert_allclose(results["linear"], model(x).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results["linear"], model(x).numpy(), rtol=1e-5, atol=1e-4)
 
 
 def test_exported_mxfp4_is_inspected_and_converted_by_the_onnx_side(mxfp4_export, tmp_path):
