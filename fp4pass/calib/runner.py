@@ -45,7 +45,8 @@ from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
 from fp4pass.metrics import snr_db
 from fp4pass.progress import progress
 
-__all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "iter_feeds", "CalibrationTarget", "CalibrationDataError"]
+__all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "einsum_contracts_last", "iter_feeds",
+           "scale_for", "CalibrationTarget", "CalibrationDataError"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,12 @@ def _einsum_contracts_last(node: ir.Node, activation_input: int) -> bool:
     attr = node.attributes.get("equation")
     if attr is None:
         return False
-    equation = attr.value.replace(" ", "")
+    return einsum_contracts_last(attr.value, activation_input)
+
+
+def einsum_contracts_last(equation: str, activation_input: int) -> bool:
+    """Whether the two-operand einsum ``equation`` contracts the last axis of operand ``activation_input``."""
+    equation = equation.replace(" ", "")
     if "->" not in equation or "..." in equation.split("->")[0].split(",")[activation_input][-1:]:
         return False
     lhs, out = equation.split("->")
@@ -319,7 +325,7 @@ def calibrate_model(model, data, calibrator="max", provider: str = "auto", *, ac
         raise CalibrationDataError("calibration data holds no feed")
     scales = ActivationScales(method.name, provider=provider_used, batches=batches)
     for name in names:
-        scales.tensors[name] = _scale_for(stats[name], method)
+        scales.tensors[name] = scale_for(stats[name], method)
     return scales
 
 
@@ -357,7 +363,8 @@ def _collect(outputs, stats, names, graph_inputs, feeds, show_progress) -> int:
     return batches
 
 
-def _scale_for(stats: ActivationStats, method) -> ActivationScale:
+def scale_for(stats: ActivationStats, method) -> ActivationScale:
+    """The calibrated scale of one activation and its report fields (B_min/B_max, fractions, SNR)."""
     g_amax, note = method.compute(stats)
     bounds = method if isinstance(method, HeadroomCalibrator) else HeadroomCalibrator()
     b_min, b_max = bounds.bounds(stats)

@@ -45,7 +45,7 @@ from fp4pass.onnx.dtypes import FLOAT_TYPES, value_dtype
 from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
 from fp4pass.onnx.patterns import node_label
 
-__all__ = ["insert_activation_quantizers", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+__all__ = ["insert_activation_quantizers", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ def _scalar(name: str, value: float) -> ir.Value:
                     type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
 
 
-def _trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str,
-                   dtype: ir.DataType) -> tuple[list[ir.Node], ir.Value]:
+def trt_quantizer(x: ir.Value, g: ir.Value, g_dq: ir.Value, prefix: str,
+                  dtype: ir.DataType = ir.DataType.FLOAT) -> tuple[list[ir.Node], ir.Value]:
+    """Form 1 of the module docstring on ``x`` of type ``dtype``: (the three nodes, x_hat); names start with
+    ``prefix``."""
     quantize = ir.node(TRT_QUANTIZE_OP, [x, g], domain=TRT_DOMAIN, num_outputs=2, name=f"{prefix}/quantize",
                        attributes={"axis": -1, "block_size": NV_BLOCK_SIZE, "scale_type": ir.DataType.FLOAT8E4M3FN.value})
     x_fp4, s_e4m3 = quantize.outputs
@@ -169,7 +171,7 @@ def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, targ
         else:
             g_dq = g
         if target == "trt":
-            nodes, x_hat = _trt_quantizer(x, g, g_dq, prefix, dtype)
+            nodes, x_hat = trt_quantizer(x, g, g_dq, prefix, dtype)
         else:
             tape = ir.tape.Tape()
             x_hat = nvfp4_fake_quant(tape, x, g, name=name, input_dtype=dtype,

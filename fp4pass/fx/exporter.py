@@ -1,0 +1,338 @@
+"""``fp4pass.fx.export`` (this module: ``fp4pass.fx.exporter``): torch program with fp4pass ops -> ONNX FP4 forms.
+
+Signature::
+
+    model = export(model, example_inputs, path=None, target="trt", *, dynamic_shapes=None,
+                   external_data="auto")          # -> onnx_ir.Model, also written to ``path`` when given
+
+``model``: an ``ExportedProgram``, or an ``nn.Module`` / ``GraphModule`` first exported with
+``torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)``. ``example_inputs``: a tuple
+of positional inputs, a dict of keyword inputs, or one tensor.
+
+Staged as export -> lower -> set opset/IR -> save:
+
+1. ``torch.onnx.export(program, dynamo=True, custom_translation_table=...)`` writes each fp4pass op as a
+   placeholder node of the private domain ``fp4pass.export`` (the exporter has no FP4/E8M0 dtypes, so the
+   codes and scales come out as UINT8 initializers), every other op as the exporter does. Tensor names are
+   the fx node names.
+2. Lower each placeholder with ``onnx_ir``:
+
+   1. ``dequantize_mxfp4(codes, scales)`` -> ``DequantizeLinear-24(W FLOAT4E2M1 [.., K], S FLOAT8E8M0
+      [.., K/32], axis=-1, block_size=32, output_dtype=FLOAT)``: the same bytes, retyped (FLOAT4E2M1 raw data
+      is the packed codes, low nibble first; FLOAT8E8M0 the E8M0 codes). x_hat = e2m1(W) * 2^(S - 127).
+   2. ``dequantize_nvfp4(codes, scales, global_scale)`` -> the TensorRT / ModelOpt two-DQ form::
+
+          s_f   = DequantizeLinear(S FLOAT8E4M3FN [.., K/16], G FP32 [] or [E] (axis=0))   # e4m3(S) * G
+          x_hat = DequantizeLinear(W FLOAT4E2M1 [.., K], s_f, axis=-1, block_size=16)     # e2m1(W) * s_f
+
+      the FP32 product e4m3(S) * G formed at run time, never stored in E4M3.
+   3. ``fake_quantize_nvfp4(x, input_scale)`` -> the ``target`` form of
+      :mod:`fp4pass.onnx.act_quant`: ``trt``: ``trt::TRT_FP4DynamicQuantize`` + two DQs
+      (:func:`~fp4pass.onnx.act_quant.trt_quantizer`); ``reference``: the standard-op decomposition
+      :func:`fp4pass.onnx.emulate.nvfp4_fake_quant`, bit-exact with ``NVFP4Tensor.quantize``. ``input_scale``
+      becomes the scalar FP32 initializer ``{x}_nvfp4/input_scale``; FLOAT16/BFLOAT16 activations are cast
+      to FLOAT around the quantizer.
+
+   Each lowered dequantize's output keeps its fx name; a quantizer's output is named
+   ``{x}_fake_quantize_nvfp4``, the name :func:`fp4pass.fx.calibrate` gives its node (torch.onnx's
+   decompositions rename custom nodes after their op). A uint8 initializer read only by lowered nodes is replaced
+   by its typed form under the same name; one also read elsewhere stays, beside a ``{name}_fp4`` /
+   ``_e8m0`` / ``_e4m3`` copy. Codes or scales computed in the graph (not constants) raise ModelError.
+3. Opset and IR: the lowest that hold the types (:class:`fp4pass.onnx.rewrite_cleanup.SetOpsetAndIR`): the
+   exporter's default opset 20, 21 for the reference quantizer, 23 for FP4 DequantizeLinear (torch converts
+   its ops up to 23), 24 where E8M0 scales remain (a number change: 24 adds the E8M0 type); IR 11 for FP4 /
+   E4M3, 12 for E8M0.
+4. Save (``path``): atomically, through :func:`fp4pass.onnx.loading.save` (``external_data`` auto | always
+   | never; auto goes external past 2 GiB of weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from onnxscript.values import Op, Opset
+
+from fp4pass.errors import ModelError, UsageError
+from fp4pass.formats import MX_BLOCK_SIZE, NV_BLOCK_SIZE, MXFP4Tensor
+from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_quantize_nvfp4)
+from fp4pass.fx import ops  # noqa: F401  (registers torch.ops.fp4pass.dequantize_*)
+from fp4pass.onnx.act_quant import TRT_DOMAIN, TRT_MIN_OPSET, trt_quantizer
+from fp4pass.onnx.emulate import MIN_OPSET as REFERENCE_MIN_OPSET
+from fp4pass.onnx.emulate import nvfp4_fake_quant
+from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
+
+__all__ = ["export", "TARGETS", "TRANSLATION_TABLE", "lower_placeholders"]
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("trt", "reference")
+PLACEHOLDER_DOMAIN = "fp4pass.export"
+EXPORTER_DEFAULT_OPSET = 20  # torch.onnx's own default
+FP4_DQ_OPSET = 23  # DequantizeLinear with FLOAT4E2M1 input
+E8M0_DQ_OPSET = 24  # DequantizeLinear with FLOAT8E8M0 scales
+
+
+def _schema(name: str, inputs: int, float_attributes: tuple[str, ...] = ()) -> onnx.defs.OpSchema:
+    """An OpSchema for a placeholder op, so that the exporter's op recorder can build the node."""
+    param = onnx.defs.OpSchema.FormalParameter
+    return onnx.defs.OpSchema(
+        name, PLACEHOLDER_DOMAIN, 1,
+        inputs=[param(f"input_{i}", f"T{i}") for i in range(inputs)],
+        outputs=[param("output", "T_out")],
+        type_constraints=[(f"T{i}", ["tensor(uint8)", "tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")
+                          for i in range(inputs)]
+        + [("T_out", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[onnx.defs.OpSchema.Attribute(a, onnx.defs.OpSchema.AttrType.FLOAT, "") for a in float_attributes],
+    )
+
+
+_OPSET = Opset(PLACEHOLDER_DOMAIN, 1)
+_DEQUANTIZE_MXFP4 = Op(_OPSET, "DequantizeMXFP4", _schema("DequantizeMXFP4", 2))
+_DEQUANTIZE_NVFP4 = Op(_OPSET, "DequantizeNVFP4", _schema("DequantizeNVFP4", 3))
+_FAKE_QUANTIZE_NVFP4 = Op(_OPSET, "FakeQuantizeNVFP4", _schema("FakeQuantizeNVFP4", 1, ("global_scale",)))
+
+
+def _translate_dequantize_mxfp4(codes, scales):
+    return _DEQUANTIZE_MXFP4(codes, scales)
+
+
+def _translate_dequantize_nvfp4(codes, scales, global_scale):
+    return _DEQUANTIZE_NVFP4(codes, scales, global_scale)
+
+
+def _translate_fake_quantize_nvfp4(x, global_scale: float):
+    return _FAKE_QUANTIZE_NVFP4(x, global_scale=float(global_scale))
+
+
+TRANSLATION_TABLE = {
+    torch.ops.fp4pass.dequantize_mxfp4.default: _translate_dequantize_mxfp4,
+    torch.ops.fp4pass.dequantize_nvfp4.default: _translate_dequantize_nvfp4,
+    torch.ops.fp4pass.fake_quantize_nvfp4.default: _translate_fake_quantize_nvfp4,
+}
+
+
+# -- step 2: lowering ----------------------------------------------------------------------------------------
+
+
+class _TypedInitializers:
+    """Typed copies of the exporter's uint8 initializers (FP4 codes, E8M0 / E4M3 scales), one per (value, type)."""
+
+    _SUFFIX = {ir.DataType.FLOAT4E2M1: "fp4", ir.DataType.FLOAT8E8M0: "e8m0", ir.DataType.FLOAT8E4M3FN: "e4m3"}
+    _VIEW = {ir.DataType.FLOAT8E8M0: ml_dtypes.float8_e8m0fnu, ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn}
+
+    def __init__(self, graph: ir.Graph):
+        self.graph = graph
+        self.made: dict[tuple[int, ir.DataType], tuple[ir.Value, ir.Value]] = {}
+
+    @staticmethod
+    def codes(value: ir.Value | None, role: str, node: ir.Node) -> np.ndarray:
+        """The uint8 bytes of a constant input, or a ModelError naming the node."""
+        if value is None or value.const_value is None:
+            raise ModelError(f"fx export: node {node.name!r}: {role} {getattr(value, 'name', None)!r} is not a "
+                             "constant of the program (computed in the graph or an input); FP4 ONNX needs it as "
+                             "an initializer")
+        array = value.const_value.numpy()
+        if array.dtype != np.uint8:
+            raise ModelError(f"fx export: node {node.name!r}: {role} {value.name!r} is {array.dtype}, not uint8 codes")
+        return array
+
+    def get(self, value: ir.Value, dtype: ir.DataType, array: np.ndarray) -> ir.Value:
+        key = (id(value), dtype)
+        if key not in self.made:
+            name = f"{value.name}_{self._SUFFIX[dtype]}"
+            if dtype == ir.DataType.FLOAT4E2M1:
+                shape = ir.Shape([*array.shape[:-1], 2 * array.shape[-1]])
+                tensor = ir.PackedTensor(array, dtype, shape=shape, name=name)
+            else:
+                tensor = ir.Tensor(array.view(self._VIEW[dtype]), dtype=dtype, name=name)
+            typed = ir.Value(name=name, const_value=tensor, shape=ir.Shape(tensor.shape), type=ir.TensorType(dtype))
+            self.graph.register_initializer(typed)
+            self.made[key] = (value, typed)
+        return self.made[key][1]
+
+    def finish(self) -> None:
+        """Drop the uint8 initializers nothing reads any more; their typed copies take their names."""
+        for old, typed in self.made.values():
+            if old.uses() or old.is_graph_output() or self.graph.initializers.get(old.name) is not old:
+                continue
+            self.graph.initializers.pop(old.name)
+            self.graph.initializers.pop(typed.name)
+            typed.name = typed.const_value.name = old.name
+            self.graph.register_initializer(typed)
+
+
+def _value(name: str, dtype: ir.DataType, shape) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)) if shape is not None else None)
+
+
+def _lower_mxfp4(node: ir.Node, typed: _TypedInitializers) -> tuple[list[ir.Node], ir.Value]:
+    codes, scales = node.inputs[:2]
+    code_bytes = typed.codes(codes, "MXFP4 codes", node)
+    scale_bytes = typed.codes(scales, "MXFP4 scales", node)
+    MXFP4Tensor.from_codes(torch.from_numpy(code_bytes), torch.from_numpy(scale_bytes), name=codes.name)
+    w = typed.get(codes, ir.DataType.FLOAT4E2M1, code_bytes)
+    s = typed.get(scales, ir.DataType.FLOAT8E8M0, scale_bytes)
+    out = _value(f"{node.name}_dq", ir.DataType.FLOAT, w.shape)
+    dq = ir.Node("", "DequantizeLinear", [w, s], name=node.name, outputs=[out],
+                 attributes=[ir.AttrInt64("axis", -1), ir.AttrInt64("block_size", MX_BLOCK_SIZE),
+                             ir.AttrInt64("output_dtype", ir.DataType.FLOAT.value)])
+    return [dq], out
+
+
+def _lower_nvfp4(node: ir.Node, typed: _TypedInitializers) -> tuple[list[ir.Node], ir.Value]:
+    codes, scales, global_scale = node.inputs[:3]
+    code_bytes = typed.codes(codes, "NVFP4 codes", node)
+    scale_bytes = typed.codes(scales, "NVFP4 scales", node)
+    k = code_bytes.shape[-1] * 2
+    if code_bytes.shape[:-1] != scale_bytes.shape[:-1] or k != scale_bytes.shape[-1] * NV_BLOCK_SIZE:
+        raise ModelError(f"fx export: node {node.name!r}: codes {list(code_bytes.shape)} and scales "
+                         f"{list(scale_bytes.shape)} do not fit NVFP4 (block 16)")
+    w = typed.get(codes, ir.DataType.FLOAT4E2M1, code_bytes)
+    s = typed.get(scales, ir.DataType.FLOAT8E4M3FN, scale_bytes)
+    rank = len(global_scale.shape) if global_scale.shape is not None else None
+    attributes = []
+    if rank == 1:
+        attributes.append(ir.AttrInt64("axis", 0))  # one global scale per expert, along the weights' axis 0
+    elif rank != 0:
+        raise ModelError(f"fx export: node {node.name!r}: global scale {global_scale.name!r} has shape "
+                         f"{global_scale.shape}; the two-DQ form takes [] or one per expert [E]")
+    s_f = _value(f"{node.name}_scale", ir.DataType.FLOAT, s.shape)
+    dq_scale = ir.Node("", "DequantizeLinear", [s, global_scale], attributes, outputs=[s_f], name=f"{node.name}_scale")
+    out = _value(f"{node.name}_dq", ir.DataType.FLOAT, w.shape)
+    dq = ir.Node("", "DequantizeLinear", [w, s_f], name=node.name, outputs=[out],
+                 attributes=[ir.AttrInt64("axis", -1), ir.AttrInt64("block_size", NV_BLOCK_SIZE)])
+    return [dq_scale, dq], out
+
+
+def _lower_fake_quant(node: ir.Node, graph: ir.Graph, target: str,
+                      prefixes: set[str]) -> tuple[list[ir.Node], ir.Value]:
+    x = node.inputs[0]
+    attr = node.attributes.get("global_scale")
+    if attr is None:
+        raise ModelError(f"fx export: node {node.name!r}: fake quantizer without a global scale")
+    prefix = f"{x.name}_nvfp4"
+    while prefix in prefixes:
+        prefix += "_"
+    prefixes.add(prefix)
+    g = ir.Value(name=f"{prefix}/input_scale", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
+                 const_value=ir.tensor(np.asarray(attr.value, dtype=np.float32), name=f"{prefix}/input_scale"))
+    graph.register_initializer(g)
+    nodes: list[ir.Node] = []
+    x_in = x
+    if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+        cast = ir.node("Cast", [x], attributes={"to": ir.DataType.FLOAT}, name=f"{prefix}/to_float")
+        x_in = cast.outputs[0]
+        x_in.name, x_in.type, x_in.shape = f"{prefix}/x_float", ir.TensorType(ir.DataType.FLOAT), x.shape
+        nodes.append(cast)
+    if target == "trt":
+        quantizer, x_hat = trt_quantizer(x_in, g, g, prefix)
+    else:
+        tape = ir.tape.Tape()
+        x_hat = nvfp4_fake_quant(tape, x_in, g, name=prefix[: -len("_nvfp4")])
+        quantizer = list(tape.nodes)
+        for init in tape.initializers:
+            graph.register_initializer(init)
+    nodes += quantizer
+    if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+        back = ir.node("Cast", [x_hat], attributes={"to": x.dtype}, name=f"{prefix}/to_{x.dtype.name.lower()}")
+        x_hat = back.outputs[0]
+        x_hat.name, x_hat.type, x_hat.shape = f"{prefix}/x_hat", ir.TensorType(x.dtype), x.shape
+        nodes.append(back)
+    return nodes, x_hat
+
+
+def lower_placeholders(model: ir.Model, target: str = "trt") -> dict:
+    """Step 2 of the module docstring, in place. Returns ``{"mxfp4", "nvfp4", "fake_quantize"}`` node counts."""
+    graph = model.graph
+    typed = _TypedInitializers(graph)
+    prefixes: set[str] = set()
+    counts = {"mxfp4": 0, "nvfp4": 0, "fake_quantize": 0}
+    names: set[str] = set()
+    for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+        if node.domain != PLACEHOLDER_DOMAIN:
+            continue
+        if node.op_type == "DequantizeMXFP4":
+            new_nodes, out = _lower_mxfp4(node, typed)
+            counts["mxfp4"] += 1
+        elif node.op_type == "DequantizeNVFP4":
+            new_nodes, out = _lower_nvfp4(node, typed)
+            counts["nvfp4"] += 1
+        elif node.op_type == "FakeQuantizeNVFP4":
+            new_nodes, out = _lower_fake_quant(node, graph, target, prefixes)
+            counts["fake_quantize"] += 1
+        else:
+            raise ModelError(f"fx export: node {node.name!r}: unknown placeholder op {node.op_type}")
+        owner = node.graph
+        owner.insert_before(node, new_nodes)
+        old = node.outputs[0]
+        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        name = old.name
+        if node.op_type == "FakeQuantizeNVFP4" and not out.is_graph_output():
+            # torch.onnx's decompositions rename custom nodes after their op; fx.calibrate's name is {x}_...
+            name = f"{node.inputs[0].name}_fake_quantize_nvfp4"
+            while name in names:
+                name += "_"
+        names.add(name)
+        owner.remove(node, safe=True)
+        out.name = name
+    typed.finish()
+    model.opset_imports.pop(PLACEHOLDER_DOMAIN, None)
+    return counts
+
+
+def _needed_opset(program: torch.export.ExportedProgram, target: str) -> int:
+    found = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    need = EXPORTER_DEFAULT_OPSET
+    if torch.ops.fp4pass.fake_quantize_nvfp4.default in found:
+        need = max(need, TRT_MIN_OPSET if target == "trt" else REFERENCE_MIN_OPSET)
+    if torch.ops.fp4pass.dequantize_nvfp4.default in found:
+        need = max(need, FP4_DQ_OPSET)
+    if torch.ops.fp4pass.dequantize_mxfp4.default in found:
+        need = max(need, E8M0_DQ_OPSET)
+    return need
+
+
+def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def export(model, example_inputs, path: str | os.PathLike | None = None, target: str = "trt", *,
+           dynamic_shapes=None, external_data: str = "auto") -> ir.Model:
+    """Export ``model`` to ONNX with fp4pass ops in their ONNX forms (module docstring); returns the model."""
+    if target not in TARGETS:
+        raise UsageError(f"fx export: target must be one of {', '.join(TARGETS)}, got {target!r}")
+    args, kwargs = _split_inputs(example_inputs)
+    if isinstance(model, torch.export.ExportedProgram):
+        program = model
+    elif isinstance(model, torch.nn.Module):
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+    else:
+        raise UsageError(f"fx export: expected an ExportedProgram or an nn.Module, got {type(model).__name__}")
+    need = _needed_opset(program, target)
+    onnx_program = torch.onnx.export(
+        program, args, kwargs=kwargs or None, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
+        opset_version=min(need, FP4_DQ_OPSET), optimize=True, verbose=False)
+    onnx_model = onnx_program.model
+    counts = lower_placeholders(onnx_model, target)
+    if counts["fake_quantize"] and target == "trt":
+        onnx_model.opset_imports.setdefault(TRT_DOMAIN, 1)
+    has_e8m0 = any(v.dtype == ir.DataType.FLOAT8E8M0 for v in onnx_model.graph.initializers.values())
+    if has_e8m0 and onnx_model.opset_imports.get("", 1) < E8M0_DQ_OPSET:
+        onnx_model.opset_imports[""] = E8M0_DQ_OPSET
+    SetOpsetAndIR().call(onnx_model, wrote_fp4_dq=bool(counts["mxfp4"] or counts["nvfp4"]))
+    log.info("fx export: %s; opset %s, IR %s", counts, onnx_model.opset_imports.get(""), onnx_model.ir_version)
+    if path is not None:
+        from fp4pass.onnx.loading import save
+
+        save(onnx_model, path, external_data=external_data)
+    return onnx_model
