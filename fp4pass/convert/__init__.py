@@ -32,7 +32,7 @@ from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax
 from fp4pass.metrics import snr_db
 
 __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
-           "intra_op_threads"]
+           "intra_op_threads", "set_defaults"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ DEFAULT_EFFORT = "best"
 #: torch intra-op threads during a conversion. One measured fastest on a 2-core machine shared with other
 #: work (the ops are short and memory-bound; a second thread mostly waits at barriers).
 DEFAULT_THREADS = 1
+_SETTINGS = {"effort": DEFAULT_EFFORT, "threads": DEFAULT_THREADS}
 #: E4M3 holds the 18 exact powers of two 2^-9..2^8, so 18 consecutive exponents (spread 17) fit verbatim.
 LOSSLESS_SPREAD = 17
 CHUNK_ELEMENTS = 1 << 22
@@ -56,18 +57,20 @@ def mxfp4_to_nvfp4(
     *,
     m_rule: str = "search",
     chunk_elements: int = CHUNK_ELEMENTS,
-    effort: str = DEFAULT_EFFORT,
-    threads: int | None = DEFAULT_THREADS,
+    effort: str | None = None,
+    threads: int | None = None,
 ) -> tuple[NVFP4Tensor, ConversionStats]:
     """Convert ``mx`` to NVFP4 with ``method`` (requant | verbatim | hybrid | auto; see ``methods``).
 
     ``group_dims``: leading dims that get their own global scale (None: 1 for 3-D tensors, i.e. per expert,
     else 0). ``reference``: the original high-precision tensor, for ``stats.mse_vs_reference``.
-    ``m_rule`` (verbatim only): "midpoint" or "search". ``effort`` (auto only): "best" (the wide search,
-    default) or "fast" (the narrow one); see ``methods``. ``threads``: torch intra-op threads for CPU work
-    during the call (restored afterwards; None leaves torch's setting alone). Returns the NVFP4 tensor
+    ``m_rule`` (verbatim only): "midpoint" or "search". ``effort`` (auto only): "best" (the wide search)
+    or "fast" (the narrow one); see ``methods``. ``threads``: torch intra-op threads during the call
+    (restored afterwards). None for either: those of ``set_defaults`` ("best" and 1 unless changed). Returns the NVFP4 tensor
     (global scale of shape ``shape[:group_dims]``, a dequant multiplier) and its :class:`ConversionStats`.
     """
+    effort = _SETTINGS["effort"] if effort is None else effort
+    threads = _SETTINGS["threads"] if threads is None else threads
     if effort not in EFFORTS:
         raise UsageError(f"{mx.name}: unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
     if threads is not None and threads < 1:
@@ -76,10 +79,25 @@ def mxfp4_to_nvfp4(
         return _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort)
 
 
+def set_defaults(*, effort: str | None = None, threads: int | None = None) -> None:
+    """The ``effort``/``threads`` of later conversions that do not name them (None: unchanged).
+
+    How a command (``fp4pass convert --effort fast --threads 2``) reaches every conversion of a model.
+    """
+    if effort is not None and effort not in EFFORTS:
+        raise UsageError(f"unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"threads must be >= 1, got {threads}")
+    if effort is not None:
+        _SETTINGS["effort"] = effort
+    if threads is not None:
+        _SETTINGS["threads"] = threads
+
+
 @contextlib.contextmanager
 def intra_op_threads(threads: int | None):
     """Set torch's intra-op thread count for the block (None: leave it), and restore it afterwards."""
-    before = torch.get_num_threads()
+    before = torch.get_num_threads()  # "None: leave it" for callers that manage threads themselves
     if threads is not None and threads != before:
         torch.set_num_threads(threads)
     try:
