@@ -56,6 +56,23 @@ def test_study_findings(fast_study):
     check_findings(fast_study)
 
 
+#: geomean of auto's MSE over the five lossy scenarios with the narrow search (effort "fast", the only search
+#: before the wide one): the wide default must not be worse, and is measurably better.
+FAST_SEARCH_GEOMEAN = 1.5074e-07
+
+
+def test_lossy_summary_and_the_wide_search(fast_study):
+    from fp4pass.study import lossy_summary
+
+    rows = [r for r in fast_study["scenarios"] if r["name"] in LOSSY]
+    logs = [np.log(r["methods"]["auto"]["mse"]) for r in rows]
+    summary = lossy_summary(fast_study)
+    assert summary["scenarios"] == len(LOSSY)
+    assert summary["auto_geomean"] == pytest.approx(float(np.exp(np.mean(logs))), rel=1e-12)
+    assert summary["auto_vs_best_peer"] <= 1.0
+    assert summary["auto_geomean"] < FAST_SEARCH_GEOMEAN * 0.995
+
+
 def test_study_spread_matches_oracle(fast_study):
     """The spread column, re-derived from the tensor with the numpy MXFP4 oracle (tests/oracles.py)."""
     from tests.oracles import mx_quantize_np

@@ -187,7 +187,8 @@ def _tables(S: torch.Tensor, k: torch.Tensor, jmax: torch.Tensor, steps, allow_v
 class Choice:
     """The search's outcome: the global scale per local group and each pattern's encoding, with statistics.
 
-    global_scale: float32 [L]; block_code: uint8 [P]; byte_table: uint8 [R, 256] (row 0 the identity);
+    global_scale: float32 [L]; block_code: uint8 [P]; byte_table: uint8 [1 + T*C*I, 256] (row 0 the identity,
+    then one per kind, candidate and code);
     table_row: int64 [P], the byte table of each pattern; and per local group (float64 [L]): sse, signal,
     max_abs_err, verbatim (halves whose nibbles are kept and reproduced exactly).
     """
@@ -225,13 +226,13 @@ def choose(patterns: Patterns, candidates, steps, *, allow_verbatim: bool, name:
     S = candidates(amax.float().clamp(max=torch.finfo(torch.float32).max))  # [L, C]
     # kinds (group, k, j_max): the tables are per kind, patterns point at theirs
     kind_id = (local * 256 + code) * 8 + jmax
-    kinds, kind_of = torch.unique(kind_id, return_inverse=True)
+    kinds, kind_of = torch.unique_consecutive(kind_id, return_inverse=True)  # ids sorted: kinds are runs
     kind_local = torch.div(kinds, 256 * 8, rounding_mode="floor")
     tab = _tables(S[kind_local], torch.div(kinds, 8, rounding_mode="floor") % 256 - 127, kinds % 8, steps,
                   allow_verbatim)
     Tn, C, I, _ = tab.sse.shape
     total = torch.zeros(L, C, dtype=torch.float64, device=device)
-    flat = tab.sse.reshape(Tn, C * I, 8).transpose(1, 2)  # [T, 8, C*I]
+    flat = tab.sse.permute(0, 3, 2, 1).reshape(Tn, 8, I * C)  # [T, 8, I*C], code-major: min over I per C
     # patterns are sorted by id, hence by kind: each kind is one run, and its patterns' SSE one matmul
     starts = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
                         torch.bincount(kind_of, minlength=Tn).cumsum(0)]).tolist()
@@ -239,7 +240,7 @@ def choose(patterns: Patterns, candidates, steps, *, allow_verbatim: bool, name:
     for t in range(Tn):
         for a in range(starts[t], starts[t + 1], PATTERNS_PER_STEP * 16):
             b = min(a + PATTERNS_PER_STEP * 16, starts[t + 1])
-            per = torch.mm(counts[a:b], flat[t]).reshape(b - a, C, I).amin(-1)  # [n, C]
+            per = torch.mm(counts[a:b], flat[t]).reshape(b - a, I, C).amin(1)  # [n, C]
             total[kind_local[t]] += torch.mv(per.T, mult[a:b])
     total = torch.nan_to_num(total, nan=float("inf"))
     best_c = total.argmin(-1)  # first minimum
@@ -264,10 +265,8 @@ def choose(patterns: Patterns, candidates, steps, *, allow_verbatim: bool, name:
     same = ((q == identity) | ~present).all(-1)
     exact_p = verbatim_p | (same & (sse_p == 0))
     # byte tables: row 0 identity (verbatim patterns), then one per (kind, candidate, step) in use
-    used, table_of = torch.unique(torch.where(verbatim_p, torch.full_like(row, -1), row), return_inverse=True)
-    q_used = tab.q.reshape(Tn * C * I, 8)[used.clamp(min=0)]
-    q_used[used < 0] = identity
-    byte_table = _byte_tables(q_used)
+    table_of = torch.where(verbatim_p, torch.zeros_like(row), row + 1)
+    byte_table = _byte_tables(torch.cat([identity.unsqueeze(0), tab.q.reshape(Tn * C * I, 8)]))
     v2 = (mags64.square().unsqueeze(0) * torch.exp2(2 * k.double()).unsqueeze(-1) * counts).sum(-1)
     mult = patterns.multiplicity
     sse = torch.zeros(L, dtype=torch.float64, device=device).index_add_(0, local, sse_p * mult)
