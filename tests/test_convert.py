@@ -358,3 +358,26 @@ def test_every_method_converts_the_whole_e8m0_range(seed, k_low, spread_, zero, 
         x = nv.dequantize()
         assert bool(torch.isfinite(x).all())
         assert np.isfinite(stats.mse)
+
+
+def test_threads_and_effort_are_set_for_the_call_and_restored(monkeypatch):
+    """torch's intra-op threads are the call's ``threads`` during it and back to the caller's after it;
+    set_defaults reaches calls that name neither; bad values are usage errors."""
+    from fp4pass import convert as convert_mod
+
+    seen = []
+    real = convert_mod._convert
+    monkeypatch.setattr(convert_mod, "_convert", lambda *a: (seen.append((torch.get_num_threads(), a[-1])), real(*a))[1])
+    mx = MXFP4Tensor.quantize(_study_like(3))
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    fp4pass.mxfp4_to_nvfp4(mx, "auto", threads=other, effort="fast")
+    assert seen[-1] == (other, "fast") and torch.get_num_threads() == before
+    monkeypatch.setitem(convert_mod._SETTINGS, "threads", other)
+    monkeypatch.setitem(convert_mod._SETTINGS, "effort", "fast")
+    fp4pass.mxfp4_to_nvfp4(mx, "auto")
+    assert seen[-1] == (other, "fast") and torch.get_num_threads() == before
+    with pytest.raises(UsageError, match="effort"):
+        fp4pass.mxfp4_to_nvfp4(mx, "auto", effort="max")
+    with pytest.raises(UsageError, match="threads"):
+        convert_mod.set_defaults(threads=0)
