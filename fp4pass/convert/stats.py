@@ -1,4 +1,7 @@
-"""The statistics of one conversion (SPEC.md keys), measured on the tensors actually produced.
+"""The statistics of one conversion, measured on the tensors actually produced.
+
+``measure_stats`` dequantizes both tensors (verbatim, and any method given a ``reference``); requant, hybrid
+and auto otherwise take the same figures from their pattern search (``fp4pass.convert.patterns``).
 
 - ``mse``: mean of (x_nv - x_mx)^2 over all elements, x_mx = ``mx.dequantize()`` (float64 accumulation).
 - ``max_abs_err``: max |x_nv - x_mx|.
