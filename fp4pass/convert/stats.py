@@ -35,7 +35,7 @@ class ConversionStats:
     snr_db: float | None
     method_used: str
     mse_vs_reference: float | None = None
-    extra: dict = field(default_factory=dict, repr=False)  # diagnostics, not part of the SPEC keys
+    extra: dict = field(default_factory=dict, repr=False)  # diagnostics, not part of the documented keys
 
     def to_json(self) -> dict:
         out = {
@@ -52,7 +52,7 @@ class ConversionStats:
             out["mse_vs_reference"] = self.mse_vs_reference
         return out
 
-    def __getitem__(self, key: str):  # dict-style access, as the SPEC describes stats as a mapping
+    def __getitem__(self, key: str):  # dict-style access: the stats are documented as a mapping
         return self.to_json()[key]
 
     def keys(self):
