@@ -109,6 +109,7 @@ def bench_peers(device: torch.device, quick: bool = False, rounds: int = 3, log=
         ours_t, theirs_t = times[name]
         mine, other = outputs[name, "ours"], outputs[name, "theirs"]
         extra = {
+            "peer_ms": statistics.median(theirs_t) * 1e3,
             "shape": label,
             "mse": _mse(mine, reference),
             "peer_mse": _mse(other, reference),
