@@ -25,7 +25,8 @@ from fp4pass.convert.layout import GroupLayout, exponent_range
 from fp4pass.formats import MXFP4Tensor
 from fp4pass.progress import progress
 
-__all__ = ["Scenario", "SCENARIOS", "STUDY_METHODS", "run_scenario", "run_study", "format_study_table"]
+__all__ = ["Scenario", "SCENARIOS", "STUDY_METHODS", "run_scenario", "run_study", "format_study_table",
+           "lossy_summary"]
 
 #: study column -> (method, m_rule)
 STUDY_METHODS = {
@@ -162,4 +163,22 @@ def format_study_table(study: dict) -> str:
         tag = "all lossless" if best == 0 and len(winners) >= 3 else ",".join(winners)
         lines.append(f"{row['name']:<32} {row['spread']:>6} {cells} {verb:>9.1f}%  {tag}")
     lines.append("mse: mean squared error vs the MXFP4 tensor (0 = lossless); mse_vs_original is in the JSON.")
+    summary = lossy_summary(study)
+    if summary["scenarios"]:
+        lines.append(f"lossy scenarios ({summary['scenarios']}): geomean auto mse {summary['auto_geomean']:.6e}, "
+                     f"geomean auto / min(requant, hybrid) {summary['auto_vs_best_peer']:.4f}")
     return "\n".join(lines)
+
+
+def lossy_summary(study: dict) -> dict:
+    """Over the scenarios where hybrid is lossy (auto's search runs there): geometric means of auto's MSE and
+    of auto's MSE / min(requant, hybrid). {"scenarios": n, "auto_geomean", "auto_vs_best_peer"} (None if n = 0).
+    """
+    rows = [r["methods"] for r in study["scenarios"] if r["methods"]["hybrid"]["mse"] > 0]
+    if not rows:
+        return {"scenarios": 0, "auto_geomean": None, "auto_vs_best_peer": None}
+    auto = [m["auto"]["mse"] for m in rows]
+    ratio = [m["auto"]["mse"] / min(m["requant"]["mse"], m["hybrid"]["mse"]) for m in rows]
+    mean_log = lambda values: sum(math.log(v) for v in values) / len(values)  # noqa: E731
+    return {"scenarios": len(rows), "auto_geomean": math.exp(mean_log(auto)),
+            "auto_vs_best_peer": math.exp(mean_log(ratio))}

@@ -234,12 +234,12 @@ def test_e8m0_nan_scale_is_refused(method):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), spread_=st.integers(18, 60), neighbours=st.integers(0, 1),
+@given(seed=st.integers(0, 2**31 - 1), spread_=st.integers(18, 60), neighbours=st.integers(0, 2),
        verbatim=st.booleans())
-def test_table_encoder_matches_halfwise_encoder(seed, spread_, neighbours, verbatim):
-    """tables.encode_at == halves.encode_halves (the per-half float code path) at random global scales."""
+def test_pattern_encoder_matches_halfwise_encoder(seed, spread_, neighbours, verbatim):
+    """patterns.choose + encode == halves.encode_halves (the per-half float code path) at random global scales."""
     from fp4pass.convert import layout as layout_mod
-    from fp4pass.convert import tables
+    from fp4pass.convert import patterns
     from fp4pass.convert.halves import encode_halves
 
     rng = np.random.default_rng(seed)
@@ -249,18 +249,21 @@ def test_table_encoder_matches_halfwise_encoder(seed, spread_, neighbours, verba
     flat_codes, flat_scales = lay.flat(mx)
     S = torch.from_numpy(np.exp2(rng.uniform(-20, 20, (3, 1))).astype(np.float32))
     code0, code1 = int(e8m0.min()), int(e8m0.max())
-    tab = tables.build_tables(S, code0, code1, allow_verbatim=verbatim, neighbours=neighbours)
-    row_local = torch.arange(lay.total_rows) // lay.rows_per_group
-    key, counts, mag, sign = tables.half_keys(flat_codes, flat_scales, lay, 0, lay.total_rows, row_local, code0,
-                                              code1 - code0 + 1)
-    element, block = tables.encode_at(tab, key, counts, mag, sign)
+    found = patterns.collect(flat_codes, flat_scales, lay, lay.row_chunks(range(3), 200),
+                             lambda lo, hi: torch.arange(lo, hi) // lay.rows_per_group, code0, code1 - code0 + 1)
+    steps = [0] + [d for i in range(1, neighbours + 1) for d in (-i, i)]
+    choice = patterns.choose(found, lambda amax: S, steps, allow_verbatim=verbatim, name="w")
+    out_codes, out_scales = torch.empty_like(flat_codes), torch.empty(lay.total_rows, 4, dtype=torch.uint8)
+    patterns.encode(found, choice, flat_codes, out_codes, out_scales, 4)
     values = mx.dequantize().reshape(-1, 16)
     exponent = torch.from_numpy(np.repeat(e8m0.reshape(-1).astype(np.int32) - 127, 2))
     ref = encode_halves(values, exponent, torch.from_numpy(codes.reshape(-1, 16)),
                         S.repeat_interleave(lay.rows_per_group * 4).reshape(-1),
                         allow_verbatim=verbatim, neighbours=neighbours)
-    assert torch.equal(block, ref.scale_codes)
-    assert torch.equal(element, ref.element_codes)
+    assert torch.equal(out_scales.reshape(-1), ref.scale_codes)
+    assert np.array_equal(oracle.unpack(out_codes.numpy()).reshape(-1, 16), ref.element_codes.numpy())
+    per_group = ref.sse.reshape(3, -1).sum(-1)
+    assert torch.allclose(choice.sse, per_group, rtol=1e-12, atol=0)
 
 
 def test_hybrid_m_ignores_all_zero_blocks_with_high_exponents():
@@ -274,3 +277,107 @@ def test_hybrid_m_ignores_all_zero_blocks_with_high_exponents():
     assert np.array_equal(nv.dequantize().numpy(), oracle.hybrid(codes, e8m0))
     _, auto_stats = fp4pass.mxfp4_to_nvfp4(mx, "auto")  # auto may use either m: both are lossless
     assert auto_stats.mse == 0.0
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def test_auto_with_top_e8m0_code_and_small_magnitudes_converts():
+    """E8M0 code 254 (2^127) holding magnitudes <= 1.5 beside blocks 26 octaves lower: a valid, finite tensor.
+
+    The candidate tables must not be formed for (exponent, magnitude) pairs that cannot occur (6 * 2^127 is
+    not a float32; inf / inf was NaN)."""
+    codes, e8m0 = oracle.random_mx(np.random.default_rng(11), (4, 128), 26, k_low=127 - 26)
+    top = e8m0 == 254
+    blocks = codes.reshape(4, 4, 32)
+    blocks[top] = (blocks[top] & 8) | np.minimum(blocks[top] & 7, 3)  # |v| <= 1.5 * 2^127
+    assert np.isfinite(oracle.mx_dequant(codes, e8m0).astype(np.float32)).all()
+    mx = make_mx(codes, e8m0)
+    mses = {m: oracle_mse(fp4pass.mxfp4_to_nvfp4(mx, m)[0], codes, e8m0) for m in ("requant", "hybrid", "auto")}
+    assert all(np.isfinite(v) for v in mses.values()), mses
+    assert mses["auto"] <= min(mses["requant"], mses["hybrid"])
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (3, 4, 64)])
+def test_all_zero_groups_get_global_scale_one(shape):
+    """An all-zero tensor or expert (E8M0 code 0 from the MX quantizer) gets global scale 1.0 in every method,
+    never a float32 subnormal whose reciprocal is inf."""
+    x = torch.randn(shape)
+    if len(shape) == 3:
+        x[1] = 0
+    else:
+        x.zero_()
+    mx = MXFP4Tensor.quantize(x)
+    for method in ("requant", "verbatim", "hybrid", "auto"):
+        nv, stats = fp4pass.mxfp4_to_nvfp4(mx, method)
+        g = nv.global_scale.reshape(-1).numpy()
+        zero = 1 if len(shape) == 3 else 0
+        assert g[zero] == 1.0, (method, g)
+        assert np.isfinite(1.0 / g).all(), (method, g)
+
+
+def _source_overflows(codes, e8m0) -> bool:
+    return bool((np.abs(oracle.mx_dequant(codes, e8m0)) > FLOAT32_MAX).any())
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), k_low=st.integers(-127, 127), spread_=st.integers(0, 254),
+       zero=st.sampled_from(["none", "blocks", "expert", "tensor"]), small_top=st.booleans(),
+       method=st.sampled_from(["requant", "verbatim", "hybrid", "auto"]), experts=st.sampled_from([0, 1, 3]))
+def test_every_method_converts_the_whole_e8m0_range(seed, k_low, spread_, zero, small_top, method, experts):
+    """E8M0 codes 0..254 (k -127..127), zero blocks, zero experts and tensors: every method converts to finite
+    values with finite positive global scales (1.0 for an all-zero group), or raises a named error when the
+    MXFP4 source itself is not a float32 (values >= 2^128) and the method must requantize it."""
+    rng = np.random.default_rng(seed)
+    spread_ = min(spread_, 127 - k_low)
+    shape = (experts, 2, 64) if experts else (2, 64)
+    codes, e8m0 = oracle.random_mx(rng, shape, spread_, 0.3 if zero == "blocks" else 0.0, k_low)
+    if small_top:  # magnitudes <= 1.5 in the top blocks: finite even at 2^127
+        blocks = codes.reshape(*e8m0.shape, 32)
+        top = e8m0 == e8m0.max()
+        blocks[top] = (blocks[top] & 8) | np.minimum(blocks[top] & 7, 3)
+    if zero == "tensor" or (zero == "expert" and not experts):
+        codes[:] = 0
+        e8m0[:] = 0
+    elif zero == "expert":
+        codes[0] = 0
+        e8m0[0] = 0
+    mx = make_mx(codes, e8m0)
+    try:
+        nv, stats = fp4pass.mxfp4_to_nvfp4(mx, method)
+    except fp4pass.FP4PassError as exc:
+        assert "overflow float32" in str(exc) and _source_overflows(codes, e8m0), exc
+        return
+    g = nv.global_scale.reshape(-1).numpy()
+    assert np.isfinite(g).all() and (g > 0).all(), g
+    per_group = codes.reshape(max(experts, 1), -1)
+    for i, group in enumerate(per_group):
+        if not (group & 7).any():
+            assert g[i] == 1.0, (i, g)
+    if not _source_overflows(codes, e8m0):
+        x = nv.dequantize()
+        assert bool(torch.isfinite(x).all())
+        assert np.isfinite(stats.mse)
+
+
+def test_threads_and_effort_are_set_for_the_call_and_restored(monkeypatch):
+    """torch's intra-op threads are the call's ``threads`` during it and back to the caller's after it;
+    set_defaults reaches calls that name neither; bad values are usage errors."""
+    from fp4pass import convert as convert_mod
+
+    seen = []
+    real = convert_mod._convert
+    monkeypatch.setattr(convert_mod, "_convert", lambda *a: (seen.append((torch.get_num_threads(), a[-1])), real(*a))[1])
+    mx = MXFP4Tensor.quantize(_study_like(3))
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    fp4pass.mxfp4_to_nvfp4(mx, "auto", threads=other, effort="fast")
+    assert seen[-1] == (other, "fast") and torch.get_num_threads() == before
+    monkeypatch.setitem(convert_mod._SETTINGS, "threads", other)
+    monkeypatch.setitem(convert_mod._SETTINGS, "effort", "fast")
+    fp4pass.mxfp4_to_nvfp4(mx, "auto")
+    assert seen[-1] == (other, "fast") and torch.get_num_threads() == before
+    with pytest.raises(UsageError, match="effort"):
+        fp4pass.mxfp4_to_nvfp4(mx, "auto", effort="max")
+    with pytest.raises(UsageError, match="threads"):
+        convert_mod.set_defaults(threads=0)

@@ -56,6 +56,28 @@ def test_study_findings(fast_study):
     check_findings(fast_study)
 
 
+def test_lossy_summary_and_the_wide_search(fast_study):
+    """lossy_summary against numpy; the wide search (effort "best") never worse than the narrow one per
+    scenario, and better in geomean over the lossy scenarios."""
+    import fp4pass
+    from fp4pass.formats import MXFP4Tensor
+    from fp4pass.study import lossy_summary
+
+    rows = [r for r in fast_study["scenarios"] if r["name"] in LOSSY]
+    best = [r["methods"]["auto"]["mse"] for r in rows]
+    summary = lossy_summary(fast_study)
+    assert summary["scenarios"] == len(LOSSY)
+    assert summary["auto_geomean"] == pytest.approx(float(np.exp(np.mean(np.log(best)))), rel=1e-12)
+    assert summary["auto_vs_best_peer"] <= 1.0
+    by_name = {s.name: s for s in FAST}
+    fast = []
+    for row in rows:
+        mx = MXFP4Tensor.quantize(make_tensor(by_name[row["name"]]), scale_rule="floor")
+        fast.append(fp4pass.mxfp4_to_nvfp4(mx, "auto", group_dims=0, effort="fast")[1].mse)
+    assert all(b <= f * (1 + 1e-12) for b, f in zip(best, fast)), (best, fast)  # sums in other orders
+    assert np.exp(np.mean(np.log(best))) < 0.995 * np.exp(np.mean(np.log(fast)))
+
+
 def test_study_spread_matches_oracle(fast_study):
     """The spread column, re-derived from the tensor with the numpy MXFP4 oracle (tests/oracles.py)."""
     from tests.oracles import mx_quantize_np

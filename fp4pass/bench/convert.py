@@ -3,8 +3,9 @@
 - lossless path (every expert's spread <= 17, the usual case): goal within 2x of the memcpy on the full-size
   tensor [8, 2880, 2880]. With ``quick`` ([2, 256, 2880], a 30 us clone) the ratio measures the fixed cost of
   a call (about 0.1 ms of Python and op dispatch) rather than throughput, so no goal is attached there.
-- lossy path (an outlier per expert pushes the spread to ~20): ``auto`` and ``hybrid`` against the same memcpy
-  and against plain requantization (``requant``) of the same tensor.
+- lossy path (an outlier per expert pushes the spread to ~20): ``auto`` (effort best, and fast) and ``hybrid``
+  against the same memcpy and against plain requantization (``requant``) of the same tensor.
+  ``fp4pass bench --peers`` sets the lossy path against ModelOpt's casts (``fp4pass.bench.peers``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ def bench_convert(device: torch.device, quick: bool) -> list[BenchResult]:
         nbytes = mx.codes.numel() + mx.scales.numel()
         memcpy = measure(lambda: (mx.codes.clone(), mx.scales.clone()), repeat=20, device=device)
         shape = "x".join(map(str, mx.shape))
-        methods = ("auto",) if label == "lossless" else ("auto", "hybrid")
+        methods = ("auto",) if label == "lossless" else ("auto", "auto-fast", "hybrid")
         requant = None
         if label == "lossy":
             requant = measure(lambda: mxfp4_to_nvfp4(mx, "requant"), repeat=2, device=device)
         for method in methods:
-            seconds = measure(lambda: mxfp4_to_nvfp4(mx, method), repeat=20 if label == "lossless" else 2, device=device)
+            name, effort = ("auto", "fast") if method == "auto-fast" else (method, None)
+            seconds = measure(lambda: mxfp4_to_nvfp4(mx, name, effort=effort), repeat=20 if label == "lossless" else 2,
+                              device=device)
             extra = {"bytes_per_s": nbytes / seconds, "shape": shape}
             if requant is not None:
                 extra["vs_requant"] = seconds / requant

@@ -7,12 +7,13 @@ import sys
 
 import torch
 
-from fp4pass.bench import AREAS, format_table, run_benchmarks
+from fp4pass.bench import AREAS, format_row, format_table, run_benchmarks
 from fp4pass.io import write_json
 
 EPILOG = """examples:
   fp4pass bench                      # everything, on CPU and CUDA where present
   fp4pass bench --quick --area formats --json bench.json
+  fp4pass bench --peers --rounds 5        # fp4pass vs ModelOpt's casts (pip install 'fp4pass[peers]')
 """
 
 
@@ -23,6 +24,9 @@ def register(sub, common) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--area", action="append", choices=AREAS, help="only these areas (repeatable)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--peers", action="store_true",
+                   help="only fp4pass vs NVIDIA ModelOpt's MXFP4->NVFP4 casts, interleaved, same tensors")
+    p.add_argument("--rounds", type=int, default=3, help="--peers: interleaved rounds (median reported)")
     p.set_defaults(run=run)
 
 
@@ -31,9 +35,28 @@ def run(args) -> int:
         print("fp4pass bench: note: CUDA requested but not available; running on CPU", file=sys.stderr)
     use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if use_cuda else [])
+    if args.peers:
+        return _run_peers(args, devices)
     results = []
     for device in devices:
         results += run_benchmarks(device, args.quick, args.area or AREAS, log=lambda row: print(row, file=sys.stderr))
+    print(format_table(results))
+    if args.json:
+        write_json(args.json, {"devices": [str(d) for d in devices], "results": [r.to_json() for r in results]})
+    return 0
+
+
+def _run_peers(args, devices) -> int:
+    from fp4pass.bench import peers
+
+    if not peers.peers_available():
+        print(f"fp4pass bench: {peers.INSTALL_HINT}", file=sys.stderr)
+        return 2
+    results = []
+    for device in devices:
+        for r in peers.bench_peers(device, args.quick, args.rounds):
+            print(format_row(r), file=sys.stderr)
+            results.append(r)
     print(format_table(results))
     if args.json:
         write_json(args.json, {"devices": [str(d) for d in devices], "results": [r.to_json() for r in results]})

@@ -32,6 +32,10 @@ def register(sub, common) -> None:
     p.add_argument("--check", action="store_true", help="diff input and output under onnxruntime")
     p.add_argument("--external-data", choices=["auto", "always", "never"], default="auto")
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--effort", choices=["best", "fast"], default="best",
+                   help="auto's search on lossy groups: best (wide) or fast (narrow)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads for the weight conversion (default 1: fastest on 2 shared cores)")
     p.set_defaults(run=run)
 
 
@@ -39,7 +43,9 @@ def run(args) -> int:
     from fp4pass.io import write_json
     from fp4pass.onnx.pipeline import convert
     from fp4pass.onnx.report import format_report, summary_line
+    from fp4pass.convert import set_defaults
 
+    set_defaults(effort=args.effort, threads=args.threads)  # every weight conversion of this command
     _, report = convert(
         args.model, method=args.method, scale_form=args.scale_form, target=args.target, calib=args.calib,
         calibrator=args.calibrator, scales=args.scales, provider=args.provider, output=args.output,

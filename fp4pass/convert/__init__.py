@@ -9,37 +9,41 @@ memory stays bounded on large expert tensors. Groups whose exponent spread is <=
 real checkpoints) convert losslessly without unpacking a single code: one min/max pass over the E8M0 scales
 (which also refuses code 255), the E4M3 scales by integer arithmetic on the E8M0 codes, and the packed
 nibbles shared with the input (not copied). On CPU those integer steps run in numpy (``layout.on_host``).
-hybrid and auto encode lossy groups by table (:mod:`fp4pass.convert.tables`): the float work is done once
-per kind of 16-half (group, exponent, largest magnitude), not per half and candidate.
+requant, and hybrid and auto on lossy groups, encode by pattern (:mod:`fp4pass.convert.patterns`): one pass
+collects the distinct 16-half patterns (group, exponent, magnitude counts), the search and the float work run
+once per pattern, a second pass writes every half through a byte table; the statistics come from the
+patterns (no dequantizing pass), except with ``reference`` (a pass against the reference tensor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
 import torch
 
 from fp4pass.convert.layout import EMPTY_K, GroupLayout, exact_pow2, exact_pow2_list, exponent_range, scale_code_range
-from fp4pass.convert.methods import (
-    auto_candidates,
-    pow2_scale_codes,
-    _decode,
-    choose_m,
-    encode_rows,
-    group_amax,
-)
-from fp4pass.convert.tables import build_tables, candidate_sse, encode_at, group_amax_from_codes, half_keys
+from fp4pass.convert import patterns as pattern_mod
+from fp4pass.convert.methods import AUTO_STEPS, auto_candidates, choose_m, pow2_scale_codes
 from fp4pass.convert.stats import ConversionStats, lossless_stats, measure_stats
 from fp4pass.errors import ShapeError, UsageError
-from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax, pack_nibbles
+from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax
+from fp4pass.metrics import snr_db
 
-__all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "LOSSLESS_SPREAD"]
+__all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
+           "intra_op_threads", "set_defaults"]
 
 log = logging.getLogger(__name__)
 
 METHODS = ("requant", "verbatim", "hybrid", "auto")
 M_RULES = ("midpoint", "search")
+EFFORTS = ("best", "fast")
+DEFAULT_EFFORT = "best"
+#: torch intra-op threads during a conversion. One measured fastest on a 2-core machine shared with other
+#: work (the ops are short and memory-bound; a second thread mostly waits at barriers).
+DEFAULT_THREADS = 1
+_SETTINGS = {"effort": DEFAULT_EFFORT, "threads": DEFAULT_THREADS}
 #: E4M3 holds the 18 exact powers of two 2^-9..2^8, so 18 consecutive exponents (spread 17) fit verbatim.
 LOSSLESS_SPREAD = 17
 CHUNK_ELEMENTS = 1 << 22
@@ -53,14 +57,57 @@ def mxfp4_to_nvfp4(
     *,
     m_rule: str = "search",
     chunk_elements: int = CHUNK_ELEMENTS,
+    effort: str | None = None,
+    threads: int | None = None,
 ) -> tuple[NVFP4Tensor, ConversionStats]:
     """Convert ``mx`` to NVFP4 with ``method`` (requant | verbatim | hybrid | auto; see ``methods``).
 
     ``group_dims``: leading dims that get their own global scale (None: 1 for 3-D tensors, i.e. per expert,
     else 0). ``reference``: the original high-precision tensor, for ``stats.mse_vs_reference``.
-    ``m_rule`` (verbatim only): "midpoint" or "search". Returns the NVFP4 tensor (global scale of shape
-    ``shape[:group_dims]``, a dequant multiplier) and its :class:`ConversionStats`.
+    ``m_rule`` (verbatim only): "midpoint" or "search". ``effort`` (auto only): "best" (the wide search)
+    or "fast" (the narrow one); see ``methods``. ``threads``: torch intra-op threads during the call
+    (restored afterwards). None for either: those of ``set_defaults`` ("best" and 1 unless changed). Returns the NVFP4 tensor
+    (global scale of shape ``shape[:group_dims]``, a dequant multiplier) and its :class:`ConversionStats`.
     """
+    effort = _SETTINGS["effort"] if effort is None else effort
+    threads = _SETTINGS["threads"] if threads is None else threads
+    if effort not in EFFORTS:
+        raise UsageError(f"{mx.name}: unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"{mx.name}: threads must be >= 1, got {threads}")
+    with intra_op_threads(threads):
+        return _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort)
+
+
+def set_defaults(*, effort: str | None = None, threads: int | None = None) -> None:
+    """The ``effort``/``threads`` of later conversions that do not name them (None: unchanged).
+
+    How a command (``fp4pass convert --effort fast --threads 2``) reaches every conversion of a model.
+    """
+    if effort is not None and effort not in EFFORTS:
+        raise UsageError(f"unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"threads must be >= 1, got {threads}")
+    if effort is not None:
+        _SETTINGS["effort"] = effort
+    if threads is not None:
+        _SETTINGS["threads"] = threads
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None):
+    """Set torch's intra-op thread count for the block (None: leave it), and restore it afterwards."""
+    before = torch.get_num_threads()  # "None: leave it" for callers that manage threads themselves
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     if method not in METHODS:
         raise UsageError(f"{mx.name}: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if m_rule not in M_RULES:
@@ -83,6 +130,11 @@ def mxfp4_to_nvfp4(
         # Every block (holding a value or not) is within 17 octaves of its group's top: m = k_max - 8 puts
         # them all in E4M3's exact window, nibbles shared with the input, scales straight from exponents.
         m = [u - 127 - 8 for u in code_hi]
+        if min(m) < -126:
+            # a float32-subnormal global scale (reciprocal inf): only right for a group that holds values;
+            # an all-zero group (MX producers write E8M0 code 0 there) gets 1.0, as in every other method
+            k_max_held, _ = exponent_range(codes, scales, layout)
+            m = [0 if k == EMPTY_K else g for g, k in zip(m, k_max_held.tolist())]
         global_scale = exact_pow2_list(m, device)
         out_codes = codes
         out_scales = pow2_scale_codes(scales, layout, m, code_lo, code_hi)
@@ -97,13 +149,11 @@ def mxfp4_to_nvfp4(
         out_codes = codes.clone()
 
     if method == "requant":
-        amax = group_amax(codes, scales, layout, all_groups, chunks_of(all_groups))
-        global_scale = global_scale_from_amax(amax)
+        global_scale = torch.empty(layout.groups, dtype=torch.float32, device=device)
         out_scales = torch.empty(layout.total_rows, halves, dtype=torch.uint8, device=device)
-        row_scale = global_scale.repeat_interleave(layout.rows_per_group)
-        for lo, hi in chunks_of(all_groups):
-            out_codes[lo:hi], out_scales[lo:hi], _ = encode_rows(
-                codes, scales, layout, lo, hi, row_scale[lo:hi], allow_verbatim=False, neighbours=0)
+        engine = _encode_lossy(codes, scales, layout, torch.arange(layout.groups, device=device), None, code_lo,
+                               code_hi, out_codes, out_scales, method, chunks_of, mx.name, effort)
+        global_scale[:] = engine.global_scale
         proven_lossless = False
     elif method == "verbatim":
         m = choose_m(codes, scales, layout, k_max, k_min, m_rule, chunks_of(all_groups))
@@ -118,8 +168,9 @@ def mxfp4_to_nvfp4(
         proven_lossless = lossy.numel() == 0
         if not proven_lossless:
             global_scale = global_scale.clone()
-            global_scale[lossy] = _encode_lossy(codes, scales, layout, lossy, k_max, code_lo, code_hi, out_codes,
-                                                out_scales, method, chunks_of, mx.name)
+            engine = _encode_lossy(codes, scales, layout, lossy, k_max, code_lo, code_hi, out_codes, out_scales,
+                                   method, chunks_of, mx.name, effort)
+            global_scale[lossy] = engine.global_scale
 
     lead = layout.group_shape
     global_scale = global_scale.reshape(lead)
@@ -132,6 +183,9 @@ def mxfp4_to_nvfp4(
     if proven_lossless and reference is None:
         scale_list = [math.ldexp(1.0, e) for e in m] if fast_lossless else global_scale.flatten().tolist()
         stats = lossless_stats(layout.total_rows * halves, scale_list, method)
+    elif reference is None and method != "verbatim":  # the statistics come out of the pattern search
+        stats = _engine_stats(engine, codes, scales, layout, lossy if method != "requant" else None, method,
+                              global_scale, chunks_of)
     else:
         row_scale = global_scale.reshape(-1).repeat_interleave(layout.rows_per_group)
         stats = measure_stats(codes, scales, layout.mx_block, out_codes, out_scales, row_scale,
@@ -140,47 +194,52 @@ def mxfp4_to_nvfp4(
 
 
 def _encode_lossy(codes, scales, layout: GroupLayout, lossy: torch.Tensor, k_max, code_lo, code_hi, out_codes,
-                  out_scales, method: str, chunks_of, name: str) -> torch.Tensor:
-    """hybrid/auto on the lossy groups ``lossy`` [L]: writes their rows of out_codes/out_scales, returns S [L].
+                  out_scales, method: str, chunks_of, name: str, effort: str) -> pattern_mod.Choice:
+    """requant/hybrid/auto on the groups ``lossy`` [L] by pattern (:mod:`fp4pass.convert.patterns`).
 
-    hybrid: S = 2^(k_max - 8), every non-verbatim half at its standard code s0. auto: the candidate S of least
-    total SSE (``methods.auto_candidates``), each half at the best of s0, s0 - 1, s0 + 1. Both by table
-    (:mod:`fp4pass.convert.tables`), which repeats the float operations of ``halves.encode_halves`` exactly.
+    Writes their rows of out_codes/out_scales; returns the search's :class:`~fp4pass.convert.patterns.Choice`
+    (global scale per lossy group, statistics). requant: S = amax/(6*448), every half at s0, no verbatim.
+    hybrid: S = 2^(k_max - 8), halves verbatim where exact, else s0. auto: ``methods.auto_candidates``.
     """
     lossy_list = lossy.tolist()
     device = codes.device
     code0 = min(code_lo[g] for g in lossy_list)
     code1 = max(code_hi[g] for g in lossy_list)
-    if code1 >= 253:  # 6 * 2^126 overflows float32: let the decoder name the rows
-        for lo, hi in chunks_of(lossy_list):
-            _decode(codes, scales, layout, lo, hi)
     local = torch.full((layout.groups,), -1, dtype=torch.long, device=device)
     local[lossy] = torch.arange(lossy.numel(), device=device)
-    halves = layout.k // 16
 
-    def keys_of(lo, hi, with_counts=True):
-        row_local = local[torch.arange(lo, hi, device=device) // layout.rows_per_group]
-        return row_local, half_keys(codes, scales, layout, lo, hi, row_local, code0, code1 - code0 + 1,
-                                    with_counts=with_counts)
+    def row_local_of(lo, hi):
+        return local[torch.arange(lo, hi, device=device) // layout.rows_per_group]
 
-    hybrid = exact_pow2(k_max[lossy] - 8)
-    if method == "auto":
-        amax = group_amax_from_codes(codes, scales, layout, chunks_of(lossy_list))[lossy]
-        candidates = auto_candidates(k_max[lossy], amax)
-        tables = build_tables(candidates, code0, code1, neighbours=1)
-        total = torch.zeros(candidates.shape, dtype=torch.float64, device=device)
-        for lo, hi in chunks_of(lossy_list):
-            row_local, (key, counts, _, _) = keys_of(lo, hi)
-            candidate_sse(tables, key, counts, row_local.repeat_interleave(halves), total)
-        best = total.argmin(-1)  # first minimum: hybrid's S wins ties
-        chosen = candidates.gather(1, best.unsqueeze(-1)).squeeze(-1)
-        log.debug("%s: auto candidate SSE per lossy group: %s", name, total.tolist())
+    found = pattern_mod.collect(codes, scales, layout, chunks_of(lossy_list), row_local_of, code0,
+                                code1 - code0 + 1)
+    if method == "requant":
+        candidates, steps = (lambda amax: global_scale_from_amax(amax).unsqueeze(-1)), (0,)
+    elif method == "hybrid":
+        hybrid = exact_pow2(k_max[lossy] - 8).unsqueeze(-1)
+        candidates, steps = (lambda amax: hybrid), (0,)
     else:
-        chosen = hybrid
-    tables = build_tables(chosen.unsqueeze(-1), code0, code1, neighbours=1 if method == "auto" else 0)
-    for lo, hi in chunks_of(lossy_list):
-        _, (key, counts, mag, sign) = keys_of(lo, hi, with_counts=method == "auto")
-        element, block = encode_at(tables, key, counts, mag, sign)
-        out_codes[lo:hi] = pack_nibbles(element.reshape(hi - lo, layout.k))
-        out_scales[lo:hi] = block.reshape(hi - lo, halves)
-    return chosen
+        k_top = k_max[lossy]
+        candidates, steps = (lambda amax: auto_candidates(k_top, amax, effort)), AUTO_STEPS[effort]
+    choice = pattern_mod.choose(found, candidates, steps, allow_verbatim=method != "requant", name=name)
+    pattern_mod.encode(found, choice, codes, out_codes, out_scales, layout.k // 16)
+    log.debug("%s: %s global scales of the lossy groups: %s", name, method, choice.global_scale.tolist())
+    return choice
+
+
+def _engine_stats(choice: pattern_mod.Choice, codes, scales, layout: GroupLayout, lossy, method: str,
+                  global_scale, chunks_of) -> ConversionStats:
+    """Statistics from the pattern search; groups not searched (lossless, ``lossy`` given) add their signal."""
+    halves = layout.total_rows * (layout.k // 16)
+    sse, signal = float(choice.sse.sum()), float(choice.signal.sum())
+    verbatim = int(round(float(choice.verbatim.sum())))
+    max_err = float(choice.max_abs_err.max()) if choice.max_abs_err.numel() else 0.0
+    if lossy is not None and lossy.numel() < layout.groups:
+        rest = sorted(set(range(layout.groups)) - set(lossy.tolist()))
+        for lo, hi in chunks_of(rest):
+            x = MXFP4Tensor(codes[lo:hi], scales[lo:hi], layout.mx_block).dequantize().double()
+            signal += float(x.square().sum())
+        verbatim += len(rest) * layout.rows_per_group * (layout.k // 16)
+    n = halves * 16
+    return ConversionStats(halves, verbatim, halves - verbatim, global_scale.flatten().tolist(),
+                           sse / n if n else 0.0, max_err, snr_db(signal, sse), method)

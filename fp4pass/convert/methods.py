@@ -10,13 +10,17 @@ spread = k_max - k_min. A block's nibbles stay valid at block scale s = 2^(k_b)/
 3. ``hybrid`` (Algo 3): m = k_max - 8; blocks with k_b - m in [-9, 8] verbatim (lossless when spread <= 17),
    every other 16-half requantized on its own with S = 2^m.
 4. ``auto``: groups with spread <= 17 take hybrid's lossless path (no code is unpacked). Every other group
-   tries the candidate global scales
-       2^(k_max-8) (hybrid's),  2^(k_max-8)/c for c in 1.125..1.75,  2^(k_max-7)/c for c in 1.125..1.875,
-       amax/(6*448) (requant's),
-   and at each S every 16-half takes its verbatim scale when exact, else the least-SSE E4M3 code among the
-   standard one and its two neighbours. The S of least total SSE wins. Since hybrid's and requant's S are
-   candidates and their per-half choices are among the options, auto's SSE <= min(requant, hybrid) per group.
-   S = 2^m/c keeps the verbatim path exact for the blocks where 2^(k_b-m)*c is still an E4M3 value.
+   tries candidate global scales S and, at each S, gives every 16-half its verbatim scale when exact, else the
+   least-SSE E4M3 code among the standard s0 and its neighbours; the S of least total SSE wins.
+   effort ``best`` (default): S = 2^(k_max-8+d)/c for every octave offset d in -2..2 and every E4M3 mantissa
+       c in 1, 1.125..1.875 (40 scales), and amax/(6*448) (requant's); codes s0, s0 -+ 1, s0 -+ 2.
+   effort ``fast``: S = 2^(k_max-8) (hybrid's), 2^(k_max-8)/c for c in 1.125..1.75, 2^(k_max-7)/c for c in
+       1.125..1.875, amax/(6*448); codes s0, s0 -+ 1.
+   Since hybrid's and requant's S are candidates and their per-half choices are among the options, auto's
+   SSE <= min(requant, hybrid) per group. S = 2^m/c keeps the verbatim path exact for the blocks where
+   2^(k_b-m)*c is still an E4M3 value. Wider searches (codes s0-4..s0+8, octaves -4..4) find nothing better
+   on the study's lossy scenarios. The search runs on distinct half patterns (:mod:`fp4pass.convert.patterns`),
+   so its cost grows with the patterns (~10^5 per expert), not with the halves.
 """
 
 from __future__ import annotations
@@ -26,13 +30,11 @@ import logging
 import numpy as np
 import torch
 
-from fp4pass.convert.halves import encode_halves
 from fp4pass.convert import layout as layout_mod
 from fp4pass.convert.layout import E4M3_POW2_CODES, EMPTY_K, GroupLayout, exact_pow2
-from fp4pass.formats.codecs import check_finite
-from fp4pass.formats import MXFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, global_scale_from_amax, pack_nibbles, unpack_nibbles
+from fp4pass.formats import decode_e2m1, global_scale_from_amax, unpack_nibbles
 
-__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "group_amax", "encode_rows", "auto_candidates"]
+__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "auto_candidates", "AUTO_STEPS"]
 
 log = logging.getLogger(__name__)
 
@@ -91,32 +93,6 @@ def _pow2_codes_host(scales: np.ndarray, m: list[int], h: int) -> np.ndarray:
     return np.repeat(t, h, axis=-1) if h > 1 else t
 
 
-def _decode(codes, scales, layout: GroupLayout, lo: int, hi: int) -> torch.Tensor:
-    """float32 values of rows lo:hi; raises when they overflow FP32 (E8M0 >= 2^126 with large codes)."""
-    values = MXFP4Tensor(codes[lo:hi], scales[lo:hi], layout.mx_block).dequantize()
-    check_finite(values, f"{layout.name}: MXFP4 values of rows {lo}..{hi - 1} overflow float32 (cannot requantize)")
-    return values
-
-
-def _rows(codes, scales, layout: GroupLayout, lo: int, hi: int):
-    """Decoded values [n, K], element codes [n, K] and per-half exponent [n, K/16] for rows lo:hi."""
-    element = unpack_nibbles(codes[lo:hi])
-    k = scales[lo:hi].to(torch.int32) - 127
-    values = _decode(codes, scales, layout, lo, hi)
-    return values, element, k.repeat_interleave(layout.halves_per_block, dim=-1)
-
-
-def group_amax(codes, scales, layout: GroupLayout, group_ids, chunks) -> torch.Tensor:
-    """max |x| per group [G] float32 (0 for groups not in ``group_ids``), chunked over ``chunks``."""
-    amax = torch.zeros(layout.groups, dtype=torch.float32, device=codes.device)
-    for lo, hi in chunks:
-        values = _decode(codes, scales, layout, lo, hi)
-        row_amax = values.abs().amax(-1)
-        groups = torch.arange(lo, hi, device=codes.device) // layout.rows_per_group
-        amax.scatter_reduce_(0, groups, row_amax, reduce="amax")
-    return amax
-
-
 def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks) -> torch.Tensor:
     """Verbatim exponent m per group (int64 [G]); rules in the module docstring."""
     empty = k_max == EMPTY_K
@@ -146,29 +122,23 @@ def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks
     return torch.where(empty, torch.zeros_like(chosen), chosen)
 
 
-def encode_rows(codes, scales, layout: GroupLayout, lo: int, hi: int, row_scale: torch.Tensor, *,
-                allow_verbatim: bool, neighbours: int, decoded=None):
-    """Encode rows lo:hi at global scales ``row_scale`` [n]: (packed codes [n, K/2], E4M3 codes [n, K/16], SSE [n]).
-
-    ``decoded``: the ``_rows`` tuple of these rows when the caller already has it (several candidate S).
-    """
-    values, element, k_half = decoded if decoded is not None else _rows(codes, scales, layout, lo, hi)
-    n = hi - lo
-    halves = layout.k // NV_BLOCK_SIZE
-    choice = encode_halves(
-        values.reshape(-1, NV_BLOCK_SIZE), k_half.reshape(-1), element.reshape(-1, NV_BLOCK_SIZE),
-        row_scale.repeat_interleave(halves), allow_verbatim=allow_verbatim, neighbours=neighbours,
-    )
-    packed = pack_nibbles(choice.element_codes.reshape(n, layout.k))
-    return packed, choice.scale_codes.reshape(n, halves), choice.sse.reshape(n, halves).sum(-1)
+#: per-half E4M3 code offsets from the standard s0 that auto tries, per effort (s0 first: ties keep it)
+AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1, -2, 2)}
+#: octave offsets d of the "best" candidates 2^(k_max - 8 + d) / c (0 first: hybrid's S wins ties)
+BEST_OCTAVES = (0, -1, 1, -2, 2)
 
 
-def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor, effort: str = "best") -> torch.Tensor:
     """Candidate global scales [L, C] float32 for the lossy groups (module docstring, hybrid's first)."""
     hybrid = exact_pow2(k_max - 8)
-    above = exact_pow2(k_max - 7)
     columns = [hybrid]
-    columns += [hybrid / c for c in MANTISSAS if c <= 1.75]
-    columns += [above / c for c in MANTISSAS]
+    if effort == "fast":
+        above = exact_pow2(k_max - 7)
+        columns += [hybrid / c for c in MANTISSAS if c <= 1.75]
+        columns += [above / c for c in MANTISSAS]
+    else:
+        for d in BEST_OCTAVES:
+            base = exact_pow2(k_max - 8 + d)
+            columns += [base / c for c in MANTISSAS] if d == 0 else [base] + [base / c for c in MANTISSAS]
     columns.append(global_scale_from_amax(amax))
     return torch.stack(columns, dim=-1)

@@ -1,5 +1,8 @@
 """The statistics of one conversion (the report's keys, below), measured on the tensors actually produced.
 
+``measure_stats`` dequantizes both tensors (verbatim, and any method given a ``reference``); requant, hybrid
+and auto otherwise take the same figures from their pattern search (``fp4pass.convert.patterns``).
+
 - ``mse``: mean of (x_nv - x_mx)^2 over all elements, x_mx = ``mx.dequantize()`` (float64 accumulation).
 - ``max_abs_err``: max |x_nv - x_mx|.
 - ``snr_db``: 10 log10(sum x_mx^2 / sum (x_nv - x_mx)^2); None when the conversion is lossless.
