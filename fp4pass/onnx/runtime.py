@@ -9,6 +9,11 @@
 - ``model``: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``. In-memory models whose initializers
   exceed ~1.8 GB are saved to a temporary folder with external data and loaded by path (protobuf's 2 GB
   limit); the folder lives as long as the session.
+- External data resolves against the model's own folder, whatever the working folder: a path is loaded by
+  path (onnxruntime reads the data beside it), and an ``onnx_ir.Model`` whose external tensors all live in one
+  folder gets that folder as the session's ``session.model_external_initializers_file_folder_path`` (a model
+  given as bytes would otherwise resolve them against the working folder). Tensors from several folders go
+  through a temporary file, as above.
 """
 
 from __future__ import annotations
@@ -82,6 +87,20 @@ def _initializer_bytes(model: ir.Model) -> int:
     return total
 
 
+_EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def _external_folders(model: ir.Model) -> set[str]:
+    """The folders the model's external tensors are read from (their ``base_dir``, resolved)."""
+    folders = set()
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                folders.add(os.path.realpath(tensor.base_dir or "."))
+    return folders
+
+
 def make_session(model, provider: str = "auto", *, options: ort.SessionOptions | None = None):
     """Create an ``ort.InferenceSession`` for ``model``; returns ``(session, provider_used, note)``."""
     providers, provider_used, note = _providers(provider)
@@ -97,8 +116,11 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
         else:  # a proto that big only exists with external data already attached: go through the IR
             model = ir.serde.deserialize_model(model)
     if isinstance(model, ir.Model):
-        if _initializer_bytes(model) < _INLINE_LIMIT:
+        folders = _external_folders(model)
+        if _initializer_bytes(model) < _INLINE_LIMIT and len(folders) <= 1:
             source = ir.serde.serialize_model(model).SerializeToString()
+            if folders:
+                options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folders.pop())
         else:
             tmpdir = tempfile.TemporaryDirectory(prefix="fp4pass-ort-")
             path = Path(tmpdir.name) / "model.onnx"
