@@ -12,8 +12,7 @@ from fp4pass.errors import UsageError
 from fp4pass.io import check_outputs
 
 # Plot formats matplotlib's Agg backend writes (Figure.canvas.get_supported_filetypes()).
-PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf", "raw",
-                "rgba")
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "raw", "rgba")
 
 
 def positive_int(text: str) -> int:
