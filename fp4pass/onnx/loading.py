@@ -13,8 +13,8 @@ Safety checks on a model read from a path (:func:`check_external_data`), each a
 
 Before that, :func:`validate_proto` reads every field of the file that later code trusts, each failure a
 :class:`~fp4pass.errors.ModelError` naming the graph, tensor or node: strings that are not UTF-8; data types
-that are UNDEFINED or unknown; negative dims; ``raw_data`` (or typed data) whose length is not what the dims
-and data type need; external-data entries (``location`` a non-empty relative path, ``offset``/``length``
+of tensors and attributes that are UNDEFINED or unknown; negative dims; ``raw_data`` (or typed data) whose
+length is not what the dims and data type need; external-data entries (``location`` a non-empty relative path, ``offset``/``length``
 decimal numbers); duplicate initializer, input, output or node-output names. :func:`check_model_file` runs
 the ONNX checker (full check, with shape inference) on a file, for the commands that refuse invalid models.
 
@@ -134,6 +134,7 @@ def _first_line(exc: BaseException) -> str:
 
 _T = onnx.TensorProto
 _KNOWN_TYPES = {v for _, v in _T.DataType.items()} - {_T.UNDEFINED}
+_ATTRIBUTE_TYPES = {v for _, v in onnx.AttributeProto.AttributeType.items()} - {onnx.AttributeProto.UNDEFINED}
 _INT32_FIELD = {_T.INT8, _T.UINT8, _T.INT16, _T.UINT16, _T.INT32, _T.BOOL, _T.FLOAT16, _T.BFLOAT16}
 
 
@@ -173,6 +174,8 @@ def _tensor_issue(tensor: onnx.TensorProto) -> str | None:
         return f"dims {dims} are too large"
     dtype = ir.DataType(tensor.data_type)
     if tensor.data_location == _T.EXTERNAL:
+        if dtype == ir.DataType.STRING:
+            return "a STRING tensor cannot be stored as external data"
         entries = {}
         for entry in tensor.external_data:
             if entry.key in entries:
@@ -249,6 +252,9 @@ def validate_proto(proto: onnx.ModelProto, where: str) -> None:
         produced = inputs | names
         for node in graph.node:
             for attr in node.attribute:
+                if attr.type not in _ATTRIBUTE_TYPES:
+                    raise ModelError(f"{where}: {label}: node {node.name or node.op_type!r} attribute "
+                                     f"{attr.name!r}: type {attr.type} is {'UNDEFINED' if attr.type == 0 else 'unknown'}")
                 tensors = list(attr.tensors) + ([attr.t] if attr.HasField("t") else [])
                 for tensor in tensors:
                     issue = _tensor_issue(tensor)
