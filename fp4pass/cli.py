@@ -39,6 +39,9 @@ EPILOG = """examples:
   fp4pass convert models/moe.onnx -o moe.nvfp4.onnx --report report.json --check
   fp4pass diff models/moe.onnx moe.nvfp4.onnx --intermediates --snr-min 30
   fp4pass study --json study.json
+  fp4pass clean out/                 # temporaries left by a killed run
+
+exit codes: 0 done, 1 a numeric check failed, 2 bad input or usage, 3 a bug (please report).
 """
 
 

@@ -14,9 +14,11 @@ Safety checks on a model read from a path (:func:`check_external_data`), each a
 Before that, :func:`validate_proto` reads every field of the file that later code trusts, each failure a
 :class:`~fp4pass.errors.ModelError` naming the graph, tensor or node: strings that are not UTF-8; data types
 of tensors and attributes that are UNDEFINED or unknown; negative dims; ``raw_data`` (or typed data) whose
-length is not what the dims and data type need; external-data entries (``location`` a non-empty relative path, ``offset``/``length``
-decimal numbers); duplicate initializer, input, output or node-output names. :func:`check_model_file` runs
-the ONNX checker (full check, with shape inference) on a file, for the commands that refuse invalid models.
+length is not what the dims and data type need; external-data entries (``location`` a non-empty relative
+path, ``offset``/``length`` decimal numbers); duplicate initializer, input, output or node-output names;
+nodes with no outputs, or (for ops ONNX defines) inputs or outputs outside their schema's counts.
+:func:`check_model_file` runs the ONNX checker (full check, with shape inference) on a file, for the
+commands that refuse invalid models.
 
 Writing (:func:`save`): into a temporary folder beside the output (``fp4pass.io`` names), checked with the
 ONNX checker there, then renamed into place (data file first, model last), so a failure leaves nothing
@@ -230,11 +232,29 @@ def _graphs(graph: onnx.GraphProto, where: str):
                 yield from _graphs(sub, f"{where}/node {node.name or node.op_type!r} attribute {attr.name!r}")
 
 
+def _arity_issue(node: onnx.NodeProto, opsets: dict[str, int]) -> str | None:
+    """Inputs and outputs a node has against its schema (for ops ONNX knows); a node always has an output."""
+    if not node.output:
+        return "has no outputs"
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, opsets.get("ai.onnx", 1)), domain)
+    except Exception:  # noqa: BLE001 - an op ONNX does not know (custom domains): nothing to compare with
+        return None
+    inputs, outputs = len(node.input), len(node.output)
+    if not schema.min_input <= inputs <= schema.max_input:
+        return f"{node.op_type} takes {schema.min_input}..{schema.max_input} inputs, not {inputs}"
+    if not schema.min_output <= outputs <= schema.max_output:
+        return f"{node.op_type} gives {schema.min_output}..{schema.max_output} outputs, not {outputs}"
+    return None
+
+
 def validate_proto(proto: onnx.ModelProto, where: str) -> None:
     """Refuse a model whose fields contradict each other (module docstring); raises :class:`ModelError`."""
     issue = _string_issue(proto, "model")
     if issue:
         raise ModelError(f"{where}: {issue}")
+    opsets = {o.domain: o.version for o in proto.opset_import}
     for graph, label in _graphs(proto.graph, "graph"):
         names: set[str] = set()
         for tensor in graph.initializer:
@@ -261,6 +281,9 @@ def validate_proto(proto: onnx.ModelProto, where: str) -> None:
                     if issue:
                         raise ModelError(f"{where}: {label}: node {node.name or node.op_type!r} attribute "
                                          f"{attr.name!r}: {issue}")
+            issue = _arity_issue(node, opsets)
+            if issue:
+                raise ModelError(f"{where}: {label}: node {node.name or node.op_type!r}: {issue}")
             for out in node.output:
                 if not out:
                     continue
