@@ -28,7 +28,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -283,8 +282,3 @@ def write_json(path: str | os.PathLike, data, kind: str = REPORT) -> None:
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     with atomic_output(path, kind=kind) as tmp:
         tmp.write_text(text)
-
-
-def is_regular_file(path: str | os.PathLike) -> bool:
-    st = _stat(Path(path))
-    return st is not None and stat.S_ISREG(st.st_mode)
