@@ -1,27 +1,47 @@
 """The ``fp4pass`` command: parse, call one function, print.
 
 Each subcommand lives in ``fp4pass/commands/<name>.py`` with ``register(subparsers)`` and ``run(args) -> int``.
-Errors a user can fix (:class:`~fp4pass.errors.FP4PassError`, missing files) are caught here, once: one line
-on stderr, exit code 2, no traceback unless ``--debug``.
+Failures are caught here, once, each as one line on stderr (``--debug`` adds the traceback):
+
+- exit 2: input a user can fix (:class:`~fp4pass.errors.FP4PassError`, a file that cannot be read or
+  written, memory exhausted by the sizes asked for);
+- exit 3: a bug (any other exception, or an output the ONNX checker refuses): "please report";
+- exit 130 on Ctrl-C, 143 on SIGTERM (handled alike: temporaries removed).
+
+Every command runs inside a :func:`fp4pass.io.output_session`: on a non-zero exit the outputs it renamed
+into place are removed again (``OutputSession.rollback``: exit 1 keeps the reports, ``--keep-unchecked``
+the model). A closed stdout (``fp4pass inspect --json | head``) is not an error: the rest of the output is
+dropped quietly and the exit code is the command's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io as _stdio
 import logging
+import os
+import signal
 import sys
+import threading
+import traceback
 
 from fp4pass import __version__
-from fp4pass.errors import FP4PassError
+from fp4pass import io as fio
+from fp4pass.errors import CheckError, FP4PassError
 
-COMMANDS = ("convert", "inspect", "calibrate", "diff", "study", "bench")
+COMMANDS = ("convert", "inspect", "calibrate", "diff", "study", "bench", "clean")
+EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 130, 143
 
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
   fp4pass convert models/moe.onnx -o moe.nvfp4.onnx --report report.json --check
   fp4pass diff models/moe.onnx moe.nvfp4.onnx --intermediates --snr-min 30
   fp4pass study --json study.json
+  fp4pass clean out/                 # temporaries left by a killed run
+
+exit codes: 0 done, 1 a numeric check failed, 2 bad input or usage, 3 a bug (please report).
 """
 
 
@@ -54,6 +74,98 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup runs as it does for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_handled():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _QuietPipe:
+    """stdout that drops what it cannot write once the reader has gone (BrokenPipeError), instead of failing."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text):
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._broke()
+        return len(text)
+
+    def flush(self):
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._broke()
+
+    def _broke(self):
+        self.broken = True
+        with contextlib.suppress(OSError, ValueError, AttributeError, _stdio.UnsupportedOperation):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())  # the interpreter's last flush must not fail either
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _os_message(exc: OSError) -> str:
+    where = exc.filename if exc.filename is not None else ""
+    reason = exc.strerror or _one_line(exc)
+    return f"{where}: {reason}" if where else reason
+
+
+def _run(args) -> tuple[int, BaseException | None]:
+    """Run the command; returns (exit code, the exception that ended it or None). Prints the one line."""
+    name = args.command
+
+    def fail(code, message, exc):
+        if args.debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"fp4pass {name}: {message}", file=sys.stderr)
+        return code, exc
+
+    try:
+        return int(args.run(args) or 0), None
+    except FP4PassError as exc:
+        return fail(exc.exit_code, f"error: {_one_line(exc)}", exc)
+    except OSError as exc:  # reading or writing a file: the name and the system's reason
+        return fail(EXIT_USAGE, f"error: {_os_message(exc)}", exc)
+    except MemoryError as exc:
+        return fail(EXIT_USAGE, "error: not enough memory for the sizes asked for", exc)
+    except KeyboardInterrupt as exc:
+        return fail(EXIT_INTERRUPTED, "interrupted", exc)
+    except Terminated as exc:
+        return fail(EXIT_TERMINATED, "terminated", exc)
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug: say so in one line
+        hint = "" if args.debug else "; --debug shows the traceback"
+        return fail(EXIT_BUG, f"internal error: {type(exc).__name__}: {_one_line(exc)} "
+                              f"(a bug in fp4pass, please report it{hint})", exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -65,16 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         format="fp4pass: %(message)s",
         stream=sys.stderr,
     )
+    stdout = sys.stdout
+    sys.stdout = guard = _QuietPipe(stdout)
     try:
-        return int(args.run(args) or 0)
-    except (FP4PassError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        if args.debug:
-            raise
-        print(f"fp4pass {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fp4pass: interrupted", file=sys.stderr)
-        return 130
+        with _sigterm_handled(), fio.output_session() as session:
+            try:
+                code, exc = _run(args)
+            except (KeyboardInterrupt, Terminated) as late:  # arrived outside the command, while unwinding
+                code, exc = (EXIT_TERMINATED if isinstance(late, Terminated) else EXIT_INTERRUPTED), late
+            if code != 0:
+                keep = getattr(args, "keep_unchecked", False) and (code == 1 or isinstance(exc, CheckError))
+                for path in session.rollback(code, keep_results=keep):
+                    logging.getLogger(__name__).debug("removed %s (exit %d)", path, code)
+            guard.flush()
+            return code
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

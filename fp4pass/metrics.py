@@ -69,7 +69,8 @@ class TensorMetrics:
 
     @property
     def identical(self) -> bool:
-        return self.max_abs_err == 0.0 and self.nan + self.inf == self.a_nonfinite
+        """Equal everywhere and finite: NaN is never called identical (NaN == NaN proves nothing)."""
+        return self.max_abs_err == 0.0 and self.nan + self.inf == 0 and self.a_nonfinite == 0
 
     @property
     def new_nonfinite(self) -> bool:
@@ -77,8 +78,8 @@ class TensorMetrics:
         return self.nan + self.inf > self.a_nonfinite
 
     def below(self, snr_min: float | None) -> bool:
-        """True when the SNR is under ``snr_min`` dB or ``b`` gained NaN/Inf (identical never is)."""
-        if self.new_nonfinite:
+        """True when the SNR is under ``snr_min`` dB, ``b`` gained NaN/Inf, or ``b`` holds NaN at all."""
+        if self.new_nonfinite or self.nan:
             return True
         if snr_min is None or self.snr_db is None:
             return False

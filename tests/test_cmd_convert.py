@@ -61,7 +61,7 @@ def _bad_scale_model(tmp_path, code255=False, shape_mismatch=False, k=64):
     if code255:
         raw[3, 1] = 255
     inits = [numpy_helper.from_array(codes, "W"), numpy_helper.from_array(raw.view(ml_dtypes.float8_e8m0fnu), "W_scale")]
-    model = B.make([B.dq_node("W")], [], [B.vi("W_dq", None)], inits)
+    model = B.make([B.dq_node("W")], [], [B.vi("W_dq", [8, k])], inits)
     path = tmp_path / "in.onnx"
     onnx.save(model, path)
     return path

@@ -46,7 +46,7 @@ def test_inspect_spread_matches_an_independent_count(tmp_path, capsys):
 def test_inspect_table_names_declined_nodes(tmp_path, capsys):
     import onnx
 
-    model = B.make([B.dq_node("W", block=16)], [], [B.vi("W_dq", None)], B.mx_inits("W", B.weight((4, 64)), block=16))
+    model = B.make([B.dq_node("W", block=16)], [], [B.vi("W_dq", [4, 64])], B.mx_inits("W", B.weight((4, 64)), block=16))
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
     assert main(["inspect", str(path)]) == 0

@@ -126,6 +126,24 @@ def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[
 # -- data ------------------------------------------------------------------------------------------------
 
 
+def _check_dims(array: np.ndarray, value: ir.Value, where: str, name: str) -> None:
+    """The array's rank and static dims against the graph input, and at least one row, before onnxruntime."""
+    if array.dtype.kind not in "biufc":
+        raise CalibrationDataError(f"{where}: array {name!r} is {array.dtype}, not numbers")
+    if array.size == 0:
+        raise CalibrationDataError(f"{where}: array {name!r} has shape {list(array.shape)}: no rows to calibrate on")
+    shape = value.shape
+    if shape is None:
+        return
+    if array.ndim != len(shape):
+        raise CalibrationDataError(f"{where}: array {name!r} has rank {array.ndim} {list(array.shape)}, graph "
+                                   f"input wants rank {len(shape)} {[str(d) for d in shape]}")
+    for axis, (got, want) in enumerate(zip(array.shape, shape)):
+        if isinstance(want, int) and got != want:
+            raise CalibrationDataError(f"{where}: array {name!r} dim {axis} is {got}, graph input wants {want} "
+                                       f"(shape {[str(d) for d in shape]})")
+
+
 def _check_feed(feed: dict, inputs: dict[str, ir.Value], where: str) -> dict[str, np.ndarray]:
     missing = [name for name in inputs if name not in feed]
     if missing:
@@ -137,6 +155,7 @@ def _check_feed(feed: dict, inputs: dict[str, ir.Value], where: str) -> dict[str
     checked = {}
     for name, value in inputs.items():
         array = np.asarray(feed[name])
+        _check_dims(array, value, where, name)
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             index = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
             raise NonFiniteError(f"{where}: array {name!r} holds {array[index]} at index {index}")

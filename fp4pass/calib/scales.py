@@ -36,6 +36,13 @@ class ScalesFileError(FP4PassError):
     """A SCALES.json that cannot be read or does not hold the keys described below."""
 
 
+FP32_MAX = 3.4028234663852886e38
+# input_scale s multiplies E4M3 block scales b in [2^-9, 448]: b*s must stay a non-zero FP32 (>= 2^-149,
+# so s >= 2^-140, the floor NVFP4Tensor's global scale uses) and finite (s <= FP32 max / 448).
+INPUT_SCALE_MIN = 2.0**-140
+INPUT_SCALE_MAX = FP32_MAX / E4M3_MAX
+
+
 def input_scale_from_g_amax(g_amax: float) -> float:
     """g_amax / (6*448) rounded to FP32 (as ``NVFP4Tensor``'s global scale is); 1.0 for g_amax = 0."""
     import numpy as np
@@ -88,6 +95,17 @@ class ActivationScale:
             values[key] = int(value) if key == "blocks" else float(value)
         if values["input_scale"] <= 0 or values["g_amax"] < 0:
             raise ScalesFileError(f"{where}: tensor {name!r}: input_scale must be > 0 and g_amax >= 0")
+        scale = values["input_scale"]
+        if not INPUT_SCALE_MIN <= scale <= INPUT_SCALE_MAX:
+            raise ScalesFileError(
+                f"{where}: tensor {name!r}: input_scale {scale!r} is outside [2^-140, FP32 max / 448] = "
+                f"[{INPUT_SCALE_MIN:.4g}, {INPUT_SCALE_MAX:.4g}]: the block scales times it would not be "
+                "FP32 numbers")
+        for key in ("amax", "g_amax", "b_min", "b_max"):
+            if values[key] < 0 or values[key] > FP32_MAX:
+                raise ScalesFileError(f"{where}: tensor {name!r}: {key} {values[key]!r} is not in [0, FP32 max]")
+        if values["blocks"] < 0:
+            raise ScalesFileError(f"{where}: tensor {name!r}: blocks {values['blocks']} is negative")
         return cls(**values)
 
 
@@ -117,8 +135,10 @@ class ActivationScales:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ActivationScales":
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ScalesFileError(f"{path}: not a SCALES.json (not UTF-8 text at byte {exc.start})") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ScalesFileError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_json(data, where=str(path))
 

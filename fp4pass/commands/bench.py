@@ -8,7 +8,7 @@ import sys
 import torch
 
 from fp4pass.bench import AREAS, format_row, format_table, run_benchmarks
-from fp4pass.io import write_json
+from fp4pass.io import check_outputs, write_json
 
 EPILOG = """examples:
   fp4pass bench                      # everything, on CPU and CUDA where present
@@ -31,6 +31,7 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
+    check_outputs({"--json": args.json})
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fp4pass bench: note: CUDA requested but not available; running on CPU", file=sys.stderr)
     use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()

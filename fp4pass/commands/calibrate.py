@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fp4pass.commands import _safety
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
-from fp4pass.io import refuse_overwrite, write_json
+from fp4pass.io import RESULT, write_json
 
 EPILOG = """examples:
   fp4pass calibrate model.onnx --data calib.npz -o scales.json
@@ -26,8 +27,10 @@ def register(sub, common) -> None:
     p.add_argument("--data", required=True, metavar="DATA.npz|DIR", help="calibration inputs")
     p.add_argument("-o", "--output", required=True, metavar="SCALES.json")
     add_calibrator_arguments(p)
-    p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--batch-size", type=int, help="cut each array along its first axis into batches of this size")
+    _safety.add_provider_arguments(p)
+    _safety.add_allow_invalid(p)
+    p.add_argument("--batch-size", type=_safety.positive_int,
+                   help="cut each array along its first axis into batches of this size (>= 1)")
     p.add_argument("--activation", action="append", metavar="NAME",
                    help="calibrate this tensor (repeatable) instead of the inputs of FP4 consumers")
     p.add_argument("--report", metavar="REPORT.json", help="write the per-activation calibration report")
@@ -38,13 +41,16 @@ def run(args) -> int:
     from fp4pass.calib import calibrate_model
     from fp4pass.onnx.loading import load
 
-    refuse_overwrite(args.output, args.model)
+    inputs = {**_safety.model_inputs("the input model", args.model), "--data": args.data}
+    _safety.check_files({"-o": args.output, "--report": args.report}, inputs)
+    _safety.check_model(args, args.model)
+    _safety.check_provider(args)
     options = calibrator_options(args)
     model = load(args.model).model
     scales = calibrate_model(model, args.data, calibrator=args.calibrator, provider=args.provider,
                              activations=args.activation, batch_size=args.batch_size,
                              show_progress=None if not args.quiet else False, **options)
-    scales.save(args.output)
+    write_json(args.output, scales.to_json(), kind=RESULT)
     if args.report:
         write_json(args.report, {"calibrator": scales.calibrator, "provider": scales.provider,
                                  "batches": scales.batches, "tensors": scales.report()})

@@ -6,10 +6,16 @@ Exit codes: 0 passed, 1 an output under ``--snr-min`` (or with NaN/Inf that A do
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
+from fp4pass.commands import _safety
 from fp4pass.errors import UsageError
-from fp4pass.io import atomic_output, write_json
+from fp4pass.io import REPORT, atomic_output, write_json
+
+# the most elements fp4pass draws for one random input (4 GiB of float32): beyond, --shape is a typo
+MAX_INPUT_ELEMENTS = 2**30
 
 EPILOG = """examples:
   fp4pass diff model.onnx model.nvfp4.onnx
@@ -34,6 +40,9 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
         values = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
         if not values or any(v < 0 for v in values):
             raise ValueError
+        if math.prod(values) > MAX_INPUT_ELEMENTS:
+            raise UsageError(f"--shape {text!r}: {math.prod(values)} elements; at most {MAX_INPUT_ELEMENTS} "
+                             "(2^30) per input")
     except ValueError:
         raise UsageError(f"--shape {text!r}: expected NAME=D0,D1,... with non-negative integers") from None
     return name, values
@@ -45,15 +54,16 @@ def register(sub, common) -> None:
     p.add_argument("original", metavar="A.onnx", help="the reference model")
     p.add_argument("rewritten", metavar="B.onnx", help="the model to check against A")
     p.add_argument("--inputs", metavar="DATA.npz", help="input arrays named after graph inputs")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--seed", type=_safety.seed, default=0, help="seed of the random inputs (default 0, >= 0)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
                    help="full dims of an input with symbolic dims, e.g. input_ids=1,128 (repeatable)")
-    p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto: CUDA if its provider loads, else CPU (default)")
+    _safety.add_provider_arguments(p)
+    _safety.add_allow_invalid(p)
     p.add_argument("--intermediates", action="store_true", help="also compare tensors both graphs name alike")
     p.add_argument("--json", metavar="REPORT.json", help="write the result as JSON")
-    p.add_argument("--snr-min", type=float, metavar="DB", help="fail (exit 1) when an output's SNR is below DB")
-    p.add_argument("--plot", metavar="OUT.png", help="per-tensor SNR and the worst output's error histogram")
+    p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB", help="fail (exit 1) when an output's SNR is below DB")
+    p.add_argument("--plot", metavar="OUT.png", type=_safety.plot_path,
+                   help="per-tensor SNR and the worst output's error histogram (.png, or .pdf/.svg/...)")
     p.set_defaults(run=run)
 
 
@@ -61,6 +71,11 @@ def run(args) -> int:
     from fp4pass.onnx.numerics import diff, plot_diff
 
     shapes = dict(parse_shape(s) for s in args.shape)
+    inputs = {**_safety.model_inputs("A", args.original), **_safety.model_inputs("B", args.rewritten),
+              "--inputs": args.inputs}
+    _safety.check_files({"--json": args.json, "--plot": args.plot}, inputs)
+    _safety.check_model(args, args.original, args.rewritten)
+    _safety.check_provider(args)
     result = diff(
         args.original, args.rewritten, args.inputs, args.provider, intermediates=args.intermediates,
         snr_min=args.snr_min, seed=args.seed, shapes=shapes,
@@ -72,6 +87,6 @@ def run(args) -> int:
     if args.json:
         write_json(args.json, result.to_json())
     if args.plot:
-        with atomic_output(args.plot, suffix=".png") as tmp:
+        with atomic_output(args.plot, suffix=Path(args.plot).suffix, kind=REPORT) as tmp:
             plot_diff(result, tmp)
     return 0 if result.passed else 1

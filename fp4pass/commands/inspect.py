@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from fp4pass.commands import _safety
+
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
   fp4pass inspect big/model.onnx --json > fp4.json
@@ -16,12 +18,14 @@ def register(sub, common) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="IN.onnx")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _safety.add_allow_invalid(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from fp4pass.onnx.inspection import format_inspection, inspect
 
+    _safety.check_model(args, args.model)
     info = inspect(args.model)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0

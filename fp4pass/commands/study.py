@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from fp4pass.io import write_json
+from fp4pass.io import check_outputs, write_json
 from fp4pass.study import format_study_table, run_study
 
 EPILOG = """examples:
@@ -25,6 +25,7 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
+    check_outputs({"--json": args.json})
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fp4pass study: note: CUDA requested but not available; running on CPU", file=sys.stderr)
     use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()

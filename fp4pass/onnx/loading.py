@@ -11,17 +11,28 @@ Safety checks on a model read from a path (:func:`check_external_data`), each a
 2. a data file that is missing, or shorter than ``offset + length`` (truncated);
 3. a ``length`` that differs from what the tensor's dtype and shape need.
 
-Writing (:func:`save`): through :func:`fp4pass.io.atomic_output`, so a failure leaves nothing behind. With
-external data, ``ir.save`` streams the tensors out one at a time (lazy tensors are computed as they are
-written), so peak memory stays near the largest tensor, not the model.
+Before that, :func:`validate_proto` reads every field of the file that later code trusts, each failure a
+:class:`~fp4pass.errors.ModelError` naming the graph, tensor or node: strings that are not UTF-8; data types
+of tensors and attributes that are UNDEFINED or unknown; negative dims; ``raw_data`` (or typed data) whose
+length is not what the dims and data type need; external-data entries (``location`` a non-empty relative
+path, ``offset``/``length`` decimal numbers); duplicate initializer, input, output or node-output names;
+nodes with no outputs, or (for ops ONNX defines) inputs or outputs outside their schema's counts.
+:func:`check_model_file` runs the ONNX checker (full check, with shape inference) on a file, for the
+commands that refuse invalid models.
+
+Writing (:func:`save`): into a temporary folder beside the output (``fp4pass.io`` names), checked with the
+ONNX checker there, then renamed into place (data file first, model last), so a failure leaves nothing
+behind. With external data, ``ir.save`` streams the tensors out one at a time (lazy tensors are computed as
+they are written), so peak memory stays near the largest tensor, not the model.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,8 +42,9 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from fp4pass.errors import ModelError, UnsafeExternalDataError, UsageError
-from fp4pass.io import atomic_output, refuse_overwrite
+from fp4pass import io as fio
+from fp4pass.errors import InvalidOutputError, ModelError, UnsafeExternalDataError, UsageError
+from fp4pass.io import refuse_overwrite
 
 __all__ = [
     "Loaded",
@@ -44,6 +56,10 @@ __all__ = [
     "initializer_bytes",
     "save",
     "PROTOBUF_LIMIT",
+    "validate_proto",
+    "check_model_file",
+    "checker_failure",
+    "external_data_paths",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,7 +93,8 @@ def load(model_or_path) -> Loaded:
     if isinstance(model_or_path, ir.Model):
         return Loaded(model_or_path, "ir")
     if isinstance(model_or_path, onnx.ModelProto):
-        return Loaded(ir.serde.deserialize_model(model_or_path), "proto")
+        validate_proto(model_or_path, "model")
+        return Loaded(_deserialize(model_or_path, "model"), "proto")
     if _is_graphsurgeon_graph(model_or_path):
         import onnx_graphsurgeon as gs
 
@@ -94,7 +111,8 @@ def load(model_or_path) -> Loaded:
             raise ModelError(f"{path}: not an ONNX file or truncated ({type(exc).__name__}: {exc})") from None
         if not proto.graph.node and not proto.graph.initializer and not proto.opset_import:
             raise ModelError(f"{path}: not an ONNX file (no graph, no opset imports)")
-        model = ir.serde.deserialize_model(proto)
+        validate_proto(proto, str(path))
+        model = _deserialize(proto, str(path))
         ir.external_data.set_base_dir(model.graph, path.parent)
         for sub in model.graphs():
             ir.external_data.set_base_dir(sub, path.parent)
@@ -102,6 +120,299 @@ def load(model_or_path) -> Loaded:
         return Loaded(model, "path", path)
     raise UsageError(f"cannot read a model from {type(model_or_path).__name__}; give a path, onnx.ModelProto, "
                      "onnx_ir.Model or onnx_graphsurgeon.Graph")
+
+
+def _deserialize(proto: onnx.ModelProto, where: str) -> ir.Model:
+    try:
+        return ir.serde.deserialize_model(proto)
+    except Exception as exc:  # noqa: BLE001 - onnx_ir's SerdeError and what it wraps: the file is malformed
+        cause = exc.__cause__ or exc
+        raise ModelError(f"{where}: malformed model ({type(cause).__name__}: {_first_line(cause)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- validation of what a file says --------------------------------------------------------------------------
+
+_T = onnx.TensorProto
+_KNOWN_TYPES = {v for _, v in _T.DataType.items()} - {_T.UNDEFINED}
+_ATTRIBUTE_TYPES = {v for _, v in onnx.AttributeProto.AttributeType.items()} - {onnx.AttributeProto.UNDEFINED}
+_INT32_FIELD = {_T.INT8, _T.UINT8, _T.INT16, _T.UINT16, _T.INT32, _T.BOOL, _T.FLOAT16, _T.BFLOAT16}
+
+
+def _string_issue(message, where: str) -> str | None:
+    """The first string field (recursively) that is not valid UTF-8: protobuf hands those back as bytes."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for field, value in message.ListFields():
+        if field.type == FieldDescriptor.TYPE_STRING:
+            for item in ([value] if isinstance(value, (str, bytes)) else value):
+                if not isinstance(item, str):
+                    return f"{where}.{field.name} is not valid UTF-8 ({bytes(item)[:40]!r})"
+                if "\x00" in item:
+                    return f"{where}.{field.name} holds a NUL character"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            items = [value] if hasattr(value, "ListFields") else value
+            for i, item in enumerate(items):
+                label = getattr(item, "name", "") or (getattr(item, "op_type", "") if isinstance(item, onnx.NodeProto) else "")
+                found = _string_issue(item, f"{where}.{field.name}[{label or i}]")
+                if found:
+                    return found
+    return None
+
+
+def _tensor_issue(tensor: onnx.TensorProto) -> str | None:
+    """Why ``tensor``'s fields do not fit together, or None."""
+    if tensor.data_type not in _KNOWN_TYPES:
+        kind = "UNDEFINED" if tensor.data_type == _T.UNDEFINED else f"unknown ({tensor.data_type})"
+        return f"data type {kind}"
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims):
+        return f"negative dim in {dims}"
+    count = 1
+    for d in dims:
+        count *= d
+    if count > 2**62:
+        return f"dims {dims} are too large"
+    dtype = ir.DataType(tensor.data_type)
+    if tensor.data_location == _T.EXTERNAL:
+        if dtype == ir.DataType.STRING:
+            return "a STRING tensor cannot be stored as external data"
+        entries = {}
+        for entry in tensor.external_data:
+            if entry.key in entries:
+                return f"external data key {entry.key!r} given twice"
+            entries[entry.key] = entry.value
+        location = entries.get("location")
+        if not location:
+            return "external data without a location"
+        for key in ("offset", "length"):
+            if key in entries and not (entries[key].isascii() and entries[key].isdigit()):
+                return f"external data {key} {entries[key]!r} is not a non-negative integer"
+        return None
+    if dtype == ir.DataType.STRING:
+        if tensor.HasField("raw_data"):
+            return "a STRING tensor cannot hold raw_data"
+        have, need = len(tensor.string_data), count
+    else:
+        need_bytes = -(-count * dtype.bitwidth // 8)
+        if tensor.HasField("raw_data"):
+            if len(tensor.raw_data) != need_bytes:
+                return (f"raw_data holds {len(tensor.raw_data)} bytes, {dtype.name} {dims} needs {need_bytes}")
+            return None
+        if tensor.data_type == _T.FLOAT:
+            have, need = len(tensor.float_data), count
+        elif tensor.data_type == _T.COMPLEX64:
+            have, need = len(tensor.float_data), 2 * count
+        elif tensor.data_type == _T.DOUBLE:
+            have, need = len(tensor.double_data), count
+        elif tensor.data_type == _T.COMPLEX128:
+            have, need = len(tensor.double_data), 2 * count
+        elif tensor.data_type == _T.INT64:
+            have, need = len(tensor.int64_data), count
+        elif tensor.data_type in (_T.UINT32, _T.UINT64):
+            have, need = len(tensor.uint64_data), count
+        elif tensor.data_type in _INT32_FIELD:
+            have, need = len(tensor.int32_data), count
+        else:  # 8-bit floats one per int32; 4- and 2-bit types packed into them
+            have = len(tensor.int32_data)
+            need = count if dtype.bitwidth >= 8 else -(-count * dtype.bitwidth // 8)
+    if have != need and not (have == 0 and need == 0):
+        return f"holds {have} values, {dtype.name} {dims} needs {need}"
+    return None
+
+
+def _graphs(graph: onnx.GraphProto, where: str):
+    """``graph`` and every subgraph in its nodes' attributes, each with a label for messages."""
+    yield graph, where
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
+            for sub in subs:
+                yield from _graphs(sub, f"{where}/node {node.name or node.op_type!r} attribute {attr.name!r}")
+
+
+def _arity_issue(node: onnx.NodeProto, opsets: dict[str, int]) -> str | None:
+    """Inputs and outputs a node has against its schema (for ops ONNX knows); a node always has an output."""
+    if not node.output:
+        return "has no outputs"
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, opsets.get("ai.onnx", 1)), domain)
+    except Exception:  # noqa: BLE001 - an op ONNX does not know (custom domains): nothing to compare with
+        return None
+    inputs, outputs = len(node.input), len(node.output)
+    if not schema.min_input <= inputs <= schema.max_input:
+        return f"{node.op_type} takes {schema.min_input}..{schema.max_input} inputs, not {inputs}"
+    if not schema.min_output <= outputs <= schema.max_output:
+        return f"{node.op_type} gives {schema.min_output}..{schema.max_output} outputs, not {outputs}"
+    return None
+
+
+def validate_proto(proto: onnx.ModelProto, where: str) -> None:
+    """Refuse a model whose fields contradict each other (module docstring); raises :class:`ModelError`."""
+    issue = _string_issue(proto, "model")
+    if issue:
+        raise ModelError(f"{where}: {issue}")
+    opsets = {o.domain: o.version for o in proto.opset_import}
+    for graph, label in _graphs(proto.graph, "graph"):
+        names: set[str] = set()
+        for tensor in graph.initializer:
+            issue = _tensor_issue(tensor)
+            if issue:
+                raise ModelError(f"{where}: {label}: initializer {tensor.name!r}: {issue}")
+            if tensor.name in names:
+                raise ModelError(f"{where}: {label}: initializer {tensor.name!r} defined twice")
+            names.add(tensor.name)
+        inputs: set[str] = set()
+        for value in graph.input:
+            if value.name in inputs:
+                raise ModelError(f"{where}: {label}: graph input {value.name!r} listed twice")
+            inputs.add(value.name)
+        produced = inputs | names
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type not in _ATTRIBUTE_TYPES:
+                    raise ModelError(f"{where}: {label}: node {node.name or node.op_type!r} attribute "
+                                     f"{attr.name!r}: type {attr.type} is {'UNDEFINED' if attr.type == 0 else 'unknown'}")
+                tensors = list(attr.tensors) + ([attr.t] if attr.HasField("t") else [])
+                for tensor in tensors:
+                    issue = _tensor_issue(tensor)
+                    if issue:
+                        raise ModelError(f"{where}: {label}: node {node.name or node.op_type!r} attribute "
+                                         f"{attr.name!r}: {issue}")
+            issue = _arity_issue(node, opsets)
+            if issue:
+                raise ModelError(f"{where}: {label}: node {node.name or node.op_type!r}: {issue}")
+            for out in node.output:
+                if not out:
+                    continue
+                if out in produced:
+                    raise ModelError(f"{where}: {label}: tensor {out!r} (output of node "
+                                     f"{node.name or node.op_type!r}) is defined twice")
+                produced.add(out)
+        outputs: set[str] = set()
+        for value in graph.output:
+            if value.name in outputs:
+                raise ModelError(f"{where}: {label}: graph output {value.name!r} listed twice")
+            outputs.add(value.name)
+
+
+#: where :func:`checker_failure` moves operators that only onnxruntime registers, for the checker's second look
+_RUNTIME_ONLY_DOMAIN = "fp4pass.onnxruntime_registered"
+_UNREGISTERED = re.compile(r"No Op registered for (\S+) with domain_version of \d+")
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_default_domain_ops() -> frozenset[str]:
+    """Operators onnxruntime registers in the default ONNX domain beyond ONNX's own (e.g.
+    ``SimplifiedLayerNormalization``, which onnxruntime-genai's model builder writes)."""
+    from onnxruntime.capi import _pybind_state
+
+    return frozenset(s.name for s in _pybind_state.get_all_operator_schema() if s.domain in ("", "ai.onnx"))
+
+
+def _external_as_inputs(proto: onnx.ModelProto) -> None:
+    """In a copy checked as a proto (the checker would look for its external files in the working folder):
+    each external initializer becomes a graph input of the same type and shape. The files themselves are
+    validated by :func:`load`."""
+    for graph, _ in _graphs(proto.graph, "graph"):
+        inputs = {v.name for v in graph.input}
+        kept = []
+        for tensor in graph.initializer:
+            if tensor.data_location != _T.EXTERNAL:
+                kept.append(tensor)
+            elif tensor.name not in inputs:
+                graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
+def _second_look(model_or_path) -> onnx.ModelProto:
+    """A copy of the model for :func:`checker_failure`'s second look: no ``value_info`` annotations, external
+    initializers as typed inputs."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        proto = onnx.load(os.fspath(model_or_path), load_external_data=False)
+    else:
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model_or_path)
+    _external_as_inputs(proto)
+    for graph, _ in _graphs(proto.graph, "graph"):
+        del graph.value_info[:]
+    return proto
+
+
+def checker_failure(model_or_path) -> str | None:
+    """The ONNX checker's reason for refusing a model file or ``ModelProto`` (full check, with shape
+    inference), or None when it accepts it.
+
+    Two things real producers write are not failures (onnxruntime runs both), so a refusal gets a second look
+    on a copy without them:
+
+    1. ``value_info`` annotations that disagree with ONNX's shape inference (onnxruntime-genai's builder
+       declares rank-0 shapes for rank-1 Constants): annotations only, dropped in the copy;
+    2. default-domain operators that ONNX's registry lacks but onnxruntime registers
+       (``SimplifiedLayerNormalization``): moved in the copy to a private domain, where the checker verifies
+       their wiring but not their schema.
+
+    Everything else (types, dimensions that do not unify between operators, unknown operators, dangling
+    inputs) still fails, with the checker's reason.
+    """
+    try:
+        onnx.checker.check_model(os.fspath(model_or_path) if isinstance(model_or_path, (str, os.PathLike))
+                                 else model_or_path, full_check=True)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the checker raises ValidationError, InferenceError, others
+        first = _first_line(exc)
+    try:
+        proto = _second_look(model_or_path)
+    except Exception:  # noqa: BLE001 - unreadable: the first reason stands
+        return first
+    moved = False
+    for _ in range(64):  # one operator type per round
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+            log.info("ONNX checker: accepted on a second look (%s)", first)
+            return None
+        except Exception as exc:  # noqa: BLE001
+            reason = _first_line(exc)
+        match = _UNREGISTERED.search(reason)
+        if match is None or match.group(1) not in _runtime_default_domain_ops():
+            return reason
+        if not moved:
+            proto.opset_import.add(domain=_RUNTIME_ONLY_DOMAIN, version=1)
+            moved = True
+        for graph, _ in _graphs(proto.graph, "graph"):
+            for node in graph.node:
+                if node.domain in ("", "ai.onnx") and node.op_type == match.group(1):
+                    node.domain = _RUNTIME_ONLY_DOMAIN
+    return reason
+
+
+def check_model_file(path: str | os.PathLike) -> None:
+    """Refuse a model file the ONNX checker refuses (:func:`checker_failure`): :class:`ModelError` with its reason."""
+    reason = checker_failure(path)
+    if reason is not None:
+        raise ModelError(f"{path}: fails the ONNX checker: {reason} (--allow-invalid to go on anyway)")
+
+
+def external_data_paths(path: str | os.PathLike) -> list[str]:
+    """The external data files a model file names (resolved against its folder), without reading them."""
+    try:
+        proto = onnx.load(os.fspath(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - load() reports a malformed file with its own message
+        return []
+    found = []
+    for graph, _ in _graphs(proto.graph, "graph"):
+        for tensor in graph.initializer:
+            if tensor.data_location == _T.EXTERNAL:
+                for entry in tensor.external_data:
+                    if entry.key == "location" and isinstance(entry.value, str) and entry.value:
+                        found.append(os.path.join(os.path.dirname(os.fspath(path)) or ".", entry.value))
+    return sorted(set(found))
 
 
 def to_kind(model: ir.Model, kind: str):
@@ -181,6 +492,24 @@ def initializer_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in _initializers(model) if v.const_value is not None)
 
 
+def passes_checker(model_or_path) -> bool:
+    """Whether the ONNX checker (:func:`checker_failure`) accepts a model file, ``ModelProto`` or ``onnx_ir.Model``."""
+    if isinstance(model_or_path, ir.Model):
+        model_or_path = ir.serde.serialize_model(model_or_path)
+    return checker_failure(model_or_path) is None
+
+
+def _check_output(staged: Path, path: Path, allow_invalid: bool) -> None:
+    reason = checker_failure(staged)
+    if reason is None:
+        return
+    if allow_invalid:
+        log.warning("%s: the output fails the ONNX checker, as the input did: %s", path, reason)
+        return
+    raise InvalidOutputError(f"{path}: the converted model fails the ONNX checker: {reason}; nothing "
+                             "written. This is a bug in fp4pass, please report it")
+
+
 def save(
     model: ir.Model,
     path: str | os.PathLike,
@@ -189,13 +518,16 @@ def save(
     inputs: tuple = (),
     input_had_external: bool = False,
     on_tensor: Callable[[ir.TensorProtocol, int], None] | None = None,
+    allow_invalid: bool = False,
 ) -> bool:
     """Write ``model`` to ``path`` atomically; returns whether external data was used.
 
     ``external_data``: "always", "never", or "auto" (external when the input had external data or the
     initializers exceed protobuf's 2 GiB). The data file is ``<path name>.data`` beside the model.
     ``inputs``: files (models and their data) that must not be overwritten. ``on_tensor(tensor, total)`` is
-    called after each external tensor is written (a progress bar).
+    called after each external tensor is written (a progress bar). The written model must pass the ONNX
+    checker (full check) before it is renamed in: :class:`InvalidOutputError` otherwise (a bug), unless
+    ``allow_invalid`` says the input failed the checker already (then a warning says so and it is written).
     """
     path = Path(path)
     data_name = path.name + ".data"
@@ -223,19 +555,24 @@ def save(
         if on_tensor is not None:
             on_tensor(tensor, info.total)
 
-    with atomic_output(path) as tmp_model:
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".d", dir=tmp_model.parent))
-        try:
-            staged = staging / path.name
-            if use_external:
-                ir.save(model, staged, external_data=data_name, callback=callback)
-            else:
-                ir.external_data.load_to_model(model)  # the output must not point at the input's data file
-                ir.save(model, staged)
-            os.replace(staged, tmp_model)
-            if use_external:
-                # The data lands first; the model that names it is renamed in last, by atomic_output.
-                os.replace(staging / data_name, path.parent / data_name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    fio.remove_stale(path.parent)
+    staging = fio.temp_name(path, ".d")
+    try:
+        staging.mkdir()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write in {path.parent} ({exc.strerror})") from None
+    try:
+        staged = staging / path.name
+        if use_external:
+            ir.save(model, staged, external_data=data_name, callback=callback)
+        else:
+            ir.external_data.load_to_model(model)  # the output must not point at the input's data file
+            ir.save(model, staged)
+        _check_output(staged, path, allow_invalid)
+        if use_external:
+            # The data lands first; the model that names it is renamed in last.
+            fio.finish(staging / data_name, path.parent / data_name)
+        fio.finish(staged, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return use_external

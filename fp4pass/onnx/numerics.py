@@ -93,11 +93,13 @@ class DiffResult:
             lines.append(title)
             lines.append(header)
             for m in rows:
-                snr = "identical" if m.snr_db is None and m.max_abs_err == 0 else fmt(m.snr_db, ".2f")
+                snr = ("identical" if m.identical else "NaN" if m.nan and m.snr_db is None
+                       else fmt(m.snr_db, ".2f"))
+                cosine = "-" if m.nan and m.snr_db is None else fmt(m.cosine, ".6f")
                 mark = " <" if m.below(self.snr_min) else ""
                 lines.append(
                     f"{m.name[-40:]:<40} {str(list(m.shape))[:18]:<18} {snr:>8} {fmt(m.rel_l2, '.3e'):>10} "
-                    f"{fmt(m.cosine, '.6f'):>10} {fmt(m.max_abs_err, '.3e'):>10} {fmt(m.mean_abs_err, '.3e'):>10} "
+                    f"{cosine:>10} {fmt(m.max_abs_err, '.3e'):>10} {fmt(m.mean_abs_err, '.3e'):>10} "
                     f"{fmt(m.p99_abs_err, '.3e'):>10} {m.nan:>5} {m.inf:>5}{mark}"
                 )
 
@@ -375,5 +377,5 @@ def plot_diff(result: DiffResult, path) -> None:
         ax2.set_title("no output differs")
     ax2.set_xlabel("|a - b|")
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
+    fig.savefig(path, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=100)
     plt.close(fig)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from fp4pass.errors import UsageError
+from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
@@ -181,9 +181,14 @@ def _diff_function():
     return diff
 
 
-def _check(original, rewritten, provider: str, inputs=None) -> dict:
-    result = _diff_function()(original, rewritten, inputs=inputs, provider=provider)
-    return jsonable(result.to_json() if hasattr(result, "to_json") else result)
+def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None) -> dict:
+    try:
+        result = _diff_function()(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min)
+    except FP4PassError as exc:
+        raise CheckError(f"--check could not run: {exc}") from exc
+    data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
+    data["snr_min"] = snr_min
+    return data
 
 
 def convert(
@@ -201,6 +206,8 @@ def convert(
     check: bool = False,
     show_progress: bool | None = False,
     calibrator_options: dict | None = None,
+    snr_min: float | None = None,
+    allow_invalid: bool | None = None,
 ):
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
@@ -210,7 +217,12 @@ def convert(
     external data per ``external_data`` = auto | always | never). ``calib``: an .npz file or a folder of them
     to calibrate activation scales with ``calibrator``; ``scales``: a SCALES.json path or dict to reuse.
     ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check".
-    ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile).
+    ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile). ``snr_min``: the
+    check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB.
+    ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
+    warning); False when it was checked (an output the checker refuses is a bug: nothing is written);
+    None: the input is checked here when ``output`` is given (:func:`fp4pass.onnx.loading.save`).
+    A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
     """
     _check_choice("method", method, METHODS)
     _check_choice("scale_form", scale_form, SCALE_FORMS)
@@ -222,6 +234,8 @@ def convert(
     if check:
         _diff_function()  # fail before any work when the check cannot run
     start = time.perf_counter()
+    if output is not None and allow_invalid is None:
+        allow_invalid = not loading.passes_checker(model_or_path)
     loaded = loading.load(model_or_path)
     model = loaded.model
     input_files = ()
@@ -261,7 +275,8 @@ def convert(
             next(bar, None)
 
         used_external = loading.save(model, output, external_data=external_data, inputs=input_files,
-                                     input_had_external=had_external, on_tensor=on_tensor)
+                                     input_had_external=had_external, on_tensor=on_tensor,
+                                     allow_invalid=allow_invalid)
         if bar is not None:
             for _ in bar:
                 pass
@@ -295,7 +310,7 @@ def convert(
         rewritten = str(output) if output is not None else ir.serde.serialize_model(model)
         # the calibration data are the most telling inputs; else diff draws seeded random ones
         check_inputs = calib if calib is not None and Path(calib).is_file() else None
-        report["check"] = _check(original_for_check, rewritten, provider, check_inputs)
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min)
     log.debug("%s", summary_line(report))
     if output is not None and loaded.kind == "path":
         return Path(output), report

@@ -216,7 +216,8 @@ def format_report(report: dict) -> str:
         lines += ["", f"check on {check['provider']}: {'PASSED' if check['passed'] else 'FAILED'}",
                   f"{'output':<28} {'shape':<12} {'SNR dB':>8} {'max_abs_err':>12} {'rel_l2':>10} {'cosine':>9}"]
         for o in check["outputs"]:
-            snr = "identical" if o["snr_db"] is None and o["max_abs_err"] == 0 else _num(o["snr_db"], ".2f")
+            snr = ("identical" if o["snr_db"] is None and o["max_abs_err"] == 0 and not (o.get("nan") or o.get("inf"))
+                   else _num(o["snr_db"], ".2f"))
             lines.append(f"{o['name']:<28} {'x'.join(map(str, o['shape'])):<12} {snr:>8} "
                          f"{_num(o['max_abs_err'], '.4g'):>12} {_num(o['rel_l2'], '.3g'):>10} {_num(o['cosine'], '.6f'):>9}")
     return "\n".join(lines)

@@ -9,6 +9,11 @@
 - ``model``: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``. In-memory models whose initializers
   exceed ~1.8 GB are saved to a temporary folder with external data and loaded by path (protobuf's 2 GB
   limit); the folder lives as long as the session.
+- External data resolves against the model's own folder, whatever the working folder: a path is loaded by
+  path (onnxruntime reads the data beside it), and an ``onnx_ir.Model`` whose external tensors all live in one
+  folder gets that folder as the session's ``session.model_external_initializers_file_folder_path`` (a model
+  given as bytes would otherwise resolve them against the working folder). Tensors from several folders go
+  through a temporary file, as above.
 """
 
 from __future__ import annotations
@@ -82,13 +87,18 @@ def _initializer_bytes(model: ir.Model) -> int:
     return total
 
 
-def _external_folder(model: ir.Model, options: ort.SessionOptions) -> None:
-    """A model passed as bytes whose initializers still live in external files (loaded lazily from a path)
-    needs their folder named, or onnxruntime resolves them against the working directory."""
-    folders = {str(Path(v.const_value.base_dir)) for g in model.graphs() for v in g.initializers.values()
-               if isinstance(v.const_value, ir.ExternalTensor) and v.const_value.base_dir}
-    if len(folders) == 1:
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folders.pop())
+_EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def _external_folders(model: ir.Model) -> set[str]:
+    """The folders the model's external tensors are read from (their ``base_dir``, resolved)."""
+    folders = set()
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                folders.add(os.path.realpath(tensor.base_dir or "."))
+    return folders
 
 
 _QUARK_DOMAIN = "com.amd.quark"
@@ -124,9 +134,11 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
         else:  # a proto that big only exists with external data already attached: go through the IR
             model = ir.serde.deserialize_model(model)
     if isinstance(model, ir.Model):
-        if _initializer_bytes(model) < _INLINE_LIMIT:
+        folders = _external_folders(model)
+        if _initializer_bytes(model) < _INLINE_LIMIT and len(folders) <= 1:
             source = ir.serde.serialize_model(model).SerializeToString()
-            _external_folder(model, options)
+            if folders:
+                options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folders.pop())
         else:
             tmpdir = tempfile.TemporaryDirectory(prefix="fp4pass-ort-")
             path = Path(tmpdir.name) / "model.onnx"

@@ -1,0 +1,111 @@
+"""What every command checks before it starts: flag values, the provider, its outputs against its inputs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from fp4pass.errors import UsageError
+from fp4pass.io import check_outputs
+
+# Plot formats matplotlib's Agg backend writes (Figure.canvas.get_supported_filetypes()).
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "raw", "rgba")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def seed(text: str) -> int:
+    """argparse type: a seed for numpy's generator, 0 <= seed < 2^63."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 2^63)")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (no nan, no inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
+
+
+def plot_path(text: str) -> str:
+    """argparse type: a file name whose suffix names a format matplotlib writes (.png, .pdf, .svg, ...)."""
+    suffix = Path(text).suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a .png file (or {', '.join('.' + f for f in PLOT_FORMATS[1:5])}, ...)")
+    return text
+
+
+def add_provider_arguments(p) -> None:
+    p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA if onnxruntime's CUDA provider loads, else CPU (default)")
+    p.add_argument("--strict", action="store_true",
+                   help="with --provider cuda: exit 2 when CUDA cannot run, instead of falling back to CPU")
+
+
+def add_allow_invalid(p) -> None:
+    p.add_argument("--allow-invalid", action="store_true",
+                   help="go on with a model the ONNX checker refuses (it is refused by default)")
+
+
+def check_provider(args) -> None:
+    """``--provider cuda`` where onnxruntime cannot run CUDA: a note on stderr, or exit 2 with ``--strict``."""
+    if getattr(args, "provider", None) != "cuda":
+        return
+    from fp4pass.onnx.runtime import cuda_available
+
+    ok, why = cuda_available()
+    if ok:
+        return
+    if args.strict:
+        raise UsageError(f"--provider cuda --strict: {why}")
+    print(f"fp4pass {args.command}: note: --provider cuda: {why}; falling back to CPU (--strict to refuse)",
+          file=sys.stderr)
+
+
+def model_inputs(label: str, path: str | os.PathLike | None) -> dict[str, str]:
+    """A model file and the external data files it names, labelled for :func:`fp4pass.io.check_outputs`."""
+    if path is None:
+        return {}
+    from fp4pass.onnx.loading import external_data_paths
+
+    found = {label: os.fspath(path)}
+    for i, data in enumerate(external_data_paths(path)):
+        found[f"{label}'s external data #{i}"] = data
+    return found
+
+
+def check_model(args, *paths) -> None:
+    """Refuse models the ONNX checker refuses, unless ``--allow-invalid`` (the file must be readable first)."""
+    if getattr(args, "allow_invalid", False):
+        return
+    from fp4pass.onnx.loading import check_model_file, load
+
+    for path in paths:
+        if path is not None:
+            load(path)  # a malformed file gets its own, more precise message first
+            check_model_file(path)
+
+
+def check_files(outputs: dict, inputs: dict) -> None:
+    check_outputs(outputs, inputs)
