@@ -37,7 +37,9 @@ Staged as export -> lower -> set opset/IR -> save:
    ``{x}_fake_quantize_nvfp4``, the name :func:`fp4pass.fx.calibrate` gives its node (torch.onnx's
    decompositions rename custom nodes after their op). A uint8 initializer read only by lowered nodes is replaced
    by its typed form under the same name; one also read elsewhere stays, beside a ``{name}_fp4`` /
-   ``_e8m0`` / ``_e4m3`` copy. Codes or scales computed in the graph (not constants) raise ModelError.
+   ``_e8m0`` / ``_e4m3`` copy. Codes reshaped from a constant (``Reshape`` to a static shape, ``Identity``)
+   are read through the reshape, and their typed initializer takes the program's weight name
+   (:func:`weight_names`). Codes or scales computed in the graph (not constants) raise ModelError.
 3. Opset and IR: the lowest that hold the types (:class:`fp4pass.onnx.rewrite_cleanup.SetOpsetAndIR`): the
    exporter's default opset 20, 21 for the reference quantizer, 23 for FP4 DequantizeLinear (torch converts
    its ops up to 23), 24 where E8M0 scales remain (a number change: 24 adds the E8M0 type); IR 11 for FP4 /
