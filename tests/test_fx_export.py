@@ -17,6 +17,7 @@ from onnx.reference import ReferenceEvaluator
 import fp4pass.fx
 from calib_builders import nv_fake_quant_np
 from fp4pass.errors import FormatError, ModelError, UsageError
+from fp4pass.formats import MXFP4Tensor
 from fx_builders import MXFP4MLP, NVFP4Experts, mxfp4_weight, nvfp4_weight
 
 FAKE_QUANT = torch.ops.fp4pass.fake_quantize_nvfp4.default
@@ -217,3 +218,34 @@ def test_e8m0_bytes_decode_as_powers_of_two(mxfp4_export):
     scales = onnx.numpy_helper.to_array(_initializer(onnx.load(path), "scales0"))
     expected = np.exp2(model.scales0.numpy().astype(np.float64) - 127)
     np.testing.assert_array_equal(np.asarray(scales, dtype=ml_dtypes.float8_e8m0fnu).astype(np.float64), expected)
+
+
+class _BlockedCodes(torch.nn.Module):
+    """Codes stored as [N, K/32, 16] blocks (the gpt-oss checkpoint layout), flattened before the dequant;
+    large enough (16 KiB) that torch.onnx's optimizer leaves the Reshape unfolded."""
+
+    def __init__(self, n: int = 512, k: int = 64):
+        super().__init__()
+        mx = MXFP4Tensor.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(4)))
+        self.register_buffer("w_blocks", mx.codes.reshape(n, k // 32, 16).clone())
+        self.register_buffer("w_scales", mx.scales)
+
+    def forward(self, x):
+        w = torch.ops.fp4pass.dequantize_mxfp4(self.w_blocks.flatten(-2), self.w_scales)
+        return x @ w.T
+
+
+def test_reshaped_constant_codes_are_followed_and_keep_the_weight_name():
+    model = _BlockedCodes()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    proto = ir.serde.serialize_model(fp4pass.fx.export(model, (x,)))
+    onnx.checker.check_model(proto, full_check=True)
+    (dq,) = _nodes(proto, "DequantizeLinear")
+    assert list(dq.input) == ["w_blocks", "w_scales"]
+    codes = _initializer(proto, "w_blocks")
+    assert codes.data_type == onnx.TensorProto.FLOAT4E2M1 and list(codes.dims) == [512, 64]
+    assert codes.raw_data == model.w_blocks.numpy().tobytes()
+    assert {t.name for t in proto.graph.initializer} == {"w_blocks", "w_scales"}  # the uint8 blocks are gone
+    assert not _nodes(proto, "Reshape")
+    results = ReferenceEvaluator(proto).run(None, {"x": x.numpy()}, intermediate=True)
+    np.testing.assert_array_equal(results["dequantize_mxfp4"], mxfp4_weight(model.w_blocks.flatten(-2), model.w_scales))

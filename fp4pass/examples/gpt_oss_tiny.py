@@ -18,6 +18,18 @@ mxfp4} and ``model.safetensors`` with transformers' names (``...experts.gate_up_
 config.json (``block.{n}.mlp.mlp1_weight.blocks``, ``block.{n}.attn.qkv``, ...).
 
     python -m fp4pass.examples.gpt_oss_tiny OUTDIR [--naming hf|openai] [--seed N]
+
+The same model as ONNX (:func:`export_tiny_gpt_oss_onnx`), and calibration data for it
+(:func:`write_tiny_calib`)::
+
+    python -m fp4pass.examples.gpt_oss_tiny --onnx models/tiny_gpt_oss.onnx --calib models/tiny_gpt_oss_calib.npz
+
+The ONNX model is the checkpoint loaded by :func:`fp4pass.fx.load_gpt_oss` (float32), wrapped by
+:class:`fp4pass.fx.gpt_oss.CausalLMLogits`, traced by ``torch.export`` with a dynamic batch and sequence
+length and written by :func:`fp4pass.fx.export`: ``input_ids`` int64 [batch, seq] -> ``logits`` float32
+[batch, seq, vocab], the experts as MXFP4 ``DequantizeLinear`` (FLOAT4E2M1 codes, FLOAT8E8M0 scales, opset 24).
+The calibration data is one ``input_ids`` array of :data:`CALIB_SHAPE`, uniform over the vocabulary, drawn
+from ``numpy.random.default_rng(seed)``.
 """
 
 from __future__ import annotations
@@ -32,7 +44,8 @@ import torch
 
 from fp4pass.formats import MXFP4Tensor
 
-__all__ = ["TINY_CONFIG", "tiny_state_dict", "build_tiny_gpt_oss", "main"]
+__all__ = ["TINY_CONFIG", "tiny_state_dict", "build_tiny_gpt_oss", "export_tiny_gpt_oss_onnx", "tiny_calib_ids",
+           "write_tiny_calib", "main"]
 
 #: GptOssConfig fields of the tiny model (others take transformers' gpt-oss defaults).
 TINY_CONFIG = {
@@ -190,14 +203,96 @@ def build_tiny_gpt_oss(out_dir: str | Path, seed: int = 0, naming: str = "hf", c
     return out
 
 
+#: Shape of the calibration ``input_ids`` (batch, sequence).
+CALIB_SHAPE = (8, 32)
+#: Example input the ONNX export is traced with (batch and sequence are dynamic in the model).
+_EXAMPLE_SHAPE = (2, 16)
+
+
+def tiny_program(checkpoint_dir: str | Path, dynamic: bool = True):
+    """``torch.export`` of the tiny gpt-oss in ``checkpoint_dir`` as ``input_ids -> logits`` (dynamic batch and
+    sequence when ``dynamic``), traced on a seeded example input."""
+    import fp4pass.fx
+    from fp4pass.fx.gpt_oss import CausalLMLogits
+
+    model = fp4pass.fx.load_gpt_oss(checkpoint_dir)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, _EXAMPLE_SHAPE, generator=torch.Generator().manual_seed(0))
+    shapes = None
+    if dynamic:
+        shapes = ({0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seq", min=2, max=4096)},)
+    return torch.export.export(CausalLMLogits(model), (ids,), dynamic_shapes=shapes), (ids,)
+
+
+def _name_io(model) -> None:
+    """Name the graph's input dims ``batch`` / ``seq`` (everywhere they occur) and its output ``logits``."""
+    import onnx_ir as ir
+
+    (ids,) = model.graph.inputs
+    rename = {str(d): n for d, n in zip(ids.shape, ("batch", "seq")) if isinstance(d, ir.SymbolicDim)}
+    values = [*model.graph.inputs, *model.graph.outputs, *(v for node in model.graph for v in node.outputs)]
+    for value in values:
+        if value.shape is not None and any(str(d) in rename for d in value.shape if isinstance(d, ir.SymbolicDim)):
+            value.shape = ir.Shape([rename.get(str(d), d) if isinstance(d, ir.SymbolicDim) else d
+                                    for d in value.shape])
+    (logits,) = model.graph.outputs
+    logits.name = "logits"
+    for node in model.graph:  # source paths of this machine: not part of the model
+        node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
+
+
+def export_tiny_gpt_oss_onnx(path: str | Path, checkpoint_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Write the tiny gpt-oss as MXFP4 ONNX (module docstring) to ``path``; returns it.
+
+    ``checkpoint_dir``: an existing checkpoint; by default one is built from ``seed`` in a temporary folder.
+    Rebuilding gives the same bytes.
+    """
+    import fp4pass.fx
+    from fp4pass.onnx.loading import save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = checkpoint_dir if checkpoint_dir is not None else build_tiny_gpt_oss(tmp, seed=seed)
+        program, example = tiny_program(source)
+        model = fp4pass.fx.export(program, example)
+    _name_io(model)
+    model.producer_name, model.producer_version = "fp4pass.examples.gpt_oss_tiny", None
+    save(model, path, external_data="never")
+    return Path(path)
+
+
+def tiny_calib_ids(seed: int = 0, shape: tuple[int, int] = CALIB_SHAPE, vocab: int = TINY_CONFIG["vocab_size"]):
+    """Seeded calibration ``input_ids`` (int64, uniform over the vocabulary)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab, shape, dtype=np.int64)
+
+
+def write_tiny_calib(path: str | Path, seed: int = 0) -> Path:
+    """Write ``{"input_ids": tiny_calib_ids(seed)}`` as ``.npz`` (the ``--calib`` file of ``fp4pass convert``)."""
+    import numpy as np
+
+    path = Path(path)
+    _write_atomic(path, lambda p: np.savez(open(p, "wb"), input_ids=tiny_calib_ids(seed)))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp4pass.examples.gpt_oss_tiny", description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?", help="write the safetensors checkpoint here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--naming", choices=("hf", "openai"), default="hf")
+    parser.add_argument("--onnx", metavar="MODEL.onnx", help="write the model as MXFP4 ONNX (fp4pass.fx.export)")
+    parser.add_argument("--calib", metavar="DATA.npz", help="write seeded calibration input_ids")
     args = parser.parse_args(argv)
-    path = build_tiny_gpt_oss(args.out_dir, seed=args.seed, naming=args.naming)
-    print(f"wrote {path}/config.json and {path}/model.safetensors")
+    if not (args.out_dir or args.onnx or args.calib):
+        parser.error("nothing to write: give OUT_DIR, --onnx or --calib")
+    if args.out_dir:
+        path = build_tiny_gpt_oss(args.out_dir, seed=args.seed, naming=args.naming)
+        print(f"wrote {path}/config.json and {path}/model.safetensors")
+    if args.onnx:
+        print(f"wrote {export_tiny_gpt_oss_onnx(args.onnx, seed=args.seed)}")
+    if args.calib:
+        print(f"wrote {write_tiny_calib(args.calib, seed=args.seed)}")
     return 0
 
 

@@ -37,7 +37,9 @@ Staged as export -> lower -> set opset/IR -> save:
    ``{x}_fake_quantize_nvfp4``, the name :func:`fp4pass.fx.calibrate` gives its node (torch.onnx's
    decompositions rename custom nodes after their op). A uint8 initializer read only by lowered nodes is replaced
    by its typed form under the same name; one also read elsewhere stays, beside a ``{name}_fp4`` /
-   ``_e8m0`` / ``_e4m3`` copy. Codes or scales computed in the graph (not constants) raise ModelError.
+   ``_e8m0`` / ``_e4m3`` copy. Codes reshaped from a constant (``Reshape`` to a static shape, ``Identity``)
+   are read through the reshape, and their typed initializer takes the program's weight name
+   (:func:`weight_names`). Codes or scales computed in the graph (not constants) raise ModelError.
 3. Opset and IR: the lowest that hold the types (:class:`fp4pass.onnx.rewrite_cleanup.SetOpsetAndIR`): the
    exporter's default opset 20, 21 for the reference quantizer, 23 for FP4 DequantizeLinear (torch converts
    its ops up to 23), 24 where E8M0 scales remain (a number change: 24 adds the E8M0 type); IR 11 for FP4 /
@@ -126,18 +128,19 @@ class _TypedInitializers:
     _SUFFIX = {ir.DataType.FLOAT4E2M1: "fp4", ir.DataType.FLOAT8E8M0: "e8m0", ir.DataType.FLOAT8E4M3FN: "e4m3"}
     _VIEW = {ir.DataType.FLOAT8E8M0: ml_dtypes.float8_e8m0fnu, ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn}
 
-    def __init__(self, graph: ir.Graph):
+    def __init__(self, graph: ir.Graph, source_names: dict[ir.Value, str] | None = None):
         self.graph = graph
         self.made: dict[tuple[int, ir.DataType], tuple[ir.Value, ir.Value]] = {}
+        self.source_names = source_names if source_names is not None else {}
 
     @staticmethod
     def codes(value: ir.Value | None, role: str, node: ir.Node) -> np.ndarray:
         """The uint8 bytes of a constant input, or a ModelError naming the node."""
-        if value is None or value.const_value is None:
+        array = _constant(value)
+        if array is None:
             raise ModelError(f"fx export: node {node.name!r}: {role} {getattr(value, 'name', None)!r} is not a "
                              "constant of the program (computed in the graph or an input); FP4 ONNX needs it as "
                              "an initializer")
-        array = value.const_value.numpy()
         if array.dtype != np.uint8:
             raise ModelError(f"fx export: node {node.name!r}: {role} {value.name!r} is {array.dtype}, not uint8 codes")
         return array
@@ -157,14 +160,54 @@ class _TypedInitializers:
         return self.made[key][1]
 
     def finish(self) -> None:
-        """Drop the uint8 initializers nothing reads any more; their typed copies take their names."""
+        """Drop the uint8 initializers (and Reshapes of them) nothing reads any more; their typed copies take
+        their names. A copy of a reshaped or folded constant takes the program's weight name where known."""
         for old, typed in self.made.values():
-            if old.uses() or old.is_graph_output() or self.graph.initializers.get(old.name) is not old:
+            _drop_if_dead(self.graph, old)
+            name = self.source_names.get(old, old.name)
+            if old.uses() or old.is_graph_output() or name in self.graph.initializers:
                 continue
-            self.graph.initializers.pop(old.name)
             self.graph.initializers.pop(typed.name)
-            typed.name = typed.const_value.name = old.name
+            typed.name = typed.const_value.name = name
             self.graph.register_initializer(typed)
+
+
+_VIEW_OPS = ("Reshape", "Identity")
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    """The array of a constant, following ``Reshape`` (to a static shape) and ``Identity`` of a constant:
+    the exporter's optimizer folds these only under a size limit. None when the value is computed."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is None or node.domain != "" or node.op_type not in _VIEW_OPS:
+        return None
+    data = _constant(node.inputs[0])
+    if data is None or node.op_type == "Identity":
+        return data
+    if value.shape is None or not value.shape.is_static():
+        return None
+    return data.reshape(tuple(int(d) for d in value.shape))  # Reshape is row-major: the static shape decides
+
+
+def _drop_if_dead(graph: ir.Graph, value: ir.Value) -> None:
+    """Remove ``value``'s view-op producers and constant inputs once nothing reads them."""
+    if value.uses() or value.is_graph_output():
+        return
+    node = value.producer()
+    if node is None:
+        if graph.initializers.get(value.name) is value and not value.is_graph_input():
+            graph.initializers.pop(value.name)
+        return
+    if node.domain != "" or node.op_type not in _VIEW_OPS or node.graph is None:
+        return
+    inputs = [v for v in node.inputs if v is not None]
+    node.graph.remove(node, safe=True)
+    for v in inputs:
+        _drop_if_dead(graph, v)
 
 
 def _value(name: str, dtype: ir.DataType, shape) -> ir.Value:
@@ -247,10 +290,27 @@ def _lower_fake_quant(node: ir.Node, graph: ir.Graph, target: str,
     return nodes, x_hat
 
 
-def lower_placeholders(model: ir.Model, target: str = "trt") -> dict:
-    """Step 2 of the module docstring, in place. Returns ``{"mxfp4", "nvfp4", "fake_quantize"}`` node counts."""
+def _fx_name(node: ir.Node) -> str:
+    """The fx node an exported node came from: the last name scope torch.onnx records, else its own name."""
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes", "")
+    last = scopes.rsplit(",", 1)[-1].strip(" []'\"") if scopes else ""
+    return last or node.name.removeprefix("node_")
+
+
+def lower_placeholders(model: ir.Model, target: str = "trt",
+                       weight_names: dict[str, tuple[str | None, ...]] | None = None) -> dict:
+    """Step 2 of the module docstring, in place. Returns ``{"mxfp4", "nvfp4", "fake_quantize"}`` node counts.
+
+    ``weight_names``: fx dequant node name -> the program's names of its (codes, scales) constants
+    (:func:`weight_names`); typed initializers of reshaped or folded constants take these names."""
     graph = model.graph
-    typed = _TypedInitializers(graph)
+    source_names: dict[ir.Value, str] = {}
+    for node in graph:
+        if node.domain == PLACEHOLDER_DOMAIN and weight_names:
+            for value, name in zip(node.inputs, weight_names.get(_fx_name(node), ())):
+                if value is not None and name:
+                    source_names.setdefault(value, name)
+    typed = _TypedInitializers(graph, source_names)
     prefixes: set[str] = set()
     counts = {"mxfp4": 0, "nvfp4": 0, "fake_quantize": 0}
     names: set[str] = set()
@@ -284,6 +344,30 @@ def lower_placeholders(model: ir.Model, target: str = "trt") -> dict:
     typed.finish()
     model.opset_imports.pop(PLACEHOLDER_DOMAIN, None)
     return counts
+
+
+_FX_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "alias", "contiguous", "clone", "view_copy"}
+
+
+def weight_names(program: torch.export.ExportedProgram) -> dict[str, tuple[str | None, ...]]:
+    """fx dequant node name -> the state-dict names its codes and scales are read from (through view ops)."""
+    signature = program.graph_signature
+    lifted = {**signature.inputs_to_parameters, **signature.inputs_to_buffers,
+              **signature.inputs_to_lifted_tensor_constants}
+    dequants = {torch.ops.fp4pass.dequantize_mxfp4.default, torch.ops.fp4pass.dequantize_nvfp4.default}
+
+    def source(arg) -> str | None:
+        while isinstance(arg, torch.fx.Node):
+            if arg.op == "placeholder":
+                return lifted.get(arg.name)
+            name = getattr(arg.target, "__name__", "").split(".")[0]
+            if arg.op != "call_function" or name not in _FX_VIEWS or not arg.args:
+                return None
+            arg = arg.args[0]
+        return None
+
+    return {n.name: tuple(source(a) for a in n.args[:2])
+            for n in program.graph.nodes if n.op == "call_function" and n.target in dequants}
 
 
 def _needed_opset(program: torch.export.ExportedProgram, target: str) -> int:
@@ -323,7 +407,7 @@ def export(model, example_inputs, path: str | os.PathLike | None = None, target:
         program, args, kwargs=kwargs or None, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
         opset_version=min(need, FP4_DQ_OPSET), optimize=True, verbose=False)
     onnx_model = onnx_program.model
-    counts = lower_placeholders(onnx_model, target)
+    counts = lower_placeholders(onnx_model, target, weight_names(program))
     if counts["fake_quantize"] and target == "trt":
         onnx_model.opset_imports.setdefault(TRT_DOMAIN, 1)
     has_e8m0 = any(v.dtype == ir.DataType.FLOAT8E8M0 for v in onnx_model.graph.initializers.values())
