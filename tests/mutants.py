@@ -13,9 +13,14 @@ checkout itself is never touched. Outcomes:
 - ``killed``: pytest reported a failure (exit 1), as it must;
 - ``killed (error)``: pytest could not even collect or run (exit 2..5), e.g. the bug broke an import;
 - ``SURVIVED``: every test passed with the bug in place: a test is missing or too weak;
-- ``could not apply``: an old text is no longer in its file (the code was rewritten): update the mutant.
+- ``could not apply``: an old text is no longer in its file (the code was rewritten): update the mutant;
+- ``survived (open)``: a mutant marked ``open_question``: no input is known that tells it from the code (its
+  note says what was searched); reported, not counted as a failure.
 
-Exit status: 0 when no mutant survived and all applied, 1 otherwise.
+Every pytest run gets a fresh hypothesis example database and a fixed hypothesis seed, and the mutants' tests
+first run on an unmutated copy (the baseline): a mutant counts as killed only against tests that pass without it.
+
+Exit status: 0 when no mutant survived and all applied, 1 otherwise, 2 when the baseline fails.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class Mutant:
     edits: list[tuple[str, str, str]]
     tests: list[str] = field(default_factory=lambda: list(CONVERT_TESTS))
     note: str = ""  # what is known when it survives
+    #: no input is known that tells this mutant from the code (possibly an equivalent mutant; the note says
+    #: what was tried): reported as "survived (open)" and not counted as a failure; a test that kills it is
+    #: welcome, and then it is reported as killed like any other
+    open_question: bool = False
 
 
 MUTANTS = [
@@ -86,7 +95,7 @@ MUTANTS = [
     # successor of "auto drops its 2^(k_max-7)/c candidates": those are today's d = +1
     Mutant("auto-without-octaves-above", "auto (best) drops its candidates with octave offset d = +1, +2", [
         ("fp4pass/convert/methods.py", "BEST_OCTAVES = (0, -1, 1, -2, 2)", "BEST_OCTAVES = (0, -1, -2)"),
-    ], ["tests/test_convert.py"],
+    ], ["tests/test_convert.py"], open_question=True,
         note="no input is known where a d > 0 candidate has the strictly least error. Half by half (every "
              "magnitude multiset of a 16-half, every block exponent 0..31 octaves below k_max, codes s0-2..s0+2, "
              "verbatim where exact) each d = +2 candidate and the d = +1 ones with c in 1..1.5 and 1.75 are never "
@@ -195,6 +204,31 @@ def _apply(copy: Path, mutant: Mutant) -> str | None:
     return None
 
 
+def _pytest(copy: Path, tmp: str, tests: list[str]) -> subprocess.CompletedProcess:
+    """pytest in ``copy``: a fresh hypothesis example database under ``tmp`` (through TMPDIR, which the
+    conftest's database folder follows) and a fixed hypothesis seed, so that every run sees the same examples
+    and no failure found by one mutant is replayed in another."""
+    env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", TMPDIR=tmp)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--hypothesis-seed=0",
+           "--basetemp", str(Path(tmp) / "pytest"), *tests]
+    return subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+
+
+def _summary(proc: subprocess.CompletedProcess) -> tuple[list[str], str]:
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    failed = [line for line in tail if line.startswith(("FAILED", "ERROR"))]
+    return tail, (failed[0] if failed else (tail[-1] if tail else ""))[:160]
+
+
+def run_baseline(tests: list[str]) -> tuple[bool, str]:
+    """The tests of the chosen mutants on an unmutated copy: a mutant is killed only if these pass."""
+    with tempfile.TemporaryDirectory(prefix="fp4pass-mutant-baseline-") as tmp:
+        copy = Path(tmp) / "repo"
+        _copy_repo(copy)
+        proc = _pytest(copy, tmp, [t for t in tests if (copy / t).exists()])
+        return proc.returncode == 0, _summary(proc)[1]
+
+
 def run_mutant(mutant: Mutant, all_tests: bool, verbose: bool) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(prefix=f"fp4pass-mutant-{mutant.name}-") as tmp:
         copy = Path(tmp) / "repo"
@@ -202,14 +236,9 @@ def run_mutant(mutant: Mutant, all_tests: bool, verbose: bool) -> tuple[str, str
         why = _apply(copy, mutant)
         if why is not None:
             return "could not apply", why
-        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
         tests = [] if all_tests else [t for t in mutant.tests if (copy / t).exists()]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp",
-               str(Path(tmp) / "pytest"), *tests]
-        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
-        tail = (proc.stdout + proc.stderr).strip().splitlines()
-        failed = [line for line in tail if line.startswith(("FAILED", "ERROR"))]
-        detail = (failed[0] if failed else (tail[-1] if tail else ""))[:160]
+        proc = _pytest(copy, tmp, tests)
+        tail, detail = _summary(proc)
         if verbose:
             print("\n".join(tail[-30:]))
         if proc.returncode == 0:
@@ -235,16 +264,30 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"{m.name:<40} {m.what}\n{'':<40} tests: {' '.join(m.tests)}")
         return 0
+    t0 = start = time.perf_counter()
+    tests = [] if args.all_tests else sorted({t for m in chosen for t in m.tests})
+    passed, detail = run_baseline(tests)
+    print(f"{'baseline ' + ('passed' if passed else 'FAILED'):<16} {'(no mutation)':<40} "
+          f"{time.perf_counter() - start:6.1f}s  {detail}", flush=True)
+    if not passed:
+        print("the tests fail without any mutation: no mutant can be judged")
+        return 2
     outcomes = {}
     for m in chosen:
         start = time.perf_counter()
         outcome, detail = run_mutant(m, args.all_tests, args.verbose)
+        if outcome == "SURVIVED" and m.open_question:
+            outcome = "survived (open)"
         outcomes[m.name] = outcome
         print(f"{outcome:<16} {m.name:<40} {time.perf_counter() - start:6.1f}s  {detail}", flush=True)
     survived = [n for n, o in outcomes.items() if o == "SURVIVED"]
     unapplied = [n for n, o in outcomes.items() if o == "could not apply"]
-    killed = len(outcomes) - len(survived) - len(unapplied)
-    print(f"\n{killed} killed, {len(survived)} survived, {len(unapplied)} could not apply, of {len(outcomes)}")
+    open_ = [n for n, o in outcomes.items() if o == "survived (open)"]
+    killed = len(outcomes) - len(survived) - len(unapplied) - len(open_)
+    print(f"\n{killed} killed, {len(survived)} survived, {len(unapplied)} could not apply, {len(open_)} survived "
+          f"with no killing input known, of {len(outcomes)} ({time.perf_counter() - t0:.0f} s)")
+    for n in open_:
+        print(f"  open: {n}: {known[n].note}")
     if survived:
         print("survivors: " + ", ".join(survived))
         for n in survived:
