@@ -99,7 +99,8 @@ MUTANTS = [
         note="no input is known where a d > 0 candidate has the strictly least error. Half by half (every "
              "magnitude multiset of a 16-half, every block exponent 0..31 octaves below k_max, codes s0-2..s0+2, "
              "verbatim where exact) each d = +2 candidate and the d = +1 ones with c in 1..1.5 and 1.75 are never "
-             "better than one fixed d = 0 candidate, which the search tries first, so they can never win; d = +1 "
+             "better than one fixed d = 0 candidate, which the search tries first, so they can never win (checked at "
+             "k_max = 0: exact for k_max away from float32's subnormal and overflow ends); d = +1 "
              "with c = 1.625 or 1.875 can beat every d <= 0 candidate on some halves, but no group was found where "
              "they win overall (random and structured groups, tests/conversion_oracle)"),
     Mutant("verbatim-count-ignores-nibbles", "blocks16_verbatim counts exact halves whether or not the nibbles "
