@@ -140,10 +140,23 @@ def auto_candidates(codes: np.ndarray, e8m0: np.ndarray) -> list[np.float32]:
             + [max(F32(amax / F32(6 * 448)), F32(2.0**-140))])
 
 
-def sse_at(codes: np.ndarray, e8m0: np.ndarray, S) -> float:
+def auto_best_candidates(codes: np.ndarray, e8m0: np.ndarray) -> list[tuple[tuple, np.float32]]:
+    """The global scales of ``auto``'s wide ("best") search on a group of spread > 17, labelled, in float32:
+    (("octave", d, c), 2^(k_max-8+d)/c) for d in -2..2 and c in 1, 1.125..1.875, and (("amax",), amax/(6*448))."""
+    holds = (codes.reshape(*e8m0.shape, 32) & 7).any(-1)
+    k_max = int(e8m0.astype(np.int64)[holds].max()) - 127
+    out = []
+    for d in (-2, -1, 0, 1, 2):
+        base = F32(2.0 ** (k_max - 8 + d))
+        out += [(("octave", d, c), F32(base / F32(c))) for c in [1 + i / 8 for i in range(8)]]
+    amax = F32(np.abs(mx_dequant(codes, e8m0)).max())
+    return out + [(("amax",), max(F32(amax / F32(6 * 448)), F32(2.0**-140)))]
+
+
+def sse_at(codes: np.ndarray, e8m0: np.ndarray, S, steps=(0, -1, 1)) -> float:
     """Least total squared error over the 16-halves of one group at global scale S, each half taking its
     verbatim scale (some E4M3 s with float32(s*S) == 2^k exactly) where there is one, else the best of the
-    standard code s0 and its two neighbours. The bound ``auto`` must meet at each of its candidates."""
+    standard code s0 and its neighbours s0 + ``steps``. The bound ``auto`` must meet at each of its candidates."""
     S = F32(S)
     x = mx_dequant(codes, e8m0).astype(np.float32)
     halves = x.reshape(-1, 16)
@@ -155,7 +168,7 @@ def sse_at(codes: np.ndarray, e8m0: np.ndarray, S) -> float:
         s = np.clip(guess + step, 1, E4M3_CODE_MAX).astype(np.uint8)
         verbatim |= (e4m3_value(s) * S).astype(np.float32) == target
     errors = [((halves.astype(np.float64) - _quantize_halves(halves, S, d).astype(np.float64)) ** 2).sum(-1)
-              for d in (0, -1, 1)]
+              for d in steps]
     best = np.minimum.reduce(errors)
     return float(np.where(verbatim, 0.0, best).sum())
 

@@ -146,3 +146,27 @@ def test_make_session_through_external_data(pair, monkeypatch):
 def test_cuda_provider_used_where_present(pair):
     result = fp4pass.onnx.diff(pair["a"], pair["b"], provider="cuda")
     assert result.provider == "cuda"
+
+
+def test_make_session_finds_external_data_beside_the_model_from_any_folder(tmp_path, monkeypatch):
+    """An in-memory model whose weight lives in a file beside its .onnx runs wherever the process stands."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.arange(12, dtype=np.float32).reshape(4, 3) / 7
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save(model, folder / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    loaded = ir.load(folder / "m.onnx")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # relative external paths must not be read from the working folder
+    session, _, _ = runtime.make_session(loaded, "cpu")
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x.astype(np.float64) @ w, rtol=1e-6)
