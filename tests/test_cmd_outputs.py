@@ -86,7 +86,7 @@ def test_plot_must_name_an_image_format(work, capsys):
 
 @pytest.mark.parametrize("case", ["missing_folder", "output_is_dir", "report_missing_folder"])
 def test_outputs_refused_before_any_work(work, capsys, monkeypatch, case):
-    import fp4pass.onnx.pipeline as pipeline
+    import fp4pass.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "convert", lambda *a, **k: pytest.fail("work started"))
     (work / "outdir").mkdir()
@@ -115,7 +115,7 @@ def test_check_that_fails_removes_the_model_keeps_the_report(work, capsys):
 
 def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeypatch):
     """Weight-only --check fails by default when the converted weights are wrong (here: scaled by 2)."""
-    import fp4pass.onnx.pipeline as pipeline
+    import fp4pass.pipeline as pipeline
 
     real = pipeline._check
 
@@ -138,7 +138,7 @@ def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeyp
 
 
 def test_check_that_cannot_run_exits_2_and_leaves_no_model(work, capsys, monkeypatch):
-    import fp4pass.onnx.pipeline as pipeline
+    import fp4pass.pipeline as pipeline
     from fp4pass.errors import ModelError
 
     def failing(*args, **kwargs):

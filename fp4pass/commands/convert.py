@@ -114,7 +114,7 @@ def _check_verdict(check: dict) -> str | None:
 def run(args) -> int:
     snr_min = _check_before_work(args)
     from fp4pass.io import write_json
-    from fp4pass.onnx.pipeline import convert
+    from fp4pass.pipeline import convert
     from fp4pass.onnx.report import format_report, summary_line
     from fp4pass.convert import set_defaults
 

@@ -466,7 +466,7 @@ class QuarkMXFakeQuant:
         return None
 
     def records(self, node: ir.Node) -> list[FP4Weight]:
-        from fp4pass.onnx.rewrite_quark import quantize_weight
+        from fp4pass.onnx.quark_mx import quantize_weight
 
         w = node.inputs[0]
         rank = w.const_value.shape.rank()
