@@ -23,6 +23,7 @@ from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx import pipeline as onnx_stages
 from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
+from fp4pass.onnx.numerics import diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
@@ -50,17 +51,9 @@ def _activations(model, calib, calibrator, scales, target, scale_form, alphas, p
     return insert_activation_quantizers(model, plain, target=act_target, scale_form=scale_form, alphas=alphas)
 
 
-def _diff_function():
-    try:
-        from fp4pass.onnx.numerics import diff
-    except ImportError:
-        raise UsageError("--check is not available in this build (fp4pass.onnx.numerics missing)") from None
-    return diff
-
-
 def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None) -> dict:
     try:
-        result = _diff_function()(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min)
+        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min)
     except FP4PassError as exc:
         raise CheckError(f"--check could not run: {exc}") from exc
     data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
@@ -108,8 +101,6 @@ def convert(
     onnx_stages.check_choice("provider", provider, PROVIDERS)
     if calib is not None and scales is not None:
         raise UsageError("give either calib (to calibrate) or scales (to reuse a calibration), not both")
-    if check:
-        _diff_function()  # fail before any work when the check cannot run
     start = time.perf_counter()
     if output is not None and allow_invalid is None:
         allow_invalid = not loading.passes_checker(model_or_path)

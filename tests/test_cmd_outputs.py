@@ -144,7 +144,7 @@ def test_check_that_cannot_run_exits_2_and_leaves_no_model(work, capsys, monkeyp
     def failing(*args, **kwargs):
         raise ModelError("onnxruntime could not load the model: no kernel")
 
-    monkeypatch.setattr(pipeline, "_diff_function", lambda: failing)
+    monkeypatch.setattr(pipeline, "diff", failing)
     out = work / "o.onnx"
     code, err = cli(capsys, "convert", work / "m.onnx", "-o", out, "--report", work / "r.json", "--check")
     assert code == 2 and "--check could not run" in one_line(err)

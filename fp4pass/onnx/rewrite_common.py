@@ -285,10 +285,8 @@ class WeightConversion:
     def result(self):
         """The NVFP4Tensor, converting now if needed (stats and seconds recorded on the first run)."""
         if self._result is None:
-            try:
-                from fp4pass.convert import mxfp4_to_nvfp4
-            except ImportError as exc:  # pragma: no cover - while the converter is being written
-                raise UsageError(f"the MXFP4 -> NVFP4 converter is not available in this build ({exc})") from None
+            from fp4pass.convert import mxfp4_to_nvfp4
+
             start = time.perf_counter()
             if self.lossy_reason is not None:
                 from fp4pass.convert.scaled import scaled_fp4_to_nvfp4
