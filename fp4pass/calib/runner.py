@@ -38,10 +38,10 @@ import onnx_ir as ir
 import torch
 
 from fp4pass.calib.calibrators import HeadroomCalibrator, make_calibrator, quantization_error
-from fp4pass.calib.calibrators import E4M3_NORMAL_WINDOW
 from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
+from fp4pass.formats.constants import E4M3_NORMAL_WINDOW
 from fp4pass.metrics import snr_db
 from fp4pass.onnx.activations import activation_axis_reason, einsum_contracts_last
 from fp4pass.progress import progress

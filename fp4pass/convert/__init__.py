@@ -29,6 +29,7 @@ from fp4pass.convert.methods import AUTO_STEPS, auto_candidates, choose_m, pow2_
 from fp4pass.convert.stats import ConversionStats, lossless_stats, measure_stats
 from fp4pass.errors import ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax
+from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPREAD
 from fp4pass.metrics import snr_db
 
 __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
@@ -45,7 +46,6 @@ DEFAULT_EFFORT = "best"
 DEFAULT_THREADS = 1
 _SETTINGS = {"effort": DEFAULT_EFFORT, "threads": DEFAULT_THREADS}
 #: E4M3 holds the 18 exact powers of two 2^-9..2^8, so 18 consecutive exponents (spread 17) fit verbatim.
-LOSSLESS_SPREAD = 17
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -129,7 +129,7 @@ def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     if fast_lossless:
         # Every block (holding a value or not) is within 17 octaves of its group's top: m = k_max - 8 puts
         # them all in E4M3's exact window, nibbles shared with the input, scales straight from exponents.
-        m = [u - 127 - 8 for u in code_hi]
+        m = [u - E8M0_BIAS - E4M3_POW2_MAX_EXP for u in code_hi]
         if min(m) < -126:
             # a float32-subnormal global scale (reciprocal inf): only right for a group that holds values;
             # an all-zero group (MX producers write E8M0 code 0 there) gets 1.0, as in every other method

@@ -40,6 +40,7 @@ import onnx_ir as ir
 
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
+from fp4pass.formats.constants import FP4_MIN_IR_VERSION, TRT_DOMAIN
 from fp4pass.onnx.activations import activation_axis_reason
 from fp4pass.onnx.dtypes import FLOAT_TYPES, value_dtype
 from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
@@ -49,12 +50,10 @@ __all__ = ["insert_activation_quantizers", "QuantizerScale", "trt_quantizer", "T
 
 log = logging.getLogger(__name__)
 
-TRT_DOMAIN = "trt"
 TRT_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
 TARGETS = ("trt", "reference")
 SCALE_FORMS = ("dq", "alpha")
 TRT_MIN_OPSET = 23  # DequantizeLinear with FLOAT4E2M1 input
-FP4_MIN_IR = 11
 
 
 @dataclass(frozen=True)
@@ -138,8 +137,8 @@ def _ensure_opset(model: ir.Model, target: str) -> None:
         model.opset_imports[""] = need
     if target == "trt":
         model.opset_imports.setdefault(TRT_DOMAIN, 1)
-        if (model.ir_version or 0) < FP4_MIN_IR:
-            model.ir_version = FP4_MIN_IR
+        if (model.ir_version or 0) < FP4_MIN_IR_VERSION:
+            model.ir_version = FP4_MIN_IR_VERSION
 
 
 def insert_activation_quantizers(model: ir.Model, scales, target: str = "trt",

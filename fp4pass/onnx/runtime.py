@@ -29,6 +29,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from fp4pass.errors import ModelError, UsageError
+from fp4pass.formats.constants import QUARK_DOMAIN
 
 __all__ = ["make_session", "cuda_available", "PROVIDERS"]
 
@@ -101,7 +102,6 @@ def _external_folders(model: ir.Model) -> set[str]:
     return folders
 
 
-_QUARK_DOMAIN = "com.amd.quark"
 
 
 def _with_quark_ops(options: ort.SessionOptions, exc: Exception) -> ort.SessionOptions:
@@ -151,7 +151,7 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
         try:
             session = ort.InferenceSession(source, options, providers=providers)
         except Exception as exc:
-            if _QUARK_DOMAIN not in str(exc):
+            if QUARK_DOMAIN not in str(exc):
                 raise
             session = ort.InferenceSession(source, _with_quark_ops(options, exc), providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types; name what failed
