@@ -27,6 +27,7 @@ from fp4pass.convert.layout import EMPTY_K, GroupLayout, exact_pow2, exact_pow2_
 from fp4pass.convert import patterns as pattern_mod
 from fp4pass.convert.methods import AUTO_STEPS, auto_candidates, choose_m, pow2_scale_codes
 from fp4pass.convert.stats import ConversionStats, lossless_stats, measure_stats
+from fp4pass.choices import Effort, Method, MRule, values
 from fp4pass.errors import ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax
 from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPREAD
@@ -37,9 +38,9 @@ __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS",
 
 log = logging.getLogger(__name__)
 
-METHODS = ("requant", "verbatim", "hybrid", "auto")
-M_RULES = ("midpoint", "search")
-EFFORTS = ("best", "fast")
+METHODS = values(Method)
+M_RULES = values(MRule)
+EFFORTS = values(Effort)
 DEFAULT_EFFORT = "best"
 #: torch intra-op threads during a conversion. One measured fastest on a 2-core machine shared with other
 #: work (the ops are short and memory-bound; a second thread mostly waits at barriers).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from fp4pass.convert.stats import ConversionStats
+from fp4pass.choices import Method, values
 from fp4pass.errors import ShapeError, UsageError
 from fp4pass.formats import (
     E4M3_MAX,
@@ -42,7 +43,7 @@ from fp4pass.metrics import snr_db
 
 __all__ = ["scaled_fp4_to_nvfp4", "decode_scaled_fp4", "METHODS"]
 
-METHODS = ("requant", "verbatim", "hybrid", "auto")
+METHODS = values(Method)
 
 
 def decode_scaled_fp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

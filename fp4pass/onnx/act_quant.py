@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fp4pass.choices import ActivationTarget, ScaleForm, values
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
 from fp4pass.formats.constants import FP4_MIN_IR_VERSION, TRT_DOMAIN
@@ -51,8 +52,8 @@ __all__ = ["insert_activation_quantizers", "QuantizerScale", "trt_quantizer", "T
 log = logging.getLogger(__name__)
 
 TRT_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
-TARGETS = ("trt", "reference")
-SCALE_FORMS = ("dq", "alpha")
+TARGETS = values(ActivationTarget)
+SCALE_FORMS = values(ScaleForm)
 TRT_MIN_OPSET = 23  # DequantizeLinear with FLOAT4E2M1 input
 
 

@@ -28,6 +28,7 @@ import logging
 
 import onnx_ir as ir
 
+from fp4pass.choices import ExternalData, Method, Provider, ScaleForm, Target, values
 from fp4pass.errors import UsageError
 from fp4pass.onnx.rewrite_common import UniqueNames
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4
@@ -40,11 +41,11 @@ __all__ = ["rewrite_weights", "quark_rest", "quark_replaced", "group_initializer
 
 log = logging.getLogger(__name__)
 
-METHODS = ("auto", "hybrid", "requant", "verbatim")
-SCALE_FORMS = ("dq", "alpha")
-TARGETS = ("trt", "ort", "reference")
-EXTERNAL_DATA = ("auto", "always", "never")
-PROVIDERS = ("auto", "cuda", "cpu")
+METHODS = values(Method)
+SCALE_FORMS = values(ScaleForm)
+TARGETS = values(Target)
+EXTERNAL_DATA = values(ExternalData)
+PROVIDERS = values(Provider)
 
 
 def check_choice(name: str, value: str, allowed) -> None:

@@ -28,6 +28,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from fp4pass.choices import Provider, values
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats.constants import QUARK_DOMAIN
 
@@ -35,7 +36,7 @@ __all__ = ["make_session", "cuda_available", "PROVIDERS"]
 
 logger = logging.getLogger(__name__)
 
-PROVIDERS = ("auto", "cuda", "cpu")
+PROVIDERS = values(Provider)
 _CUDA_EP, _CPU_EP = "CUDAExecutionProvider", "CPUExecutionProvider"
 _INLINE_LIMIT = int(1.8 * 2**30)  # bytes of initializers above which a model goes through a file
 
