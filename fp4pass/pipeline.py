@@ -30,7 +30,7 @@ from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_qmoe import prior_global_scale
 from fp4pass.onnx.sharing import find_weights
-from fp4pass.progress import progress
+from fp4pass.progress import byte_progress, progress
 
 __all__ = ["convert"]
 
@@ -59,6 +59,12 @@ def _check(original, rewritten, provider: str, inputs=None, snr_min: float | Non
     data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
     data["snr_min"] = snr_min
     return data
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    """Bytes of every initializer (lazy ones from their shape and type, without computing them)."""
+    return sum(value.const_value.nbytes for graph in model.graphs() for value in graph.initializers.values()
+               if value.const_value is not None)
 
 
 def convert(
@@ -134,22 +140,15 @@ def convert(
 
     used_external = False
     if output is not None:
-        bar = None
-
-        def on_tensor(tensor, total):
-            nonlocal bar
-            if bar is None:
-                bar = progress(iter(range(total)), total, "writing", enabled=show_progress)
-            next(bar, None)
-
-        used_external = loading.save(model, output, external_data=external_data, inputs=input_files,
-                                     input_had_external=had_external, on_tensor=on_tensor,
-                                     allow_invalid=allow_invalid)
-        if bar is not None:
-            for _ in bar:
-                pass
+        # each weight is converted as ir.save reaches it: the bytes written are the conversion's progress
+        with byte_progress(_initializer_bytes(model), "converting and writing", enabled=show_progress) as bar:
+            used_external = loading.save(model, output, external_data=external_data, inputs=input_files,
+                                         input_had_external=had_external,
+                                         on_tensor=lambda tensor, total: bar.update(tensor.nbytes),
+                                         allow_invalid=allow_invalid)
+            bar.update(bar.total - bar.n)
     else:
-        for conv in progress(convs, desc="converting", enabled=show_progress):
+        for conv in progress(convs, desc="converting", enabled=show_progress, unit="weight"):
             conv.materialize()
         onnx_stages.materialize(model)
     for conv in convs:

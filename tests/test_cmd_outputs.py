@@ -80,6 +80,7 @@ def test_no_output_flag_can_name_an_input(work, capsys, monkeypatch, case):
 def test_plot_must_name_an_image_format(work, capsys):
     code, err = cli(capsys, "diff", work / "m.onnx", work / "b.onnx", "--plot", work / "x.txt")
     assert code == 2 and "give a .png file" in err and not (work / "x.txt").exists()
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the 'plot' extra)")
     code, err = cli(capsys, "diff", work / "m.onnx", work / "b.onnx", "--plot", work / "x.svg", "--quiet")
     assert code == 0 and (work / "x.svg").read_text().lstrip().startswith("<?xml")
 

@@ -65,8 +65,8 @@ def test_no_stray_format_numbers_in_code():
     stray = []
     for path in sorted((ROOT / "fp4pass").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "fp4pass/formats/constants.py":
-            continue
+        if rel == "fp4pass/formats/constants.py" or rel.startswith("fp4pass/examples/"):
+            continue  # the example builders import nothing of fp4pass: the tests use them as independent oracles
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Constant) or isinstance(node.value, bool):
                 continue

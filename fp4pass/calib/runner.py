@@ -337,7 +337,7 @@ def _single_torch_thread(enabled: bool):
 def _collect(outputs, stats, names, graph_inputs, feeds, show_progress) -> int:
     """Run every feed and add each target's batch to its statistics; returns the number of feeds."""
     batches = 0
-    for where, feed in progress(feeds, desc="calibrate", enabled=show_progress):
+    for where, feed in progress(feeds, desc="calibrate", enabled=show_progress, unit="batch"):
         results = outputs.run(feed) if outputs.names else {}
         for name in names:
             value = feed[name] if name in graph_inputs else results[name]
