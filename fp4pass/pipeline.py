@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
-                 calibrator_options) -> list[dict]:
+                 calibrator_options, show_progress=False) -> list[dict]:
     onnx_stages.materialize(model)
     if calib is not None:
-        act_scales = calibrate_model(model, calib, calibrator=calibrator, provider=provider, **calibrator_options)
+        act_scales = calibrate_model(model, calib, calibrator=calibrator, provider=provider,
+                                     show_progress=show_progress, **calibrator_options)
     elif isinstance(scales, dict):
         act_scales = ActivationScales.from_json(scales)
     else:
@@ -134,7 +135,7 @@ def convert(
     activations = None
     if calib is not None or scales is not None:
         activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
-                                   calibrator_options or {})
+                                   calibrator_options or {}, show_progress)
         versions["after"]["ir_version"] = model.ir_version
         onnx_stages.quark_replaced(quark, activations)
 

@@ -6,6 +6,7 @@ Silent when ``enabled`` is False (``--quiet``) and, when it is None, whenever st
 
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import Iterable, Iterator, TypeVar
 
@@ -14,6 +15,12 @@ from tqdm import tqdm
 T = TypeVar("T")
 
 __all__ = ["progress", "byte_progress"]
+
+
+def _size() -> dict:
+    """The terminal's size, 100 x 20 where it reports none (tqdm hides every bar on a terminal of size 0)."""
+    size = shutil.get_terminal_size((100, 20))
+    return {"ncols": size.columns or 100, "nrows": size.lines or 20}
 
 
 def _enabled(enabled: bool | None) -> bool:
@@ -26,7 +33,7 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "", enabl
     if not _enabled(enabled):
         yield from items
         return
-    with tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=True) as bar:
+    with tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, leave=True, **_size()) as bar:
         yield from bar
 
 
@@ -34,4 +41,4 @@ def byte_progress(total_bytes: int, desc: str = "", enabled: bool | None = None)
     """A bar counting bytes (``bar.update(n)``) with rate in B/s, KiB/s, ...; a disabled one when silent.
     Use it as a context manager (it is closed on exit)."""
     return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                dynamic_ncols=True, disable=not _enabled(enabled))
+                disable=not _enabled(enabled), **_size())
