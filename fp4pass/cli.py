@@ -64,13 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"fp4pass.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"fp4pass.commands.{name}":
-                raise
-            continue  # a command not built yet
-        module.register(sub, common)
+        importlib.import_module(f"fp4pass.commands.{name}").register(sub, common)
     return parser
 
 

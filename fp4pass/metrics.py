@@ -35,13 +35,14 @@ _CHUNK = 1 << 22  # elements per float64 accumulation step (32 MiB per float64 t
 
 
 def snr_db(signal_energy: float, error_energy: float) -> float | None:
-    """10 log10(sum x^2 / sum e^2) in dB from the two energies; None when there is no error, -inf for no signal.
+    """10 log10(sum x^2 / sum e^2) in dB from the two energies; None when there is no error, -inf for no signal
+    or an infinite error.
 
     The one SNR of fp4pass: diff, conversion statistics and the calibration report all use it.
     """
     if error_energy == 0:
         return None
-    if signal_energy <= 0:
+    if signal_energy <= 0 or math.isinf(error_energy):  # an error energy past float range: no signal left
         return -math.inf
     return 10.0 * math.log10(signal_energy / error_energy)
 

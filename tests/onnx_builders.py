@@ -1,7 +1,7 @@
 """Small hand-built ONNX models for the ONNX pass tests, and numpy/ml_dtypes oracles of FP4 dequantization.
 
 Nothing here imports fp4pass: the models are written with onnx.helper, MXFP4 quantized with the OCP FLOOR rule
-in numpy (``models.build.mxfp4_quantize``), and the oracles decode initializers with ml_dtypes.
+in numpy (``fp4pass.examples.moe.mxfp4_quantize``, which imports nothing of fp4pass), and the oracles decode initializers with ml_dtypes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from models.build import mxfp4_quantize
+from fp4pass.examples.moe import mxfp4_quantize
 
 OPSET = [helper.make_opsetid("", 24)]
 MS_OPSET = [helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)]

@@ -80,13 +80,14 @@ def test_no_output_flag_can_name_an_input(work, capsys, monkeypatch, case):
 def test_plot_must_name_an_image_format(work, capsys):
     code, err = cli(capsys, "diff", work / "m.onnx", work / "b.onnx", "--plot", work / "x.txt")
     assert code == 2 and "give a .png file" in err and not (work / "x.txt").exists()
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the 'plot' extra)")
     code, err = cli(capsys, "diff", work / "m.onnx", work / "b.onnx", "--plot", work / "x.svg", "--quiet")
     assert code == 0 and (work / "x.svg").read_text().lstrip().startswith("<?xml")
 
 
 @pytest.mark.parametrize("case", ["missing_folder", "output_is_dir", "report_missing_folder"])
 def test_outputs_refused_before_any_work(work, capsys, monkeypatch, case):
-    import fp4pass.onnx.pipeline as pipeline
+    import fp4pass.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "convert", lambda *a, **k: pytest.fail("work started"))
     (work / "outdir").mkdir()
@@ -115,7 +116,7 @@ def test_check_that_fails_removes_the_model_keeps_the_report(work, capsys):
 
 def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeypatch):
     """Weight-only --check fails by default when the converted weights are wrong (here: scaled by 2)."""
-    import fp4pass.onnx.pipeline as pipeline
+    import fp4pass.pipeline as pipeline
 
     real = pipeline._check
 
@@ -138,13 +139,13 @@ def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeyp
 
 
 def test_check_that_cannot_run_exits_2_and_leaves_no_model(work, capsys, monkeypatch):
-    import fp4pass.onnx.pipeline as pipeline
+    import fp4pass.pipeline as pipeline
     from fp4pass.errors import ModelError
 
     def failing(*args, **kwargs):
         raise ModelError("onnxruntime could not load the model: no kernel")
 
-    monkeypatch.setattr(pipeline, "_diff_function", lambda: failing)
+    monkeypatch.setattr(pipeline, "diff", failing)
     out = work / "o.onnx"
     code, err = cli(capsys, "convert", work / "m.onnx", "-o", out, "--report", work / "r.json", "--check")
     assert code == 2 and "--check could not run" in one_line(err)

@@ -82,3 +82,11 @@ def test_chunked_accumulation_matches_one_shot(monkeypatch):
     chunked = compare("t", a, b)
     assert chunked.snr_db == pytest.approx(whole.snr_db, rel=1e-12)
     assert chunked.p99_abs_err == whole.p99_abs_err and chunked.max_abs_err == whole.max_abs_err
+
+
+def test_snr_of_an_infinite_error_is_minus_infinity():
+    """A conversion whose error energy overflows float64 (sources near 2^128) reports -inf dB, not a crash."""
+    from fp4pass.metrics import snr_db
+
+    assert snr_db(2.4e78, math.inf) == -math.inf and snr_db(math.inf, math.inf) == -math.inf
+    assert snr_db(100.0, 1.0) == pytest.approx(20.0)

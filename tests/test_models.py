@@ -9,11 +9,11 @@ import numpy as np
 import onnx
 from onnx.reference import ReferenceEvaluator
 
-from models.build import BUILDERS, EXPERT_EXPONENTS, build_moe
+from fp4pass.examples.moe import BUILDERS, EXPERT_EXPONENTS, build_moe
 
 
 def test_builders_are_deterministic_and_match_the_committed_files(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "models.build", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "fp4pass.examples.moe", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     for name in BUILDERS:
         built = (tmp_path / name).read_bytes()

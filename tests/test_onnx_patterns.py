@@ -9,7 +9,7 @@ import onnx_builders as B
 from fp4pass.onnx import convert
 from fp4pass.onnx.patterns import find_fp4_consumers, find_mxfp4
 from fp4pass.onnx.sharing import find_weights, reader_nodes
-from models.build import build_tiny_mlp
+from fp4pass.examples.moe import build_tiny_mlp
 
 
 def _consumers(model):

@@ -64,12 +64,7 @@ def measure(fn: Callable[[], object], repeat: int = 5, device: torch.device | No
 def run_benchmarks(device: torch.device, quick: bool = False, areas=AREAS, log=print) -> list[BenchResult]:
     results: list[BenchResult] = []
     for area in areas:
-        try:
-            module = importlib.import_module(f"fp4pass.bench.{area}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"fp4pass.bench.{area}":
-                raise
-            continue
+        module = importlib.import_module(f"fp4pass.bench.{area}")
         for bench in module.BENCHMARKS:
             for result in bench(device, quick):
                 log(format_row(result))

@@ -18,14 +18,14 @@ import torch
 
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.errors import NonFiniteError, UsageError
-from fp4pass.formats import E2M1_MAX, E4M3_MAX, NVFP4Tensor
+from fp4pass.formats import NVFP4Tensor, global_scale_from_amax
+from fp4pass.formats.constants import E4M3_NORMAL_WINDOW
 
 __all__ = ["Calibrator", "MaxCalibrator", "PercentileCalibrator", "HeadroomCalibrator", "MSECalibrator",
            "CALIBRATORS", "make_calibrator", "quantization_error", "E4M3_NORMAL_WINDOW"]
 
 log = logging.getLogger(__name__)
 
-E4M3_NORMAL_WINDOW = 28672.0  # 448 / 2^-6: the g_amax / b ratio over which a block scale stays normal E4M3
 
 
 def quantization_error(blocks: torch.Tensor, weights: torch.Tensor, g_amax: float) -> tuple[float, float]:
@@ -36,7 +36,7 @@ def quantization_error(blocks: torch.Tensor, weights: torch.Tensor, g_amax: floa
     """
     if blocks.numel() == 0:
         return 0.0, 0.0
-    global_scale = g_amax / (E2M1_MAX * E4M3_MAX) if g_amax > 0 else 1.0
+    global_scale = global_scale_from_amax(g_amax)
     x_hat = NVFP4Tensor.quantize(blocks, global_scale=global_scale).dequantize()
     signal = float((weights * blocks.double().square().sum(1)).sum())
     error = float((weights * (blocks - x_hat).double().square().sum(1)).sum())

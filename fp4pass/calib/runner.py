@@ -38,11 +38,12 @@ import onnx_ir as ir
 import torch
 
 from fp4pass.calib.calibrators import HeadroomCalibrator, make_calibrator, quantization_error
-from fp4pass.calib.calibrators import E4M3_NORMAL_WINDOW
 from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
+from fp4pass.formats.constants import E4M3_NORMAL_WINDOW
 from fp4pass.metrics import snr_db
+from fp4pass.onnx.activations import activation_axis_reason, einsum_contracts_last
 from fp4pass.progress import progress
 
 __all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "einsum_contracts_last", "iter_feeds",
@@ -61,40 +62,6 @@ class CalibrationTarget:
 
     name: str
     consumers: list[str]
-
-
-def _einsum_contracts_last(node: ir.Node, activation_input: int) -> bool:
-    attr = node.attributes.get("equation")
-    if attr is None:
-        return False
-    return einsum_contracts_last(attr.value, activation_input)
-
-
-def einsum_contracts_last(equation: str, activation_input: int) -> bool:
-    """Whether the two-operand einsum ``equation`` contracts the last axis of operand ``activation_input``."""
-    equation = equation.replace(" ", "")
-    if "->" not in equation or "..." in equation.split("->")[0].split(",")[activation_input][-1:]:
-        return False
-    lhs, out = equation.split("->")
-    terms = lhs.split(",")
-    if len(terms) != 2 or not terms[activation_input]:
-        return False
-    last = terms[activation_input][-1]
-    return last in terms[1 - activation_input] and last not in out
-
-
-def activation_axis_reason(node: ir.Node, activation_input: int) -> str | None:
-    """Why this consumer's activation is not blocked along its last axis (None when it is)."""
-    op = node.op_type
-    if op == "Gemm":
-        trans_a = node.attributes.get("transA")
-        if activation_input != 0 or (trans_a is not None and trans_a.value):
-            return "Gemm activation is transposed (reduction axis is not its last)"
-    elif op == "MatMul" and activation_input != 0:
-        return "MatMul activation is input B (reduction axis is not its last)"
-    elif op == "Einsum" and not _einsum_contracts_last(node, activation_input):
-        return "Einsum does not contract the activation's last axis"
-    return None
 
 
 def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[dict]]:
@@ -370,7 +337,7 @@ def _single_torch_thread(enabled: bool):
 def _collect(outputs, stats, names, graph_inputs, feeds, show_progress) -> int:
     """Run every feed and add each target's batch to its statistics; returns the number of feeds."""
     batches = 0
-    for where, feed in progress(feeds, desc="calibrate", enabled=show_progress):
+    for where, feed in progress(feeds, desc="calibrate", enabled=show_progress, unit="batch"):
         results = outputs.run(feed) if outputs.names else {}
         for name in names:
             value = feed[name] if name in graph_inputs else results[name]

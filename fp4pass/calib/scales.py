@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp4pass.errors import FP4PassError
-from fp4pass.formats import E2M1_MAX, E4M3_MAX
+from fp4pass.formats import global_scale_from_amax
+from fp4pass.formats.constants import E4M3_MAX, FP32_MAX, GLOBAL_SCALE_MIN
 from fp4pass.io import write_json
 
 __all__ = ["ActivationScale", "ActivationScales", "ScalesFileError", "input_scale_from_g_amax"]
@@ -36,20 +37,16 @@ class ScalesFileError(FP4PassError):
     """A SCALES.json that cannot be read or does not hold the keys described below."""
 
 
-FP32_MAX = 3.4028234663852886e38
 # input_scale s multiplies E4M3 block scales b in [2^-9, 448]: b*s must stay a non-zero FP32 (>= 2^-149,
 # so s >= 2^-140, the floor NVFP4Tensor's global scale uses) and finite (s <= FP32 max / 448).
-INPUT_SCALE_MIN = 2.0**-140
+INPUT_SCALE_MIN = GLOBAL_SCALE_MIN
 INPUT_SCALE_MAX = FP32_MAX / E4M3_MAX
 
 
 def input_scale_from_g_amax(g_amax: float) -> float:
-    """g_amax / (6*448) rounded to FP32 (as ``NVFP4Tensor``'s global scale is); 1.0 for g_amax = 0."""
-    import numpy as np
-
-    if g_amax <= 0:
-        return 1.0
-    return float(np.float32(np.float32(g_amax) / np.float32(E2M1_MAX * E4M3_MAX)))
+    """g_amax / (6*448) rounded to FP32, floored at 2^-140; 1.0 for g_amax = 0: the NVFP4 global scale of
+    :func:`fp4pass.formats.global_scale_from_amax`, as a Python float."""
+    return global_scale_from_amax(float(g_amax))
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-CALIBRATORS = ("max", "headroom", "percentile", "mse")
+from fp4pass.choices import Calibrator, values
+
+CALIBRATORS = values(Calibrator)
 
 
 def add_calibrator_arguments(p) -> None:
-    p.add_argument("--calibrator", choices=CALIBRATORS, default="max",
+    p.add_argument("--calibrator", choices=CALIBRATORS, default=Calibrator.MAX.value,
                    help="max: g_amax = amax (default); headroom: max(rho*B_min, margin*B_max); "
                         "percentile: pXX of |x|; mse: the MSE-optimal g_amax on the calibration data")
     p.add_argument("--percentile", type=float, help="percentile calibrator: pXX of |x| (default 99.999)")

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from fp4pass.choices import Provider, values
 from fp4pass.errors import UsageError
 from fp4pass.io import check_outputs
 
@@ -57,7 +58,7 @@ def plot_path(text: str) -> str:
 
 
 def add_provider_arguments(p) -> None:
-    p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
+    p.add_argument("--provider", choices=values(Provider), default=Provider.AUTO.value,
                    help="auto: CUDA if onnxruntime's CUDA provider loads, else CPU (default)")
     p.add_argument("--strict", action="store_true",
                    help="with --provider cuda: exit 2 when CUDA cannot run, instead of falling back to CPU")

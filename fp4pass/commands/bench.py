@@ -8,6 +8,7 @@ import sys
 import torch
 
 from fp4pass.bench import AREAS, format_row, format_table, run_benchmarks
+from fp4pass.choices import Device, values
 from fp4pass.io import check_outputs, write_json
 
 EPILOG = """examples:
@@ -21,7 +22,7 @@ def register(sub, common) -> None:
     p = sub.add_parser("bench", parents=[common], help="run the benchmarks (ratios to same-process baselines)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=values(Device), default=Device.AUTO.value)
     p.add_argument("--area", action="append", choices=AREAS, help="only these areas (repeatable)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--peers", action="store_true",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
 from fp4pass.commands import _safety
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
 from fp4pass.errors import UsageError
@@ -34,17 +35,17 @@ def register(sub, common) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="IN.onnx")
     p.add_argument("-o", "--output", metavar="OUT.onnx", required=True)
-    p.add_argument("--method", choices=["auto", "hybrid", "requant", "verbatim"], default="auto")
-    p.add_argument("--scale-form", choices=["dq", "alpha"], default="dq",
+    p.add_argument("--method", choices=values(Method), default=Method.AUTO.value)
+    p.add_argument("--scale-form", choices=values(ScaleForm), default=ScaleForm.DQ.value,
                    help="dq: global scale in the scale DQ; alpha: on the consumer's output")
-    p.add_argument("--target", choices=["trt", "ort", "reference"], default="trt")
+    p.add_argument("--target", choices=values(Target), default=Target.TRT.value)
     p.add_argument("--calib", metavar="DATA.npz|DIR", help="calibrate and insert activation quantizers")
     add_calibrator_arguments(p)
     p.add_argument("--scales", metavar="SCALES.json", help="reuse a saved calibration")
     p.add_argument("--report", metavar="REPORT.json", help="write the per-tensor report")
     p.add_argument("--check", action="store_true", help="diff input and output under onnxruntime")
-    p.add_argument("--external-data", choices=["auto", "always", "never"], default="auto")
-    p.add_argument("--effort", choices=["best", "fast"], default="best",
+    p.add_argument("--external-data", choices=values(ExternalData), default=ExternalData.AUTO.value)
+    p.add_argument("--effort", choices=values(Effort), default=Effort.BEST.value,
                    help="auto's search on lossy groups: best (wide) or fast (narrow)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads for the weight conversion (default 1: fastest on 2 shared cores)")
@@ -114,7 +115,7 @@ def _check_verdict(check: dict) -> str | None:
 def run(args) -> int:
     snr_min = _check_before_work(args)
     from fp4pass.io import write_json
-    from fp4pass.onnx.pipeline import convert
+    from fp4pass.pipeline import convert
     from fp4pass.onnx.report import format_report, summary_line
     from fp4pass.convert import set_defaults
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from fp4pass.commands import _safety
+from fp4pass.extras import require
 from fp4pass.errors import UsageError
 from fp4pass.io import REPORT, atomic_output, write_json
 
@@ -74,6 +75,8 @@ def run(args) -> int:
     inputs = {**_safety.model_inputs("A", args.original), **_safety.model_inputs("B", args.rewritten),
               "--inputs": args.inputs}
     _safety.check_files({"--json": args.json, "--plot": args.plot}, inputs)
+    if args.plot:
+        require("matplotlib", "plot", "--plot")  # before any work
     _safety.check_model(args, args.original, args.rewritten)
     _safety.check_provider(args)
     result = diff(

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from fp4pass.choices import Device, values
 from fp4pass.io import check_outputs, write_json
 from fp4pass.study import format_study_table, run_study
 
@@ -20,7 +21,7 @@ def register(sub, common) -> None:
     p = sub.add_parser("study", parents=[common], help="MSE of every conversion method on 27 tensor scenarios",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="OUT.json", help="write the study as JSON")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=values(Device), default=Device.AUTO.value)
     p.set_defaults(run=run)
 
 

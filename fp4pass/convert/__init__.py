@@ -27,8 +27,10 @@ from fp4pass.convert.layout import EMPTY_K, GroupLayout, exact_pow2, exact_pow2_
 from fp4pass.convert import patterns as pattern_mod
 from fp4pass.convert.methods import AUTO_STEPS, auto_candidates, choose_m, pow2_scale_codes
 from fp4pass.convert.stats import ConversionStats, lossless_stats, measure_stats
+from fp4pass.choices import Effort, Method, MRule, values
 from fp4pass.errors import ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax
+from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPREAD
 from fp4pass.metrics import snr_db
 
 __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
@@ -36,16 +38,15 @@ __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS",
 
 log = logging.getLogger(__name__)
 
-METHODS = ("requant", "verbatim", "hybrid", "auto")
-M_RULES = ("midpoint", "search")
-EFFORTS = ("best", "fast")
+METHODS = values(Method)
+M_RULES = values(MRule)
+EFFORTS = values(Effort)
 DEFAULT_EFFORT = "best"
 #: torch intra-op threads during a conversion. One measured fastest on a 2-core machine shared with other
 #: work (the ops are short and memory-bound; a second thread mostly waits at barriers).
 DEFAULT_THREADS = 1
 _SETTINGS = {"effort": DEFAULT_EFFORT, "threads": DEFAULT_THREADS}
 #: E4M3 holds the 18 exact powers of two 2^-9..2^8, so 18 consecutive exponents (spread 17) fit verbatim.
-LOSSLESS_SPREAD = 17
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -129,7 +130,7 @@ def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     if fast_lossless:
         # Every block (holding a value or not) is within 17 octaves of its group's top: m = k_max - 8 puts
         # them all in E4M3's exact window, nibbles shared with the input, scales straight from exponents.
-        m = [u - 127 - 8 for u in code_hi]
+        m = [u - E8M0_BIAS - E4M3_POW2_MAX_EXP for u in code_hi]
         if min(m) < -126:
             # a float32-subnormal global scale (reciprocal inf): only right for a group that holds values;
             # an all-zero group (MX producers write E8M0 code 0 there) gets 1.0, as in every other method

@@ -28,10 +28,11 @@ from fp4pass.formats import (
     encode_e4m3,
 )
 from fp4pass.convert.layout import exact_pow2
+from fp4pass.formats.constants import E4M3_MAX_CODE
 
 __all__ = ["HalfChoice", "encode_halves", "E4M3_CODE_MAX"]
 
-E4M3_CODE_MAX = 0x7E  # 448; 0x7F is NaN
+E4M3_CODE_MAX = E4M3_MAX_CODE
 E4M3_CODE_MIN = 0x01  # 2^-9
 
 

@@ -18,7 +18,8 @@ import torch
 
 from fp4pass.errors import ShapeError
 from fp4pass.formats import MXFP4Tensor, NV_BLOCK_SIZE
-from fp4pass.formats.codecs import E8M0_NAN, check_e8m0
+from fp4pass.formats.codecs import check_e8m0
+from fp4pass.formats.constants import E4M3_MIN_NORMAL_EXP, E4M3_POW2_MAX_EXP, E8M0_BIAS, E8M0_NAN
 
 __all__ = [
     "GroupLayout",
@@ -33,10 +34,11 @@ __all__ = [
 
 #: k_max/k_min of a group without any non-zero block (a sentinel below every E8M0 exponent).
 EMPTY_K = -1000
+FP32_EXP_BIAS = 127  # float32's exponent field bias (not E8M0's, though the same number)
 
 # E4M3FN code of 2^e for e = -9..8: subnormals 2^-9, 2^-8, 2^-7 are codes 1, 2, 4 (mantissa k * 2^-9);
 # normals 2^e have exponent field e + 7 and a zero mantissa.
-E4M3_POW2_CODES = tuple([1, 2, 4] + [(e + 7) << 3 for e in range(-6, 9)])
+E4M3_POW2_CODES = tuple([1, 2, 4] + [(e + 7) << 3 for e in range(E4M3_MIN_NORMAL_EXP, E4M3_POW2_MAX_EXP + 1)])
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def exponent_range(codes: torch.Tensor, scales: torch.Tensor, layout: GroupLayou
     so the verdict "lossless" is the same, and m = k_max - 8 is then lossless too). This skips the one pass
     over the codes on the common path.
     """
-    k = scales.to(torch.int32) - 127
+    k = scales.to(torch.int32) - E8M0_BIAS
     if lossless_spread is not None:
         k_min_all, k_max_all = k.reshape(layout.groups, -1).aminmax(dim=-1)
         if bool((k_max_all - k_min_all <= lossless_spread).all()):
@@ -177,6 +179,6 @@ def exact_pow2_list(exponents: list[int], device: torch.device) -> torch.Tensor:
 def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:
     """Integer exponents in [-149, 127] -> exact float32 2^e, built from the bit pattern (subnormals included)."""
     e = exponent.to(torch.int32)
-    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    normal = ((e + FP32_EXP_BIAS).clamp(min=1) << 23).view(torch.float32)
     subnormal = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)
     return torch.where(e >= -126, normal, subnormal)

@@ -33,6 +33,8 @@ import torch
 from fp4pass.convert import layout as layout_mod
 from fp4pass.convert.layout import E4M3_POW2_CODES, EMPTY_K, GroupLayout, exact_pow2
 from fp4pass.formats import decode_e2m1, global_scale_from_amax, unpack_nibbles
+from fp4pass.formats.constants import (E4M3_MIN_NORMAL_EXP, E4M3_POW2_MAX_EXP, E4M3_POW2_MIN_EXP, E8M0_BIAS,
+                                       E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN)
 
 __all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "auto_candidates", "AUTO_STEPS"]
 
@@ -45,7 +47,8 @@ MANTISSAS = tuple(1 + i / 8 for i in range(1, 8))
 def verbatim_scales(scales: torch.Tensor, m_rows: torch.Tensor, halves_per_block: int) -> torch.Tensor:
     """E8M0 codes [n, B] and per-row m [n] -> E4M3 codes [n, B*h] of 2^clamp(k - m, -9, 8), straight from exponents."""
     lut = torch.tensor(E4M3_POW2_CODES, dtype=torch.uint8, device=scales.device)
-    e = (scales.to(torch.int32) - 127 - m_rows.to(torch.int32).unsqueeze(-1)).clamp(-9, 8) + 9
+    e = (scales.to(torch.int32) - E8M0_BIAS - m_rows.to(torch.int32).unsqueeze(-1)).clamp(
+        E4M3_POW2_MIN_EXP, E4M3_POW2_MAX_EXP) - E4M3_POW2_MIN_EXP
     codes = lut[e]
     return codes.repeat_interleave(halves_per_block, dim=-1) if halves_per_block > 1 else codes
 
@@ -61,7 +64,8 @@ def pow2_scale_codes(scales: torch.Tensor, layout: GroupLayout, m: list[int], lo
     """
     h = layout.halves_per_block
     device = scales.device
-    normal = all(l - 127 - g >= -6 and u - 127 - g <= 8 for l, u, g in zip(lo, hi, m))
+    normal = all(l - E8M0_BIAS - g >= E4M3_MIN_NORMAL_EXP and u - E8M0_BIAS - g <= E4M3_POW2_MAX_EXP
+                 for l, u, g in zip(lo, hi, m))
     if layout.total_rows == 0 or not normal:
         m_rows = torch.tensor(m, dtype=torch.int32, device=device).repeat_interleave(layout.rows_per_group)
         return verbatim_scales(scales, m_rows, h)
@@ -108,10 +112,10 @@ def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks
         block_energy = element.square().reshape(hi - lo, -1, layout.mx_block).sum(-1)
         groups = (torch.arange(lo, hi, device=device) // layout.rows_per_group).unsqueeze(-1)
         weight.index_add_(0, (groups * 256 + scales[lo:hi].long()).flatten(), block_energy.flatten())
-    weight = weight.reshape(layout.groups, 256)[:, :255]
-    k = torch.arange(-127, 128, device=device, dtype=torch.float64)
+    weight = weight.reshape(layout.groups, 256)[:, :E8M0_NAN]  # codes 0..254
+    k = torch.arange(E8M0_MIN_EXP, E8M0_MAX_EXP + 1, device=device, dtype=torch.float64)
     m = torch.arange(-136, 137, device=device, dtype=torch.float64)
-    snapped = m.unsqueeze(-1) + (k.unsqueeze(0) - m.unsqueeze(-1)).clamp(-9, 8)  # [M, 255]
+    snapped = m.unsqueeze(-1) + (k.unsqueeze(0) - m.unsqueeze(-1)).clamp(E4M3_POW2_MIN_EXP, E4M3_POW2_MAX_EXP)  # [M, 255]
     penalty = (torch.exp2(k).unsqueeze(0) - torch.exp2(snapped)).square()  # exact powers of two in float64
     objective = weight @ penalty.T  # [G, M]
     best = objective.amin(-1, keepdim=True)

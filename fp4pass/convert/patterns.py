@@ -37,11 +37,12 @@ import torch
 from fp4pass.convert.layout import exact_pow2
 from fp4pass.errors import NonFiniteError
 from fp4pass.formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e2m1
+from fp4pass.formats.constants import E4M3_MAX_CODE, E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP
 
 __all__ = ["Patterns", "collect", "Choice", "choose", "encode", "COUNT_BASE"]
 
 COUNT_BASE = 17**8  # counts_j in 0..16, eight digits base 17
-E4M3_CODE_MAX = 0x7E  # 448; 0x7F is NaN
+E4M3_CODE_MAX = E4M3_MAX_CODE
 E4M3_CODE_MIN = 0x01  # 2^-9
 #: patterns per step of the search: C * I * 8 float64 each (41 * 5 * 8 * 8 B = 13 KB): about 50 MB a step
 PATTERNS_PER_STEP = 1 << 12
@@ -147,7 +148,7 @@ def _tables(S: torch.Tensor, k: torch.Tensor, jmax: torch.Tensor, steps, allow_v
     device = S.device
     T, C = S.shape
     mags = _magnitudes(device)
-    pow2k = exact_pow2(k.clamp(-127, 127)).reshape(T, 1)
+    pow2k = exact_pow2(k.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)).reshape(T, 1)
     v = mags.reshape(1, 8) * pow2k  # [T, 8] exact (inf where it overflows)
     amax = v.gather(1, jmax.reshape(T, 1))  # [T, 1]
     overflow = ~torch.isfinite(amax.squeeze(-1))
@@ -219,7 +220,7 @@ def choose(patterns: Patterns, candidates, steps, *, allow_verbatim: bool, name:
     device = patterns.ids.device
     local, code, counts, jmax = patterns.decode()
     L = int(local.max()) + 1 if local.numel() else 0
-    k = code - 127
+    k = code - E8M0_BIAS
     mags64 = torch.tensor(E2M1_VALUES[:8], dtype=torch.float64, device=device)
     pattern_amax = (mags64[jmax] * torch.exp2(k.double()))
     amax = torch.zeros(L, dtype=torch.float64, device=device).scatter_reduce_(0, local, pattern_amax, "amax")
@@ -228,7 +229,7 @@ def choose(patterns: Patterns, candidates, steps, *, allow_verbatim: bool, name:
     kind_id = (local * 256 + code) * 8 + jmax
     kinds, kind_of = torch.unique_consecutive(kind_id, return_inverse=True)  # ids sorted: kinds are runs
     kind_local = torch.div(kinds, 256 * 8, rounding_mode="floor")
-    tab = _tables(S[kind_local], torch.div(kinds, 8, rounding_mode="floor") % 256 - 127, kinds % 8, steps,
+    tab = _tables(S[kind_local], torch.div(kinds, 8, rounding_mode="floor") % 256 - E8M0_BIAS, kinds % 8, steps,
                   allow_verbatim)
     Tn, C, I, _ = tab.sse.shape
     total = torch.zeros(L, C, dtype=torch.float64, device=device)

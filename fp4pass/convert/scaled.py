@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from fp4pass.convert.stats import ConversionStats
+from fp4pass.choices import Method, values
 from fp4pass.errors import ShapeError, UsageError
 from fp4pass.formats import (
     E4M3_MAX,
@@ -37,12 +38,12 @@ from fp4pass.formats import (
     unpack_nibbles,
 )
 from fp4pass.formats.codecs import check_finite
+from fp4pass.formats.constants import E4M3_MAX_CODE
 from fp4pass.metrics import snr_db
 
 __all__ = ["scaled_fp4_to_nvfp4", "decode_scaled_fp4", "METHODS"]
 
-METHODS = ("requant", "verbatim", "hybrid", "auto")
-_E4M3_MAX_CODE = 0x7E  # 448
+METHODS = values(Method)
 
 
 def decode_scaled_fp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ def _keep_codes(elements: torch.Tensor, scales: torch.Tensor, block: int, g: tor
     best_sse = best_code = None
     xr = x.reshape(rows, halves, NV_BLOCK_SIZE).double()
     for step in (-1, 0, 1):
-        code = (nearest + step).clamp(0, _E4M3_MAX_CODE).to(torch.uint8)
+        code = (nearest + step).clamp(0, E4M3_MAX_CODE).to(torch.uint8)
         deq = values * (decode_e4m3(code) * g).unsqueeze(-1)
         sse = (deq.double() - xr).square().sum(-1)
         if best_sse is None:

@@ -4,12 +4,16 @@ One source of truth per format: the converter, the ONNX emulation subgraphs and 
 these definitions.
 """
 
-from fp4pass.formats.codecs import (
+from fp4pass.formats.constants import (
     E2M1_MAX,
     E2M1_VALUES,
     E4M3_MAX,
     E4M3_MIN_NORMAL,
     E4M3_MIN_SUBNORMAL,
+    E8M0_BIAS,
+    LOSSLESS_SPREAD,
+)
+from fp4pass.formats.codecs import (
     decode_e2m1,
     decode_e4m3,
     decode_e8m0,
@@ -30,6 +34,8 @@ __all__ = [
     "E4M3_MAX",
     "E4M3_MIN_NORMAL",
     "E4M3_MIN_SUBNORMAL",
+    "E8M0_BIAS",
+    "LOSSLESS_SPREAD",
     "MX_BLOCK_SIZE",
     "NV_BLOCK_SIZE",
     "MXFP4Tensor",

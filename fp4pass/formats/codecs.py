@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from fp4pass.errors import FormatError, NonFiniteError
+from fp4pass.formats.constants import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, E4M3_MIN_NORMAL, E4M3_MIN_SUBNORMAL,
+                                       E8M0_BIAS, E8M0_MAX_EXP, E8M0_NAN)
 
 __all__ = [
     "E2M1_MAX",
@@ -43,14 +45,6 @@ __all__ = [
     "check_e8m0",
 ]
 
-E2M1_MAX = 6.0
-#: Value of each E2M1 code 0..15 (code 8 is -0.0).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-E4M3_MAX = 448.0
-E4M3_MIN_NORMAL = 2.0**-6
-E4M3_MIN_SUBNORMAL = 2.0**-9
-E8M0_BIAS = 127
-E8M0_NAN = 255
 
 # Round-to-nearest-even on the E2M1 magnitude grid 0, .5, 1, 1.5, 2, 3, 4, 6 is a count of thresholds
 # passed. At a midpoint the tie goes to the even code (mantissa bit 0): 0.25 -> 0, 0.75 -> 1.0,
@@ -145,7 +139,7 @@ def check_e8m0(codes: torch.Tensor, what: str = "scales") -> None:
 
 def encode_e8m0(exponent: torch.Tensor) -> torch.Tensor:
     """Unbiased integer exponent k -> E8M0 code k+127, saturated to the finite range [2^-127, 2^127]."""
-    return (exponent.to(torch.int32) + E8M0_BIAS).clamp(0, 254).to(torch.uint8)
+    return (exponent.to(torch.int32) + E8M0_BIAS).clamp(0, E8M0_MAX_EXP + E8M0_BIAS).to(torch.uint8)
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:

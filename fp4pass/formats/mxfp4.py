@@ -38,11 +38,11 @@ from fp4pass.formats.codecs import (
     encode_e8m0,
     pow2,
 )
+from fp4pass.formats.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, MX_BLOCK_SIZE
 from fp4pass.formats.packing import pack_nibbles, unpack_nibbles
 
 __all__ = ["ScaleRule", "MXFP4Tensor", "MX_BLOCK_SIZE"]
 
-MX_BLOCK_SIZE = 32
 _E2M1_EMAX = 2  # exponent of E2M1's largest power of two (4 = 2^2)
 
 
@@ -71,8 +71,8 @@ def shared_exponent(amax: torch.Tensor, rule: ScaleRule | str = ScaleRule.FLOOR)
         k = k + (m >= 1.75).to(torch.int32)
     elif rule is ScaleRule.RCEIL:
         k = k + (m > 1.5).to(torch.int32)
-    k = torch.where(amax > 0, k, torch.full_like(k, -127))
-    return k.clamp(-127, 127)
+    k = torch.where(amax > 0, k, torch.full_like(k, E8M0_MIN_EXP))
+    return k.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class MXFP4Tensor:
     @property
     def exponents(self) -> torch.Tensor:
         """Unbiased scale exponents k = code - 127 (int32), shape [..., K/block_size]."""
-        return self.scales.to(torch.int32) - 127
+        return self.scales.to(torch.int32) - E8M0_BIAS
 
     def element_codes(self) -> torch.Tensor:
         """E2M1 codes unpacked to one per byte, [..., K]."""

@@ -34,22 +34,27 @@ from fp4pass.formats.codecs import (
     encode_e2m1,
     encode_e4m3,
 )
+from fp4pass.formats.constants import GLOBAL_SCALE_MIN, NV_BLOCK_SIZE, NVFP4_AMAX_PER_GLOBAL_SCALE
 from fp4pass.formats.packing import pack_nibbles, unpack_nibbles
 
 __all__ = ["NVFP4Tensor", "NV_BLOCK_SIZE", "global_scale_from_amax"]
 
-NV_BLOCK_SIZE = 16
 
 
-def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's scale_2 = amax / (6*448), float32.
+def global_scale_from_amax(amax):
+    """ModelOpt's scale_2 = amax / (6*448), float32: the one place fp4pass computes a global scale (weights
+    in the conversion, activations' ``input_scale`` in the calibration).
 
     Two edges the formula leaves undefined: 1.0 where amax is 0 (any positive scale is exact there), and the
     floor 2^-140 where amax is so tiny that amax/2688 would go below it (2^-140 is the least global scale whose
-    product with the least E4M3 block scale 2^-9 is still a non-zero float32).
+    product with the least E4M3 block scale 2^-9 is still a non-zero float32). ``amax``: a tensor (result of
+    its shape, float32) or a number (result a Python float holding the float32 value: amax rounded to
+    float32, then divided in float32).
     """
+    if not isinstance(amax, torch.Tensor):
+        return float(global_scale_from_amax(torch.tensor(float(amax), dtype=torch.float32)))
     amax = amax.float()
-    scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp_min(2.0**-140)
+    scale = (amax / NVFP4_AMAX_PER_GLOBAL_SCALE).clamp_min(GLOBAL_SCALE_MIN)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 

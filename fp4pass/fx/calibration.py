@@ -285,7 +285,7 @@ def _collect(gm, stream, device, show_progress) -> int:
         return value.to(device) if isinstance(value, torch.Tensor) else value
 
     with torch.no_grad():
-        for batch in progress(stream, desc="fx calibrate", enabled=show_progress):
+        for batch in progress(stream, desc="fx calibrate", enabled=show_progress, unit="batch"):
             args, kwargs = pytree.tree_map(move, _split_batch(batch))
             try:
                 gm(*args, **kwargs)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fp4pass.errors import ModelError, UsageError
+from fp4pass.extras import require
 from fp4pass.fx.mxfp4 import MXFP4Experts
 
 __all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "CausalLMLogits"]
@@ -182,10 +183,10 @@ def load_gpt_oss(checkpoint_dir: str | Path, *, device: str | torch.device = "cp
     dtype (the experts' dequantized weights are cast to the activations' dtype). ``config_overrides``:
     ``GptOssConfig`` fields, e.g. ``num_hidden_layers=2`` to load the first two layers only.
     """
-    try:
-        from transformers import GptOssForCausalLM
-    except ImportError:
-        raise UsageError("load_gpt_oss needs transformers >= 5: pip install 'fp4pass[gpt-oss]'") from None
+    transformers = require("transformers", "gpt-oss", "load_gpt_oss")
+    GptOssForCausalLM = getattr(transformers, "GptOssForCausalLM", None)
+    if GptOssForCausalLM is None:
+        raise UsageError("load_gpt_oss needs transformers >= 5: pip install 'fp4pass[gpt-oss]'")
 
     attn_implementation = config_overrides.pop("attn_implementation", "eager")
     config = read_config(checkpoint_dir, **config_overrides)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4pass.errors import ShapeError
-from fp4pass.formats import MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
+from fp4pass.formats import E8M0_BIAS, MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
 
 # Registers torch.ops.fp4pass.* before any forward runs.
 from fp4pass.fx import ops  # noqa: F401
@@ -75,7 +75,7 @@ class MXFP4Linear(nn.Module):
         blocks = in_features // MX_BLOCK_SIZE
         self.register_buffer("weight_blocks", torch.zeros(out_features, blocks, _BLOCK_BYTES, dtype=torch.uint8,
                                                           device=device))
-        self.register_buffer("weight_scales", torch.full((out_features, blocks), 127, dtype=torch.uint8,
+        self.register_buffer("weight_scales", torch.full((out_features, blocks), E8M0_BIAS, dtype=torch.uint8,
                                                          device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
@@ -138,7 +138,7 @@ class MXFP4Experts(nn.Module):
             return torch.zeros(e, n, k // MX_BLOCK_SIZE, _BLOCK_BYTES, dtype=torch.uint8, device=device)
 
         def scales(n, k):
-            return torch.full((e, n, k // MX_BLOCK_SIZE), 127, dtype=torch.uint8, device=device)
+            return torch.full((e, n, k // MX_BLOCK_SIZE), E8M0_BIAS, dtype=torch.uint8, device=device)
 
         self.register_buffer("gate_up_proj_blocks", blocks(2 * i, h))
         self.register_buffer("gate_up_proj_scales", scales(2 * i, h))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from fp4pass.choices import Method, ScaleForm, values
 from fp4pass.errors import UsageError
 from fp4pass.formats import MXFP4Tensor
 
@@ -50,8 +51,8 @@ __all__ = ["MXFP4ToNVFP4FxPass", "convert", "METHODS", "SCALE_FORMS", "PATTERN"]
 
 log = logging.getLogger(__name__)
 
-METHODS = ("auto", "hybrid", "requant", "verbatim")
-SCALE_FORMS = ("dq", "alpha")
+METHODS = values(Method)
+SCALE_FORMS = values(ScaleForm)
 PATTERN = "dequantize_mxfp4"
 
 aten = torch.ops.aten

@@ -14,7 +14,8 @@ __all__ = ["convert", "diff", "inspect"]
 # name -> (module, attribute). Module names differ from the function names so that importing a submodule
 # never shadows the function on this package.
 _LAZY = {
-    "convert": ("fp4pass.onnx.pipeline", "convert"),
+    # the orchestration (passes + calibration + check) lives above this package: the name points up, lazily
+    "convert": ("fp4pass.pipeline", "convert"),
     "inspect": ("fp4pass.onnx.inspection", "inspect"),
     "diff": ("fp4pass.onnx.numerics", "diff"),
 }

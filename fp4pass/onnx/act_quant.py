@@ -1,6 +1,6 @@
 """Insert calibrated NVFP4 activation quantizers in front of the consumers of FP4 weights.
 
-For each calibrated activation x (``ActivationScales.tensors``) with ``input_scale = g_amax / (6*448)``
+For each calibrated activation x (a mapping name -> :class:`QuantizerScale`) with ``input_scale = g_amax / (6*448)``
 (a multiplier applied on dequantize, ModelOpt/TensorRT convention), one quantizer is inserted, however many
 consumers read x, and only the FP4 consumers' activation inputs are rewired to it (other readers of x keep
 the float x). Names of everything already in the graph stay as they were; new names start with ``{x}_nvfp4``.
@@ -21,7 +21,7 @@ the float x). Names of everything already in the graph stay as they were; new na
    consumer missing from ``alphas`` (it fell back to dq) keeps its scale in the DQ, and the report says so.
 
 Declined, with the reason in the report: an activation no FP4 consumer reads, an activation not blocked along
-its last axis (:func:`fp4pass.calib.runner.activation_axis_reason`), a last dim that is not a multiple of 16.
+its last axis (:func:`fp4pass.onnx.activations.activation_axis_reason`), a last dim that is not a multiple of 16.
 
 Graph dtypes: x and x_hat keep the activation's type (FLOAT, FLOAT16 or BFLOAT16); the scales stay FLOAT.
 ``trt``: the quantizer reads x as it is (TensorRT's dynamic quantize takes FLOAT, FLOAT16 and BFLOAT16 data
@@ -33,28 +33,51 @@ result back (:func:`fp4pass.onnx.emulate.nvfp4_fake_quant`), bit-exact with ``NV
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.calib.runner import activation_axis_reason
-from fp4pass.calib.scales import ActivationScales
+from fp4pass.choices import ActivationTarget, ScaleForm, values
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
+from fp4pass.formats.constants import FP4_MIN_IR_VERSION, TRT_DOMAIN
+from fp4pass.onnx.activations import activation_axis_reason
 from fp4pass.onnx.dtypes import FLOAT_TYPES, value_dtype
 from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
 from fp4pass.onnx.patterns import node_label
 
-__all__ = ["insert_activation_quantizers", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+__all__ = ["insert_activation_quantizers", "QuantizerScale", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
 log = logging.getLogger(__name__)
 
-TRT_DOMAIN = "trt"
 TRT_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
-TARGETS = ("trt", "reference")
-SCALE_FORMS = ("dq", "alpha")
+TARGETS = values(ActivationTarget)
+SCALE_FORMS = values(ScaleForm)
 TRT_MIN_OPSET = 23  # DequantizeLinear with FLOAT4E2M1 input
-FP4_MIN_IR = 11
+
+
+@dataclass(frozen=True)
+class QuantizerScale:
+    """The calibrated scale of one activation as this pass needs it: ``input_scale`` (= g_amax / (6*448), the
+    FP32 multiplier applied on dequantize) and, for the report, ``g_amax`` (None when not known)."""
+
+    input_scale: float
+    g_amax: float | None = None
+
+
+def quantizer_scales(scales) -> dict[str, QuantizerScale]:
+    """``scales`` as {activation: QuantizerScale}: a mapping whose values are numbers (input_scale) or objects
+    with ``input_scale`` (and optionally ``g_amax``) attributes, or an object holding such a mapping in
+    ``.tensors`` (a calibration's result)."""
+    tensors = getattr(scales, "tensors", scales)
+    out = {}
+    for name, value in tensors.items():
+        if isinstance(value, (int, float)):
+            out[name] = QuantizerScale(float(value))
+        else:
+            out[name] = QuantizerScale(float(value.input_scale), getattr(value, "g_amax", None))
+    return out
 
 
 def _scalar(name: str, value: float) -> ir.Value:
@@ -115,13 +138,16 @@ def _ensure_opset(model: ir.Model, target: str) -> None:
         model.opset_imports[""] = need
     if target == "trt":
         model.opset_imports.setdefault(TRT_DOMAIN, 1)
-        if (model.ir_version or 0) < FP4_MIN_IR:
-            model.ir_version = FP4_MIN_IR
+        if (model.ir_version or 0) < FP4_MIN_IR_VERSION:
+            model.ir_version = FP4_MIN_IR_VERSION
 
 
-def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, target: str = "trt",
+def insert_activation_quantizers(model: ir.Model, scales, target: str = "trt",
                                  scale_form: str = "dq", alphas: dict[str, str] | None = None) -> list[dict]:
     """Insert one NVFP4 quantizer per calibrated activation, in place (module docstring); return the report.
+
+    ``scales``: {activation name: input_scale or :class:`QuantizerScale`}, or anything
+    :func:`quantizer_scales` reads (a calibration's result).
 
     Report entries: ``{"activation", "consumers", "input_scale", "g_amax", "target", "scale_form",
     "inserted": bool, "reason", "alphas"}``.
@@ -137,7 +163,7 @@ def insert_activation_quantizers(model: ir.Model, scales: ActivationScales, targ
     order = {id(node): i for i, node in enumerate(graph)}
     scaled_alphas: dict[str, float] = {}
     report: list[dict] = []
-    for name, scale in scales.tensors.items():
+    for name, scale in quantizer_scales(scales).items():
         entry = {"activation": name, "consumers": [], "input_scale": scale.input_scale, "g_amax": scale.g_amax,
                  "target": target, "scale_form": scale_form, "inserted": False, "reason": None, "alphas": []}
         report.append(entry)

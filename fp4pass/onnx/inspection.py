@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fp4pass.formats.constants import LOSSLESS_SPREAD
 from fp4pass.onnx import loading
 from fp4pass.onnx.patterns import node_label
 from fp4pass.onnx.report import group_stats, jsonable, layout_entry
@@ -33,8 +34,6 @@ from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_quark import activation_declines
 
 __all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
-
-LOSSLESS_SPREAD = 17
 
 
 def _range(k: np.ndarray, holds: np.ndarray) -> tuple[int | None, int | None]:

@@ -44,6 +44,7 @@ from google.protobuf.message import DecodeError
 
 from fp4pass import io as fio
 from fp4pass.errors import InvalidOutputError, ModelError, UnsafeExternalDataError, UsageError
+from fp4pass.extras import require
 from fp4pass.io import refuse_overwrite
 
 __all__ = [
@@ -96,7 +97,7 @@ def load(model_or_path) -> Loaded:
         validate_proto(model_or_path, "model")
         return Loaded(_deserialize(model_or_path, "model"), "proto")
     if _is_graphsurgeon_graph(model_or_path):
-        import onnx_graphsurgeon as gs
+        gs = require("onnx_graphsurgeon", "graphsurgeon", "an onnx-graphsurgeon Graph input")
 
         return Loaded(ir.serde.deserialize_model(gs.export_onnx(model_or_path)), "gs")
     if isinstance(model_or_path, (str, os.PathLike)):
@@ -423,7 +424,7 @@ def to_kind(model: ir.Model, kind: str):
     if kind == "proto":
         return proto
     if kind == "gs":
-        import onnx_graphsurgeon as gs
+        gs = require("onnx_graphsurgeon", "graphsurgeon", "an onnx-graphsurgeon Graph output")
 
         return gs.import_onnx(proto)
     raise ValueError(kind)

@@ -41,6 +41,7 @@ import torch
 
 from fp4pass.errors import ModelError
 from fp4pass.formats import decode_e4m3, decode_e8m0
+from fp4pass.formats.constants import FP4_MIN_IR_VERSION, MS_DOMAIN, ORT_MAX_IR_VERSION, TRT_DOMAIN
 from fp4pass.onnx import emulate, qmoe_layout
 
 __all__ = [
@@ -55,10 +56,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ORT_MAX_IR_VERSION = 13
-FP4_MIN_IR_VERSION = 11
-MS_DOMAIN = "com.microsoft"
-TRT_DOMAIN = "trt"
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 

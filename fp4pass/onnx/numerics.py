@@ -344,8 +344,9 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
 
 def plot_diff(result: DiffResult, path) -> None:
     """PNG: SNR (dB) of every compared tensor in graph order, and the |a-b| histogram of the worst output."""
-    import matplotlib
+    from fp4pass.extras import require
 
+    matplotlib = require("matplotlib", "plot", "plotting a diff")
     matplotlib.use("Agg")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt

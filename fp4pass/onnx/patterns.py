@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from fp4pass.formats.constants import MS_DOMAIN, QUARK_DOMAIN
 from fp4pass.onnx import qmoe_layout
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "node_label",
 ]
 
-MS_DOMAIN = "com.microsoft"
 PASSTHROUGH_OPS = ("Transpose", "Reshape", "Cast")  # allowed between a dequantize and its consumer
 LINEAR_CONSUMERS = {"MatMul": 1, "Gemm": 1, "Einsum": None}  # op -> the weight's input index (None: any)
 QMOE_WEIGHTS = {"fc1": (2, 3, 15), "fc2": (5, 6, 16)}  # weights, scales, global scale input indices
@@ -336,7 +336,6 @@ class GatherBlockQuantizedFp4:
                           consumers=[Consumer(node, 0, None)])]
 
 FLOAT_SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-QUARK_DOMAIN = "com.amd.quark"
 QUARK_MX_OP = "MXQuantizeDequantize"
 QUARK_FP4 = "fp4_e2m1"
 
@@ -466,7 +465,7 @@ class QuarkMXFakeQuant:
         return None
 
     def records(self, node: ir.Node) -> list[FP4Weight]:
-        from fp4pass.onnx.rewrite_quark import quantize_weight
+        from fp4pass.onnx.quark_mx import quantize_weight
 
         w = node.inputs[0]
         rank = w.const_value.shape.rank()

@@ -39,6 +39,7 @@ __all__ = [
     "KERNEL",
     "LAYOUT_KEY",
     "LAYOUT_SHAPES",
+    "WRITTEN_LAYOUT",
     "Hints",
     "Detected",
     "detect",
@@ -50,6 +51,8 @@ SCHEMA = "schema"
 KERNEL = "kernel"
 LAYOUT_KEY = "fp4pass.qmoe_weight_layout"
 LAYOUT_SHAPES = {SCHEMA: "[E, N, K/2]", KERNEL: "[E, K, N/2]"}
+#: the byte layout every 'nvfp4' QMoE weight is written in (onnxruntime's CUDA kernel reads it)
+WRITTEN_LAYOUT = KERNEL
 KERNEL_PRODUCERS = ("onnxruntime-genai",)
 _FC = {"fc1": (2, 3, 4), "fc2": (5, 6, 7)}  # weights, scales, bias input indices
 

@@ -122,8 +122,7 @@ def layout_entry(record) -> dict:
     """The QMoE byte layouts of ``record``: the one read (and how it was recognised) and the one written."""
     if getattr(record, "layout", None) is None:
         return {}
-    from fp4pass.onnx.qmoe_layout import LAYOUT_SHAPES
-    from fp4pass.onnx.rewrite_qmoe import WRITTEN_LAYOUT
+    from fp4pass.onnx.qmoe_layout import LAYOUT_SHAPES, WRITTEN_LAYOUT
 
     return {"layout_read": record.layout, "layout_read_shape": LAYOUT_SHAPES[record.layout],
             "layout_reason": record.layout_reason, "layout_written": WRITTEN_LAYOUT,

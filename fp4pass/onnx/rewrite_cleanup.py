@@ -12,9 +12,12 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from fp4pass.formats.constants import E8M0_MIN_IR_VERSION, FP4_MIN_IR_VERSION
+
 __all__ = ["SetOpsetAndIR"]
 
-_IR_FOR_TYPE = {ir.DataType.FLOAT4E2M1: 11, ir.DataType.FLOAT8E4M3FN: 11, ir.DataType.FLOAT8E8M0: 12}
+_IR_FOR_TYPE = {ir.DataType.FLOAT4E2M1: FP4_MIN_IR_VERSION, ir.DataType.FLOAT8E4M3FN: 11,
+                ir.DataType.FLOAT8E8M0: E8M0_MIN_IR_VERSION}
 
 
 def _min_ir_for_opset(version: int) -> int:

@@ -20,6 +20,7 @@ import torch
 from fp4pass.errors import FormatError, ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
+from fp4pass.formats.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, LOSSLESS_SPREAD
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
 from fp4pass.onnx.qmoe_layout import KERNEL, kernel_to_schema, schema_to_kernel
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 def e8m0_codes_from_float(scales: np.ndarray, name: str) -> np.ndarray:
     """float32 scales that are powers of two 2^k -> E8M0 codes k + 127 (uint8); anything else is an error."""
     mantissa, exponent = np.frexp(scales.astype(np.float32))
-    codes = exponent.astype(np.int64) - 1 + 127
-    if not (np.all(mantissa == 0.5) and np.all((codes >= 0) & (codes <= 254))):
+    codes = exponent.astype(np.int64) - 1 + E8M0_BIAS
+    if not (np.all(mantissa == 0.5) and np.all((codes >= 0) & (codes < E8M0_NAN))):
         raise FormatError(f"{name}: scales are not all finite powers of two in E8M0's range (not MXFP4)")
     return codes.astype(np.uint8)
 
@@ -89,14 +90,14 @@ def float_scales_to_e8m0(scales: np.ndarray, codes: ir.TensorProtocol, name: str
         raise FormatError(f"{name}: scales hold NaN or infinity")
     mantissa, exponent = np.frexp(scales)
     k = exponent.astype(np.int64) - 1
-    pow2 = (mantissa == 0.5) & (k >= -127) & (k <= 127)
+    pow2 = (mantissa == 0.5) & (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP)
     zero = scales == 0
     if zero.any():
         packed = tensor_bytes(codes).reshape(*scales.shape, -1)
         empty = ((packed & 0x77) == 0).all(-1)
         zero_ok = zero & empty
         pow2 |= zero_ok
-        k = np.where(zero_ok, -127, k)
+        k = np.where(zero_ok, E8M0_MIN_EXP, k)
     if not pow2.all():
         where = tuple(int(i) for i in np.argwhere(~pow2)[0])
         bad = float(scales[where])
@@ -105,7 +106,7 @@ def float_scales_to_e8m0(scales: np.ndarray, codes: ir.TensorProtocol, name: str
         return None, (f"lossy: block scales are not all powers of two in E8M0's range (scale {bad!r} at "
                       f"{list(where)} is {why}), so this is FP4 with arbitrary scales, not MXFP4; "
                       "converted through the lossy path")
-    return (k + 127).astype(np.uint8), None
+    return (k + E8M0_BIAS).astype(np.uint8), None
 
 
 def _malloc_trim():
@@ -244,7 +245,7 @@ class WeightConversion:
                              f"expected {[*lead, k // 32]} for weight {list(record.shape)}")
         if self.lossy_reason is not None:
             return codes
-        if check and (codes == 255).any():  # numpy: one thread; the torch check only to name the position
+        if check and (codes == E8M0_NAN).any():  # numpy: one thread; the torch check only to name the position
             check_e8m0(torch.from_numpy(np.ascontiguousarray(codes).copy()), f"{name} scales {record.scales.name!r}")
         return codes
 
@@ -285,10 +286,8 @@ class WeightConversion:
     def result(self):
         """The NVFP4Tensor, converting now if needed (stats and seconds recorded on the first run)."""
         if self._result is None:
-            try:
-                from fp4pass.convert import mxfp4_to_nvfp4
-            except ImportError as exc:  # pragma: no cover - while the converter is being written
-                raise UsageError(f"the MXFP4 -> NVFP4 converter is not available in this build ({exc})") from None
+            from fp4pass.convert import mxfp4_to_nvfp4
+
             start = time.perf_counter()
             if self.lossy_reason is not None:
                 from fp4pass.convert.scaled import scaled_fp4_to_nvfp4
@@ -333,7 +332,7 @@ class WeightConversion:
         scales = self._read_scales(check=False).reshape(self.record.shape[0], -1)
         if scales.size == 0:
             return False
-        return bool((scales.max(axis=1).astype(np.int64) - scales.min(axis=1) <= 17).all())
+        return bool((scales.max(axis=1).astype(np.int64) - scales.min(axis=1) <= LOSSLESS_SPREAD).all())
 
     def global_scale(self) -> np.ndarray:
         """FP32 global scale, [] or [E] (small; kept after the big parts are released)."""

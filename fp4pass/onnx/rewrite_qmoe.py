@@ -21,13 +21,10 @@ import numpy as np
 import onnx_ir as ir
 
 from fp4pass.onnx.patterns import QMOE_WEIGHTS, FP4Weight
-from fp4pass.onnx.qmoe_layout import KERNEL, LAYOUT_KEY
+from fp4pass.onnx.qmoe_layout import LAYOUT_KEY, WRITTEN_LAYOUT
 from fp4pass.onnx.rewrite_common import WeightConversion
 
 __all__ = ["QMoEToNVFP4", "prior_global_scale", "WRITTEN_LAYOUT"]
-
-#: the byte layout every 'nvfp4' QMoE weight is written in (onnxruntime's CUDA kernel reads it)
-WRITTEN_LAYOUT = KERNEL
 
 
 def prior_global_scale(record: FP4Weight) -> np.ndarray | None:

@@ -28,13 +28,15 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from fp4pass.choices import Provider, values
 from fp4pass.errors import ModelError, UsageError
+from fp4pass.formats.constants import QUARK_DOMAIN
 
 __all__ = ["make_session", "cuda_available", "PROVIDERS"]
 
 logger = logging.getLogger(__name__)
 
-PROVIDERS = ("auto", "cuda", "cpu")
+PROVIDERS = values(Provider)
 _CUDA_EP, _CPU_EP = "CUDAExecutionProvider", "CPUExecutionProvider"
 _INLINE_LIMIT = int(1.8 * 2**30)  # bytes of initializers above which a model goes through a file
 
@@ -101,7 +103,6 @@ def _external_folders(model: ir.Model) -> set[str]:
     return folders
 
 
-_QUARK_DOMAIN = "com.amd.quark"
 
 
 def _with_quark_ops(options: ort.SessionOptions, exc: Exception) -> ort.SessionOptions:
@@ -151,7 +152,7 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
         try:
             session = ort.InferenceSession(source, options, providers=providers)
         except Exception as exc:
-            if _QUARK_DOMAIN not in str(exc):
+            if QUARK_DOMAIN not in str(exc):
                 raise
             session = ort.InferenceSession(source, _with_quark_ops(options, exc), providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types; name what failed

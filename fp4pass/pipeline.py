@@ -1,0 +1,185 @@
+"""``fp4pass.onnx.convert``: MXFP4 -> NVFP4 over a whole ONNX model, with optional activation calibration
+and a numerical check.
+
+This is the orchestration above both the ONNX passes (:mod:`fp4pass.onnx`) and the calibration
+(:mod:`fp4pass.calib`): the passes take plain values (a mapping activation -> input_scale), the calibration
+produces them, and neither imports the other. The stages, in order, are those of :mod:`fp4pass.onnx.pipeline`
+(load, match, validate, rewrite, clean up), then the activations (:func:`fp4pass.calib.calibrate_model` or a
+SCALES.json, then :func:`fp4pass.onnx.act_quant.insert_activation_quantizers`), the write, and the check
+(:func:`fp4pass.onnx.numerics.diff`). ``fp4pass.onnx.convert`` is this module's :func:`convert`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import onnx_ir as ir
+
+from fp4pass.calib import ActivationScales, calibrate_model
+from fp4pass.errors import CheckError, FP4PassError, UsageError
+from fp4pass.onnx import loading
+from fp4pass.onnx import pipeline as onnx_stages
+from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
+from fp4pass.onnx.numerics import diff
+from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
+from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
+from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
+from fp4pass.onnx.rewrite_common import WeightConversion
+from fp4pass.onnx.rewrite_qmoe import prior_global_scale
+from fp4pass.onnx.sharing import find_weights
+from fp4pass.progress import byte_progress, progress
+
+__all__ = ["convert"]
+
+log = logging.getLogger(__name__)
+
+
+def _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
+                 calibrator_options, show_progress=False) -> list[dict]:
+    onnx_stages.materialize(model)
+    if calib is not None:
+        act_scales = calibrate_model(model, calib, calibrator=calibrator, provider=provider,
+                                     show_progress=show_progress, **calibrator_options)
+    elif isinstance(scales, dict):
+        act_scales = ActivationScales.from_json(scales)
+    else:
+        act_scales = ActivationScales.load(scales)
+    act_target = "trt" if target == "trt" else "reference"
+    plain = {name: QuantizerScale(s.input_scale, s.g_amax) for name, s in act_scales.tensors.items()}
+    return insert_activation_quantizers(model, plain, target=act_target, scale_form=scale_form, alphas=alphas)
+
+
+def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None) -> dict:
+    try:
+        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min)
+    except FP4PassError as exc:
+        raise CheckError(f"--check could not run: {exc}") from exc
+    data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
+    data["snr_min"] = snr_min
+    return data
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    """Bytes of every initializer (lazy ones from their shape and type, without computing them)."""
+    return sum(value.const_value.nbytes for graph in model.graphs() for value in graph.initializers.values()
+               if value.const_value is not None)
+
+
+def convert(
+    model_or_path,
+    method: str = "auto",
+    scale_form: str = "dq",
+    target: str = "trt",
+    calib=None,
+    calibrator: str = "max",
+    scales=None,
+    provider: str = "auto",
+    *,
+    output: str | os.PathLike | None = None,
+    external_data: str = "auto",
+    check: bool = False,
+    show_progress: bool | None = False,
+    calibrator_options: dict | None = None,
+    snr_min: float | None = None,
+    allow_invalid: bool | None = None,
+):
+    """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
+
+    ``model_or_path``: a path, ``onnx.ModelProto``, ``onnx_ir.Model`` (rewritten in place) or
+    onnx-graphsurgeon ``Graph``; the model comes back as the same kind (an ``onnx_ir.Model`` for a path, or the
+    output path when ``output`` is given). ``output``: write the model there (atomically; streamed with
+    external data per ``external_data`` = auto | always | never). ``calib``: an .npz file or a folder of them
+    to calibrate activation scales with ``calibrator``; ``scales``: a SCALES.json path or dict to reuse.
+    ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check".
+    ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile). ``snr_min``: the
+    check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB.
+    ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
+    warning); False when it was checked (an output the checker refuses is a bug: nothing is written);
+    None: the input is checked here when ``output`` is given (:func:`fp4pass.onnx.loading.save`).
+    A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
+    """
+    onnx_stages.check_choice("method", method, METHODS)
+    onnx_stages.check_choice("scale_form", scale_form, SCALE_FORMS)
+    onnx_stages.check_choice("target", target, TARGETS)
+    onnx_stages.check_choice("external_data", external_data, EXTERNAL_DATA)
+    onnx_stages.check_choice("provider", provider, PROVIDERS)
+    if calib is not None and scales is not None:
+        raise UsageError("give either calib (to calibrate) or scales (to reuse a calibration), not both")
+    start = time.perf_counter()
+    if output is not None and allow_invalid is None:
+        allow_invalid = not loading.passes_checker(model_or_path)
+    loaded = loading.load(model_or_path)
+    model = loaded.model
+    input_files = ()
+    if loaded.path is not None:
+        input_files = (loaded.path, *loading.external_data_files(model))
+        if output is not None:
+            from fp4pass.io import refuse_overwrite
+
+            refuse_overwrite(output, *input_files)
+    had_external = loaded.had_external_data
+    original_for_check = None
+    if check:
+        original_for_check = str(loaded.path) if loaded.path is not None else ir.serde.serialize_model(model)
+
+    records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
+    convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
+    done, alphas, wrote_dq = onnx_stages.rewrite_weights(records, convs, scale_form)
+    quark = onnx_stages.quark_rest(model, calibrated=calib is not None or scales is not None, declined=declined)
+    versions = SetOpsetAndIR().call(model, wrote_dq)
+    onnx_stages.group_initializers(model, records)
+
+    activations = None
+    if calib is not None or scales is not None:
+        activations = _activations(model, calib, calibrator, scales, target, scale_form, alphas, provider,
+                                   calibrator_options or {}, show_progress)
+        versions["after"]["ir_version"] = model.ir_version
+        onnx_stages.quark_replaced(quark, activations)
+
+    used_external = False
+    if output is not None:
+        # each weight is converted as ir.save reaches it: the bytes written are the conversion's progress
+        with byte_progress(_initializer_bytes(model), "converting and writing", enabled=show_progress) as bar:
+            used_external = loading.save(model, output, external_data=external_data, inputs=input_files,
+                                         input_had_external=had_external,
+                                         on_tensor=lambda tensor, total: bar.update(tensor.nbytes),
+                                         allow_invalid=allow_invalid)
+            bar.update(bar.total - bar.n)
+    else:
+        for conv in progress(convs, desc="converting", enabled=show_progress, unit="weight"):
+            conv.materialize()
+        onnx_stages.materialize(model)
+    for conv in convs:
+        if conv.stats is None:  # a tensor ir.save never read (cannot happen for initializers; keeps stats whole)
+            conv.materialize()
+
+    tensors = [tensor_entry(r, c, form, note() if callable(note) else note) for r, c, form, note in done]
+    declined_json = [d.to_json() for d in declined]
+    report = {
+        "input": str(loaded.path) if loaded.path is not None else f"<{loaded.kind}>",
+        "output": None if output is None else str(output),
+        "method": method,
+        "scale_form": scale_form,
+        "target": target,
+        "external_data": used_external,
+        "model": versions,
+        "tensors": tensors,
+        "declined": declined_json,
+    }
+    if activations is not None:
+        report["activations"] = jsonable(activations)
+    if quark:
+        report["quark"] = quark
+    report["summary"] = summarize(tensors, declined_json, time.perf_counter() - start)
+    if check:
+        rewritten = str(output) if output is not None else ir.serde.serialize_model(model)
+        # the calibration data are the most telling inputs; else diff draws seeded random ones
+        check_inputs = calib if calib is not None and Path(calib).is_file() else None
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min)
+    log.debug("%s", summary_line(report))
+    if output is not None and loaded.kind == "path":
+        return Path(output), report
+    return loading.to_kind(model, loaded.kind), report
