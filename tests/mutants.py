@@ -135,11 +135,11 @@ MUTANTS = [
     ], ["tests/test_qmoe_layout.py"]),
     Mutant("float-scale-any-is-pow2", "float-scale FP4 DQ takes any scale in range for a power of two "
            "(E8M0 code of floor(log2 s))", [
-        ("fp4pass/onnx/rewrite_common.py", "pow2 = (mantissa == 0.5) & (k >= -127) & (k <= 127)",
-         "pow2 = (k >= -127) & (k <= 127)"),
+        ("fp4pass/onnx/rewrite_common.py", "pow2 = (mantissa == 0.5) & (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP)",
+         "pow2 = (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP)"),
     ], ["tests/test_onnx_patterns.py", "tests/test_rewrite_common.py"]),
     Mutant("quark-scale-rule-ceil", "Quark's fake-quantized weights are read with the CEIL scale rule, not FLOOR", [
-        ("fp4pass/onnx/rewrite_quark.py", "QUARK_SCALE_RULE = ScaleRule.FLOOR", "QUARK_SCALE_RULE = ScaleRule.CEIL"),
+        ("fp4pass/onnx/quark_mx.py", "QUARK_SCALE_RULE = ScaleRule.FLOOR", "QUARK_SCALE_RULE = ScaleRule.CEIL"),
     ], ["tests/test_rewrite_quark.py"]),
     Mutant("fp16-alpha-cast-float", "the 16-bit alpha form casts the product back to FLOAT16 whatever the "
            "graph's type (BFLOAT16 graphs)", [
@@ -172,8 +172,8 @@ MUTANTS = [
          "return SNR_MIN_WITH_ACTIVATIONS if (args.calib or args.scales) else SNR_MIN_WEIGHT_ONLY", "return None"),
     ], ["tests/test_cmd_outputs.py"]),
     # -- calibration --------------------------------------------------------------------------------------
-    Mutant("input-scale-formula", "input_scale = g_amax / 448 instead of g_amax / (6 * 448)", [
-        ("fp4pass/calib/scales.py", "np.float32(E2M1_MAX * E4M3_MAX)", "np.float32(E4M3_MAX)"),
+    Mutant("input-scale-formula", "the NVFP4 global scale (and input_scale) = amax / 448 instead of amax / (6 * 448)", [
+        ("fp4pass/formats/nvfp4.py", "(amax / NVFP4_AMAX_PER_GLOBAL_SCALE)", "(amax / 448.0)"),
     ], CALIB_TESTS + ["tests/test_act_quant.py"]),
     Mutant("histogram-percentile-off-by-one", "the log histogram's percentile reads the next bin", [
         ("fp4pass/calib/stats.py",
