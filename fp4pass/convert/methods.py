@@ -12,8 +12,8 @@ spread = k_max - k_min. A block's nibbles stay valid at block scale s = 2^(k_b)/
 4. ``auto``: groups with spread <= 17 take hybrid's lossless path (no code is unpacked). Every other group
    tries candidate global scales S and, at each S, gives every 16-half its verbatim scale when exact, else the
    least-SSE E4M3 code among the standard s0 and its neighbours; the S of least total SSE wins.
-   effort ``best`` (default): S = 2^(k_max-8+d)/c for every octave offset d in -2..2 and every E4M3 mantissa
-       c in 1, 1.125..1.875 (40 scales), and amax/(6*448) (requant's); codes s0, s0 -+ 1, s0 -+ 2.
+   effort ``best`` (default): S = 2^(k_max-8+d)/c for every octave offset d in 0, -1, -2 and every E4M3
+       mantissa c in 1, 1.125..1.875 (24 scales), and amax/(6*448) (requant's); codes s0, s0 -+ 1, s0 -+ 2.
    effort ``fast``: S = 2^(k_max-8) (hybrid's), 2^(k_max-8)/c for c in 1.125..1.75, 2^(k_max-7)/c for c in
        1.125..1.875, amax/(6*448); codes s0, s0 -+ 1.
    Since hybrid's and requant's S are candidates and their per-half choices are among the options, auto's
@@ -128,8 +128,10 @@ def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks
 
 #: per-half E4M3 code offsets from the standard s0 that auto tries, per effort (s0 first: ties keep it)
 AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1, -2, 2)}
-#: octave offsets d of the "best" candidates 2^(k_max - 8 + d) / c (0 first: hybrid's S wins ties)
-BEST_OCTAVES = (0, -1, 1, -2, 2)
+#: octave offsets d of the "best" candidates 2^(k_max - 8 + d) / c (0 first: hybrid's S wins ties). No d > 0:
+#: every d = +2 candidate and most d = +1 ones are never better, half by half, than a d = 0 one tried first
+#: (docs/conversion-search.md), and no group was found where the others win
+BEST_OCTAVES = (0, -1, -2)
 
 
 def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor, effort: str = "best") -> torch.Tensor:

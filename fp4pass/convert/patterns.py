@@ -44,7 +44,7 @@ __all__ = ["Patterns", "collect", "Choice", "choose", "encode", "COUNT_BASE"]
 COUNT_BASE = 17**8  # counts_j in 0..16, eight digits base 17
 E4M3_CODE_MAX = E4M3_MAX_CODE
 E4M3_CODE_MIN = 0x01  # 2^-9
-#: patterns per step of the search: C * I * 8 float64 each (41 * 5 * 8 * 8 B = 13 KB): about 50 MB a step
+#: patterns per step of the search: C * I * 8 float64 each (25 * 5 * 8 * 8 B = 8 KB): about 50 MB a step
 PATTERNS_PER_STEP = 1 << 12
 _WORD_TABLES: dict = {}
 
