@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fp4pass
@@ -321,6 +321,9 @@ def _source_overflows(codes, e8m0) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
+# found by exploration: requant on an expert whose values reach 2^128 wrote a finite global scale and an
+# infinite error, because the infeasible search total had been clipped to the largest float64
+@example(seed=3871, k_low=0, spread_=126, zero="none", small_top=False, method="requant", experts=3)
 @given(seed=st.integers(0, 2**31 - 1), k_low=st.integers(-127, 127), spread_=st.integers(0, 254),
        zero=st.sampled_from(["none", "blocks", "expert", "tensor"]), small_top=st.booleans(),
        method=st.sampled_from(["requant", "verbatim", "hybrid", "auto"]), experts=st.sampled_from([0, 1, 3]))
@@ -354,10 +357,11 @@ def test_every_method_converts_the_whole_e8m0_range(seed, k_low, spread_, zero, 
     for i, group in enumerate(per_group):
         if not (group & 7).any():
             assert g[i] == 1.0, (i, g)
-    if not _source_overflows(codes, e8m0):
-        x = nv.dequantize()
-        assert bool(torch.isfinite(x).all())
-        assert np.isfinite(stats.mse)
+    assert np.isfinite(stats.mse), stats  # values that overflow were kept verbatim (error 0), or it raised
+    if _source_overflows(codes, e8m0):
+        assert method != "requant", "requant cannot represent values >= 2^128 and must say so"
+    else:
+        assert bool(torch.isfinite(nv.dequantize()).all())
 
 
 def test_threads_and_effort_are_set_for_the_call_and_restored(monkeypatch):

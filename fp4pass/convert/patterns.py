@@ -243,7 +243,9 @@ def choose(patterns: Patterns, candidates, steps, *, allow_verbatim: bool, name:
             b = min(a + PATTERNS_PER_STEP * 16, starts[t + 1])
             per = torch.mm(counts[a:b], flat[t]).reshape(b - a, I, C).amin(1)  # [n, C]
             total[kind_local[t]] += torch.mv(per.T, mult[a:b])
-    total = torch.nan_to_num(total, nan=float("inf"))
+    # 0 * inf (a magnitude absent from a pattern, at an infeasible S) is NaN: infeasible too. Not nan_to_num,
+    # whose default maps +inf to the largest float64 and so turned an infeasible S into a finite choice.
+    total = torch.where(torch.isnan(total), torch.full((), float("inf"), dtype=total.dtype, device=device), total)
     best_c = total.argmin(-1)  # first minimum
     if L and not bool(torch.isfinite(total.gather(1, best_c.unsqueeze(-1))).all()):
         raise NonFiniteError(f"{name}: MXFP4 values overflow float32 (E8M0 codes >= 253 with large magnitudes): "

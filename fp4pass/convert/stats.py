@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, NV_BLOCK_SIZE
+from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, decode_e8m0
 from fp4pass.metrics import snr_db
 
 __all__ = ["ConversionStats", "measure_stats"]
@@ -85,12 +85,12 @@ def measure_stats(
     verbatim = 0
     total = 0
     for lo, hi in chunks:
-        x_mx = MXFP4Tensor(mx_codes[lo:hi], mx_scales[lo:hi], mx_block).dequantize()
+        x_mx = _mx_values64(MXFP4Tensor(mx_codes[lo:hi], mx_scales[lo:hi], mx_block))
         g = row_global_scale[lo:hi].unsqueeze(-1)
-        half_vals = _nv_dequant_rows(nv_codes[lo:hi], nv_scales[lo:hi], g)
-        err = half_vals.double() - x_mx.double()
+        half_vals = _nv_values64(NVFP4Tensor(nv_codes[lo:hi], nv_scales[lo:hi], g.reshape(-1)))
+        err = half_vals - x_mx
         sse += float(err.square().sum())
-        signal += float(x_mx.double().square().sum())
+        signal += float(x_mx.square().sum())
         max_err = max(max_err, float(err.abs().max())) if err.numel() else max_err
         same = (nv_codes[lo:hi] == mx_codes[lo:hi]).reshape(hi - lo, -1, NV_BLOCK_SIZE // 2).all(-1)
         exact = (err == 0).reshape(hi - lo, -1, NV_BLOCK_SIZE).all(-1)
@@ -98,7 +98,7 @@ def measure_stats(
         total += same.numel()
         if reference is not None:
             ref = reference.reshape(-1, reference.shape[-1])[lo:hi].to(half_vals.device).double()
-            ref_sse += float((half_vals.double() - ref).square().sum())
+            ref_sse += float((half_vals - ref).square().sum())
     n = total * NV_BLOCK_SIZE
     mse = sse / n if n else 0.0
     snr = snr_db(signal, sse)
@@ -108,6 +108,25 @@ def measure_stats(
     )
 
 
-def _nv_dequant_rows(codes: torch.Tensor, scales: torch.Tensor, row_global_scale: torch.Tensor) -> torch.Tensor:
-    """NVFP4 dequant of rows with a per-row global scale [n, 1]: e2m1 * (e4m3 * S), as NVFP4Tensor.dequantize."""
-    return NVFP4Tensor(codes, scales, row_global_scale.reshape(-1)).dequantize()
+def _mx_values64(mx: MXFP4Tensor) -> torch.Tensor:
+    """float64 [..., K]: ``mx.dequantize()`` (exact), and e2m1(code) * 2^k where float32 overflows (k >= 126)."""
+    x = mx.dequantize()
+    values = decode_e2m1(mx.element_codes()).double().reshape(*mx.scales.shape, mx.block_size)
+    scale = decode_e8m0(mx.scales, what=f"{mx.name} scales").double()
+    return _beyond_float32(x, (values * scale.unsqueeze(-1)).reshape(mx.shape))
+
+
+def _nv_values64(nv: NVFP4Tensor) -> torch.Tensor:
+    """float64 [..., K]: ``nv.dequantize()``, and where that overflows float32, e2m1(code) * fp32(e4m3 * S) in
+    float64 (exact: an E2M1 value times a float32), so that a half kept verbatim at 2^126 or 2^127 measures
+    error 0, not inf - inf. Rows of ``nv`` carry one global scale each."""
+    x = nv.dequantize()
+    values = decode_e2m1(nv.element_codes()).double().reshape(*nv.scales.shape, NV_BLOCK_SIZE)
+    full_scale = (nv.block_scales() * nv.global_scale.reshape(-1, 1)).double()
+    return _beyond_float32(x, (values * full_scale.unsqueeze(-1)).reshape(nv.shape))
+
+
+def _beyond_float32(x32: torch.Tensor, x64: torch.Tensor) -> torch.Tensor:
+    """x32 in float64, with x64 where x32 is not finite."""
+    x = x32.double()
+    return x if bool(torch.isfinite(x32).all()) else torch.where(torch.isfinite(x32), x, x64)
