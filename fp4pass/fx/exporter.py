@@ -60,6 +60,7 @@ import onnx_ir as ir
 import torch
 from onnxscript.values import Op, Opset
 
+from fp4pass.choices import ActivationTarget, values
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats import MX_BLOCK_SIZE, NV_BLOCK_SIZE, MXFP4Tensor
 from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_quantize_nvfp4)
@@ -73,7 +74,7 @@ __all__ = ["export", "TARGETS", "TRANSLATION_TABLE", "lower_placeholders"]
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("trt", "reference")
+TARGETS = values(ActivationTarget)  # the form of the exported activation fake-quants
 PLACEHOLDER_DOMAIN = "fp4pass.export"
 EXPORTER_DEFAULT_OPSET = 20  # torch.onnx's own default
 FP4_DQ_OPSET = 23  # DequantizeLinear with FLOAT4E2M1 input

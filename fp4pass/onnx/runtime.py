@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 import tempfile
@@ -32,7 +33,7 @@ from fp4pass.choices import Provider, values
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats.constants import QUARK_DOMAIN
 
-__all__ = ["make_session", "cuda_available", "PROVIDERS"]
+__all__ = ["make_session", "cuda_available", "installed_runtimes", "PROVIDERS", "RUNTIME_DISTRIBUTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,44 @@ _CUDA_EP, _CPU_EP = "CUDAExecutionProvider", "CPUExecutionProvider"
 _INLINE_LIMIT = int(1.8 * 2**30)  # bytes of initializers above which a model goes through a file
 
 
+#: the PyPI distributions that install the ``onnxruntime`` module (any one of them serves fp4pass)
+RUNTIME_DISTRIBUTIONS = ("onnxruntime-gpu", "onnxruntime")
+
+
+def installed_runtimes() -> list[str]:
+    """"name version" of each onnxruntime distribution installed here (normally one: docs/runtime.md)."""
+    found = []
+    for name in RUNTIME_DISTRIBUTIONS:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_if_both_installed() -> None:
+    found = installed_runtimes()
+    if len(found) > 1:
+        logger.warning("both %s are installed; they write the same onnxruntime package over each other, so which "
+                       "one runs is unclear. Keep one: pip uninstall -y onnxruntime onnxruntime-gpu, then "
+                       "pip install onnxruntime-gpu (CUDA) or onnxruntime (CPU)", " and ".join(found))
+
+
+def _no_cuda_ep_reason() -> str:
+    found = installed_runtimes()
+    build = f" ({', '.join(found)})" if found else ""
+    hint = "" if any(f.startswith("onnxruntime-gpu ") for f in found) else (
+        "; for the CUDA EP replace it: pip uninstall -y onnxruntime && pip install onnxruntime-gpu")
+    return f"this onnxruntime build{build} has no CUDA execution provider{hint}"
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_available() -> tuple[bool, str | None]:
     """(True, None) when the CUDA EP really runs here; else (False, why). Probed once with a 1-node model."""
+    _warn_if_both_installed()
     if _CUDA_EP not in ort.get_available_providers():
-        return False, "this onnxruntime build has no CUDA execution provider"
+        return False, _no_cuda_ep_reason()
     probe = onnx.helper.make_model(
         onnx.helper.make_graph(
             [onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
@@ -71,6 +105,7 @@ def cuda_available() -> tuple[bool, str | None]:
 def _providers(provider: str) -> tuple[list[str], str, str | None]:
     if provider not in PROVIDERS:
         raise UsageError(f"provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    _warn_if_both_installed()
     if provider == "cpu":
         return [_CPU_EP], "cpu", None
     ok, why = cuda_available()
