@@ -1,0 +1,87 @@
+"""The ONNX passes as onnx_ir passes: they walk subgraphs (If branches) and function bodies, return a PassResult
+that says whether they changed the model, and what they lower computes what onnx.reference computes on the
+unlowered model (an independent oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+from fp4pass.onnx.lower import (LowerFP4DequantizeLinear, LowerQMoEFP4, LowerTRTFP4DynamicQuantize, LoweringReport,
+                                SetOrtVersions, lower)
+from fp4pass.onnx.passes import all_nodes
+from tests import onnx_builders as B
+
+GBQ = "FP4 DequantizeLinear -> GatherBlockQuantized"
+
+
+def _feeds(proto: onnx.ModelProto) -> list[dict]:
+    x = np.random.default_rng(7).standard_normal((3, 64)).astype(np.float32)
+    if len(proto.graph.input) == 2:
+        return [{"x": x, "cond": np.array(True)}, {"x": x, "cond": np.array(False)}]
+    return [{"x": x}]
+
+
+def _ort(model: ir.Model):
+    proto = ir.serde.serialize_model(model)
+    onnx.checker.check_model(proto, full_check=True)
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _fp4_dqs(model: ir.Model) -> list[ir.Node]:
+    return [n for n in all_nodes(model) if n.op_type == "DequantizeLinear" and n.inputs[0].name.startswith("W")
+            and "scale" not in n.inputs[0].name]
+
+
+@pytest.mark.parametrize("builder", [B.if_branch_model, B.function_model])
+def test_lowering_reaches_if_branches_and_function_bodies_and_runs_as_the_reference(builder):
+    proto = builder()
+    lowered, report = lower(ir.serde.deserialize_model(proto))
+    assert report.lowered == {GBQ: 2 if builder is B.if_branch_model else 1} and not report.declined
+    assert not _fp4_dqs(lowered)
+    session = _ort(lowered)
+    outputs = set()
+    for feeds in _feeds(proto):
+        expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+        got = session.run(None, feeds)[0]
+        np.testing.assert_array_equal(got, expected)
+        outputs.add(float(np.abs(expected).max()))
+    assert len(outputs) == len(_feeds(proto))  # the two branches really compute different things
+
+
+def test_lowering_rewrites_a_branch_node_in_its_branch_and_imports_the_ms_opset():
+    lowered, _ = lower(ir.serde.deserialize_model(B.if_branch_model()))
+    branches = [attr.value for attr in lowered.graph.node(0).attributes.values()]
+    for branch in branches:
+        assert [n.op_type for n in branch] == ["GatherBlockQuantized", "Transpose", "MatMul"]
+        assert branch.initializers  # the gather's index constant lives in the branch that reads it
+    assert lowered.opset_imports["com.microsoft"] == 1
+    # the E8M0 scales (outer-scope initializers) are no longer read: they go
+    assert not any(v.dtype == ir.DataType.FLOAT8E8M0 for g in lowered.graphs() for v in g.initializers.values())
+
+
+def test_lowering_in_a_function_body_uses_constant_nodes_and_the_function_imports_the_ms_opset():
+    lowered, _ = lower(ir.serde.deserialize_model(B.function_model()))
+    (function,) = lowered.functions.values()
+    assert function.opset_imports["com.microsoft"] == 1 and lowered.opset_imports["com.microsoft"] == 1
+    ops = [n.op_type for n in function]
+    assert ops.count("GatherBlockQuantized") == 1 and "DequantizeLinear" not in ops
+    assert ops.count("Constant") == 3  # codes, FP32 scales, gather indices (the E8M0 Constant is gone)
+
+
+def test_each_lowering_pass_says_whether_it_changed_the_model():
+    model = ir.serde.deserialize_model(B.if_branch_model())
+    report = LoweringReport()
+    dq_pass = LowerFP4DequantizeLinear(report)
+    first = dq_pass(model)
+    assert first.modified is True and first.model is model
+    assert dq_pass(model).modified is False  # nothing left to lower
+    assert LowerTRTFP4DynamicQuantize(report)(model).modified is False
+    assert LowerQMoEFP4(report=report)(model).modified is False
+    versions = SetOrtVersions(report, [dq_pass])
+    assert versions(model).modified is True  # IR capped and com.microsoft imported
+    assert versions(model).modified is False
