@@ -85,3 +85,55 @@ def test_each_lowering_pass_says_whether_it_changed_the_model():
     versions = SetOrtVersions(report, [dq_pass])
     assert versions(model).modified is True  # IR capped and com.microsoft imported
     assert versions(model).modified is False
+
+
+def _weight_passes(proto, calibrated=False, scale_form="dq"):
+    from fp4pass.onnx.pipeline import weight_passes
+    from fp4pass.onnx.rewrite_common import WeightConversion
+    from fp4pass.onnx.sharing import find_weights
+
+    model = ir.serde.deserialize_model(proto)
+    records, declined = find_weights(model)
+    convs = [WeightConversion(r, "auto") for r in records]
+    return model, weight_passes(records, convs, scale_form, calibrated, declined), declined
+
+
+def test_each_convert_pass_says_whether_it_changed_the_model():
+    from tests.graph_variants import mlp
+
+    model, (rewrite, fold_quark, versions, group), _ = _weight_passes(mlp(onnx.TensorProto.FLOAT))
+    assert rewrite(model).modified is True and len(rewrite.done) == 2 and rewrite.wrote_dq
+    assert fold_quark(model).modified is False and fold_quark.entries == []  # no Quark node in this model
+    assert versions(model).modified is False  # opset 24, IR 12 (E8M0 scales stay for nothing: IR 11 needed)
+    assert group(model).modified is True  # W1's scales moved up next to W1
+    names = list(model.graph.initializers)
+    assert names.index("W1_scale_e4m3") == names.index("W1") + 1
+    assert group(model).modified is False
+    empty, (rewrite, *_), _ = _weight_passes(B.function_model())  # its weight is declined (inside a function)
+    assert rewrite(empty).modified is False and rewrite.done == []
+
+
+def test_set_opset_and_ir_raises_the_opset_once_and_keeps_functions_in_step():
+    from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
+
+    proto = B.function_model()
+    model = ir.serde.deserialize_model(proto)
+    model.opset_imports[""] = 21
+    next(iter(model.functions.values())).opset_imports[""] = 21
+    first = SetOpsetAndIR(wrote_fp4_dq=lambda: True)
+    assert first(model).modified is True
+    # opset 23 alone needs IR 11; the FLOAT8E8M0 scales stored in the function's Constant node need IR 12
+    assert first.versions == {"before": {"ir_version": 12, "opset": 21}, "after": {"ir_version": 12, "opset": 23}}
+    assert next(iter(model.functions.values())).opset_imports[""] == 23
+    assert SetOpsetAndIR(wrote_fp4_dq=True)(model).modified is False
+
+
+def test_fold_quark_pass_reports_a_change_on_a_quark_model():
+    from pathlib import Path
+
+    proto = onnx.load(str(Path(__file__).parent / "fixtures" / "quark_mlp.onnx"))
+    model, (rewrite, fold_quark, *_), declined = _weight_passes(proto)
+    rewrite(model)
+    result = fold_quark(model)
+    assert result.modified is True and any(e["kind"] == "constant" for e in fold_quark.entries)
+    assert any(d.pattern == "quark" for d in declined)  # activations stay, declined, without calibration
