@@ -182,3 +182,25 @@ def function_model(n=48, k=64) -> onnx.ModelProto:
                               [vi("x", ["b", k])], [vi("y", ["b", n])])
     return helper.make_model(graph, functions=[function], ir_version=12,
                              opset_imports=[*OPSET, helper.make_opsetid(FUNCTION_DOMAIN, 1)])
+
+
+def nvfp4_function_model(n=48, k=64) -> onnx.ModelProto:
+    """y = local.fp4::Linear(x) whose body holds NVFP4 in fp4pass's two-DQ form, stored in Constant nodes:
+    x @ DQ(W FLOAT4E2M1, DQ(S16 FLOAT8E4M3FN, G), block 16)^T."""
+    w = weight((n, k), 21)
+    blocks = w.reshape(n, k // 16, 16)
+    g = np.float32(np.abs(w).max() / (6 * 448))
+    s16 = (np.abs(blocks).max(-1) / 6 / g).astype(ml_dtypes.float8_e4m3fn)
+    codes = (blocks / (s16.astype(np.float32) * g)[..., None]).astype(ml_dtypes.float4_e2m1fn).reshape(n, k)
+    body = [helper.make_node("Constant", [], ["W"], name="W_const", value=numpy_helper.from_array(codes, "W")),
+            helper.make_node("Constant", [], ["S16"], name="S16_const", value=numpy_helper.from_array(s16, "S16")),
+            helper.make_node("Constant", [], ["G"], name="G_const", value=numpy_helper.from_array(g, "G")),
+            helper.make_node("DequantizeLinear", ["S16", "G"], ["s"], name="s_dq"),
+            helper.make_node("DequantizeLinear", ["W", "s"], ["W_dq"], name="W_dq", axis=-1, block_size=16),
+            helper.make_node("Transpose", ["W_dq"], ["W_t"], name="W_t", perm=[1, 0]),
+            helper.make_node("MatMul", ["x", "W_t"], ["y"], name="mm")]
+    function = helper.make_function(FUNCTION_DOMAIN, "Linear", ["x"], ["y"], body, OPSET)
+    graph = helper.make_graph([helper.make_node("Linear", ["x"], ["y"], name="linear", domain=FUNCTION_DOMAIN)], "g",
+                              [vi("x", ["b", k])], [vi("y", ["b", n])])
+    return helper.make_model(graph, functions=[function], ir_version=12,
+                             opset_imports=[*OPSET, helper.make_opsetid(FUNCTION_DOMAIN, 1)])

@@ -137,3 +137,115 @@ def test_fold_quark_pass_reports_a_change_on_a_quark_model():
     result = fold_quark(model)
     assert result.modified is True and any(e["kind"] == "constant" for e in fold_quark.entries)
     assert any(d.pattern == "quark" for d in declined)  # activations stay, declined, without calibration
+
+
+# -- convert on If branches and functions (end to end) ------------------------------------------------------
+
+def _nodes_in_branches(proto: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    (if_node,) = [n for n in proto.graph.node if n.op_type == "If"]
+    return {a.name: list(a.g.node) for a in if_node.attribute}
+
+
+def _assert_lowered_runs_as_reference(converted: onnx.ModelProto, feeds_list) -> None:
+    """lower + onnxruntime CPU on the converted model == onnx.reference on the converted model, unlowered."""
+    from tests.graph_variants import run_reference
+
+    lowered, report = lower(ir.serde.deserialize_model(converted))
+    assert not report.declined
+    session = _ort(lowered)
+    for feeds in feeds_list:
+        np.testing.assert_array_equal(session.run(None, feeds)[0], run_reference(converted, feeds)[0])
+
+
+@pytest.mark.parametrize("scale_form", ["dq", "alpha"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_convert_rewrites_the_mxfp4_weight_of_each_if_branch(scale_form, shared):
+    from fp4pass.pipeline import convert
+
+    proto = B.if_branch_model(shared=shared)
+    converted, report = convert(proto, scale_form=scale_form)
+    assert sorted(t["name"] for t in report["tensors"]) == (["W_then"] if shared else ["W_else", "W_then"])
+    assert report["declined"] == [] and report["summary"]["lossless"] == len(report["tensors"])
+    onnx.checker.check_model(converted, full_check=True)
+    for nodes in _nodes_in_branches(converted).values():  # each branch now dequantizes NVFP4 (block 16)
+        blocks = [a.i for n in nodes if n.op_type == "DequantizeLinear" for a in n.attribute if a.name == "block_size"]
+        assert blocks == [16]
+    feeds = _feeds(proto)
+    _assert_lowered_runs_as_reference(converted, feeds)
+    for f in feeds:  # lossless: the converted model computes what the input computes, in both branches
+        np.testing.assert_array_equal(ReferenceEvaluator(converted).run(None, f)[0],
+                                      ReferenceEvaluator(proto).run(None, f)[0])
+
+
+def test_diff_runs_on_a_converted_if_model():
+    from fp4pass.onnx import diff
+    from fp4pass.pipeline import convert
+
+    proto = B.if_branch_model()
+    converted, _ = convert(proto)
+    result = diff(proto, converted, provider="cpu")
+    assert result.passed and len(result.outputs) == 1
+
+
+def test_convert_declines_an_mxfp4_weight_inside_a_function_and_says_what_converts_it():
+    import onnx.inliner
+    from onnx_ir.passes.common import LiftConstantsToInitializersPass
+
+    from fp4pass.pipeline import convert
+
+    proto = B.function_model()
+    converted, report = convert(proto)
+    assert report["tensors"] == []
+    (declined,) = report["declined"]
+    assert declined["tensor"] == "W" and declined["pattern"] == "dq"
+    assert f"function {B.FUNCTION_DOMAIN}::Linear" in declined["reason"] and "inline" in declined["reason"]
+    onnx.checker.check_model(converted, full_check=True)
+    _assert_lowered_runs_as_reference(converted, _feeds(proto))
+    # what the reason says: inlined, constants lifted, the weight converts
+    model = ir.serde.deserialize_model(onnx.inliner.inline_local_functions(proto))
+    LiftConstantsToInitializersPass(size_limit=0)(model)
+    _, report = convert(model)
+    assert report["summary"]["tensors_converted"] == report["summary"]["lossless"] == 1 and report["declined"] == []
+
+
+@pytest.mark.parametrize("target", ["trt", "ort"])
+def test_activation_quantizers_go_into_each_branch_that_reads_the_outer_activation(target, tmp_path):
+    from fp4pass.pipeline import convert
+
+    proto = B.if_branch_model()
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, **_feeds(proto)[0])
+    converted, report = convert(proto, target=target, calib=str(calib))
+    (entry,) = report["activations"]
+    assert entry["activation"] == "x" and entry["inserted"] and entry["reason"] is None
+    assert sorted(entry["consumers"]) == ["else_mm", "then_mm"]
+    onnx.checker.check_model(converted, full_check=True)
+    for branch, nodes in _nodes_in_branches(converted).items():
+        mm = next(i for i, n in enumerate(nodes) if n.op_type == "MatMul")
+        quantized = nodes[mm].input[0]  # the MatMul now reads the quantizer's output, made before it in the branch
+        assert quantized != "x" and quantized in {o for n in nodes[:mm] for o in n.output}
+    _assert_lowered_runs_as_reference(converted, _feeds(proto))
+
+
+def test_an_activation_consumer_inside_a_function_is_declined_with_the_reason():
+    from fp4pass.calib.runner import calibration_targets
+    from fp4pass.onnx.act_quant import InsertActivationQuantizers
+
+    proto = B.nvfp4_function_model()
+    model = ir.serde.deserialize_model(proto)
+    targets, declined = calibration_targets(model)
+    assert targets == [] and "function local.fp4::Linear" in declined[0]["reason"]
+    insert = InsertActivationQuantizers({"x": 0.01}, target="reference")
+    assert insert(model).modified is False
+    (entry,) = insert.entries
+    assert not entry["inserted"] and "function local.fp4::Linear" in entry["reason"]
+
+
+def test_insert_activation_quantizers_pass_says_whether_it_inserted():
+    from fp4pass.onnx.act_quant import InsertActivationQuantizers
+    from fp4pass.pipeline import convert
+
+    converted, _ = convert(B.if_branch_model())
+    model = ir.serde.deserialize_model(converted)
+    assert InsertActivationQuantizers({"not_an_activation": 0.01})(model).modified is False
+    assert InsertActivationQuantizers({"x": 0.01})(model).modified is True
