@@ -249,3 +249,16 @@ def test_insert_activation_quantizers_pass_says_whether_it_inserted():
     model = ir.serde.deserialize_model(converted)
     assert InsertActivationQuantizers({"not_an_activation": 0.01})(model).modified is False
     assert InsertActivationQuantizers({"x": 0.01})(model).modified is True
+
+
+def test_run_passes_lets_a_pass_own_error_through():
+    from fp4pass.errors import ModelError
+    from fp4pass.onnx.passes import run_passes
+
+    class Refuses(ir.passes.InPlacePass):
+        def call(self, model):
+            raise ModelError("this model is refused")
+
+    model = ir.serde.deserialize_model(B.if_branch_model())
+    with pytest.raises(ModelError, match="refused"):  # not onnx_ir's PassError around it
+        run_passes([LowerFP4DequantizeLinear(), Refuses()], model)

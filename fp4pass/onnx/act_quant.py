@@ -20,6 +20,9 @@ the float x). Names of everything already in the graph stay as they were; new na
    name, scalar or per-expert [E]) is multiplied by input_scale, once per initializer. An activation with a
    consumer missing from ``alphas`` (it fell back to dq) keeps its scale in the DQ, and the report says so.
 
+Where: one quantizer per graph that holds FP4 consumers of x (a consumer inside an If / Loop / Scan body gets
+its quantizer in that body, before it); a consumer inside a local function's body is declined with the reason.
+
 Declined, with the reason in the report: an activation no FP4 consumer reads, an activation not blocked along
 its last axis (:func:`fp4pass.onnx.activations.activation_axis_reason`), a last dim that is not a multiple of 16.
 

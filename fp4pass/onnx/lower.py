@@ -56,7 +56,8 @@ from fp4pass.errors import ModelError
 from fp4pass.formats import decode_e4m3, decode_e8m0
 from fp4pass.formats.constants import FP4_MIN_IR_VERSION, MS_DOMAIN, ORT_MAX_IR_VERSION, TRT_DOMAIN
 from fp4pass.onnx import emulate, qmoe_layout
-from fp4pass.onnx.passes import ModelNames, all_nodes, constant_tensor, function_graphs, function_label, function_of, run_passes
+from fp4pass.onnx.passes import (ModelNames, all_nodes, constant_tensor, function_graphs, function_label, function_of,
+                                 run_passes)
 
 __all__ = [
     "lower_for_ort",

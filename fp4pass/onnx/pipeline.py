@@ -1,20 +1,38 @@
 """The ONNX stages of ``fp4pass.onnx.convert`` (MXFP4 -> NVFP4 over a whole ONNX model), which
-:func:`fp4pass.pipeline.convert` runs in this order, like a compiler pass pipeline:
+:func:`fp4pass.pipeline.convert` runs in this order. Stages 4-6 are ``onnx_ir`` in-place passes
+(``ir.passes.InPlacePass``: ``call(model) -> PassResult(model, modified)``) run by ``ir.passes.PassManager``
+(:func:`fp4pass.onnx.passes.run_passes`); each holds its inputs and, after it ran, its results for the report.
+docs/passes.md has the whole list, with what each pass walks and declines.
 
 1. load       - path / ModelProto / onnx_ir.Model / graphsurgeon Graph into onnx_ir (external data lazy, checked)
-2. match      - :func:`fp4pass.onnx.sharing.find_weights`: the MXFP4 patterns (one record per weight, however
-                many dequantize nodes read it), and near-misses with a reason
+2. match      - :func:`fp4pass.onnx.sharing.find_weights`: the MXFP4 patterns in the main graph, its subgraphs
+                (If / Loop / Scan bodies) and local function bodies (one record per weight, however many
+                dequantize nodes read it), and near-misses with a reason. A weight inside a function body is
+                declined: the reason names the function and says what converts it (inline, lift constants)
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
-4. rewrite    - per weight (:func:`rewrite_weights`): :mod:`rewrite_trt` (``dq`` / ``alpha`` form,
-                GatherBlockQuantized) or :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy.
-                A Quark weight becomes an MXFP4 DQ first; the Quark fake-quants left are folded (constants) or
-                go with the activations (:func:`quark_rest`, :mod:`rewrite_quark`)
-5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR`, :func:`group_initializers`
-6. activations (optional) - calibration (``fp4pass.calib``) then :mod:`fp4pass.onnx.act_quant`: run by
-                the pipeline above both (:mod:`fp4pass.pipeline`), so that this package never imports the
-                calibration
+                (``WeightConversion``)
+4. rewrite    - :class:`RewriteMXFP4Weights` (records and conversions in; ``done``, ``alphas``, ``wrote_dq``
+                out): per weight :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
+                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy and go to the graph that
+                holds the codes (an outer-scope initializer read in a branch: the main graph), new nodes to
+                the graph of the node they serve. A Quark weight becomes an MXFP4 DQ first.
+                :class:`FoldQuarkFakeQuants` (``entries`` out): the Quark fake-quants left are folded
+                (constants) or go with the activations (:mod:`rewrite_quark`)
+5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR` (``versions`` out), :class:`GroupInitializers`
+6. activations (optional) - calibration (``fp4pass.calib``, not a pass: it measures), then
+                :class:`fp4pass.onnx.act_quant.InsertActivationQuantizers` (``entries`` out; one quantizer per
+                graph that holds consumers, a consumer in a function body declined); run by the pipeline
+                above both (:mod:`fp4pass.pipeline`), so that this package never imports the calibration
 7. write      - streamed with external data (one weight's conversion in memory at a time), or materialized
-8. check (optional) - ``fp4pass.onnx.numerics.diff`` between the input and the output
+8. check (optional) - ``fp4pass.onnx.numerics.diff`` between the input and the output (both lowered by the
+                passes of :mod:`fp4pass.onnx.lower`)
+
+Removal stays with the rewrite that orphans something (a replaced node, an old scale initializer nothing
+reads, the com.amd.quark import once no node uses it), at once, because the freed name goes to the new
+value. ``onnx_ir``'s ``RemoveUnusedNodesPass`` / ``RemoveUnusedOpsetsPass`` are not run on the written model:
+they would also delete what the input itself leaves unused (a dead layer, with weights the report lists as
+converted; unused opset imports; unused optional outputs), which is not fp4pass's to change. The lowering,
+whose copy is only run, uses ``RemoveUnusedOpsetsPass``.
 
 Targets: ``trt`` and ``reference`` write linear weights in the ModelOpt two-DQ form; ``ort`` writes the same
 two-DQ form for linear weights (runnable after ``fp4pass.onnx.lower``; MatMulBlockQuantizedFp4Weight is
