@@ -26,7 +26,7 @@ from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
 from fp4pass.onnx.numerics import diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
-from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
+from fp4pass.onnx.passes import run_passes
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_qmoe import prior_global_scale
 from fp4pass.onnx.sharing import find_weights
@@ -127,10 +127,11 @@ def convert(
 
     records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
-    done, alphas, wrote_dq = onnx_stages.rewrite_weights(records, convs, scale_form)
-    quark = onnx_stages.quark_rest(model, calibrated=calib is not None or scales is not None, declined=declined)
-    versions = SetOpsetAndIR().call(model, wrote_dq)
-    onnx_stages.group_initializers(model, records)
+    # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
+    rewrite, fold_quark, set_versions, group = onnx_stages.weight_passes(
+        records, convs, scale_form, calibrated=calib is not None or scales is not None, declined=declined)
+    run_passes([rewrite, fold_quark, set_versions, group], model)
+    done, alphas, quark, versions = rewrite.done, rewrite.alphas, fold_quark.entries, set_versions.versions
 
     activations = None
     if calib is not None or scales is not None:

@@ -140,3 +140,67 @@ def mx_quantize_axis0(w: np.ndarray):
     """MXFP4 blocked along axis 0: codes [N, K], scales [N/32, K] (an axis the pass declines)."""
     codes, scales = mxfp4_quantize(w.T.copy())
     return codes.T.copy(), scales.T.copy()
+
+
+def if_branch_model(n=48, k=64, weight_scales=(0.05, 3.0), shared=False) -> onnx.ModelProto:
+    """y = If(cond, then: x @ DQ(W_then)^T, else: x @ DQ(W_else)^T), opset 24.
+
+    Each branch holds an MXFP4 ``DequantizeLinear`` (FLOAT4E2M1 codes, FLOAT8E8M0 scales, block 32, last axis)
+    reading outer-scope initializers of the main graph, then a Transpose and a MatMul reading the outer input
+    x. ``weight_scales``: the two weights' magnitudes (far apart, so a swapped branch shows). ``shared``: both
+    branches dequantize the one weight W_then.
+    """
+    inits, branches = [], []
+    for i, tag in enumerate(("then", "else")):
+        w = f"W_{tag}" if not shared or tag == "then" else "W_then"
+        if w not in {t.name for t in inits}:
+            inits += mx_inits(w, weight((n, k), 10 + i, weight_scales[i]))
+        nodes = [helper.make_node("DequantizeLinear", [w, f"{w}_scale"], [f"{tag}_dq"], name=f"{tag}_dq", axis=-1,
+                                  block_size=32, output_dtype=TensorProto.FLOAT),
+                 helper.make_node("Transpose", [f"{tag}_dq"], [f"{tag}_t"], name=f"{tag}_t", perm=[1, 0]),
+                 helper.make_node("MatMul", ["x", f"{tag}_t"], [f"{tag}_y"], name=f"{tag}_mm")]
+        branches.append(helper.make_graph(nodes, f"{tag}_branch", [], [vi(f"{tag}_y", ["b", n])]))
+    node = helper.make_node("If", ["cond"], ["y"], name="if", then_branch=branches[0], else_branch=branches[1])
+    return make([node], [vi("x", ["b", k]), vi("cond", [], TensorProto.BOOL)], [vi("y", ["b", n])], inits)
+
+
+FUNCTION_DOMAIN = "local.fp4"
+
+
+def function_model(n=48, k=64) -> onnx.ModelProto:
+    """y = local.fp4::Linear(x): a model-local function whose body stores an MXFP4 weight in two ``Constant``
+    nodes (FLOAT4E2M1 codes, FLOAT8E8M0 scales) and computes x @ DQ(W)^T (DequantizeLinear-24, block 32)."""
+    codes, scales = mx_inits("W", weight((n, k), 20))
+    body = [helper.make_node("Constant", [], ["W"], name="W_const", value=codes),
+            helper.make_node("Constant", [], ["W_scale"], name="W_scale_const", value=scales),
+            helper.make_node("DequantizeLinear", ["W", "W_scale"], ["W_dq"], name="W_dq", axis=-1, block_size=32,
+                             output_dtype=TensorProto.FLOAT),
+            helper.make_node("Transpose", ["W_dq"], ["W_t"], name="W_t", perm=[1, 0]),
+            helper.make_node("MatMul", ["x", "W_t"], ["y"], name="mm")]
+    function = helper.make_function(FUNCTION_DOMAIN, "Linear", ["x"], ["y"], body, OPSET)
+    graph = helper.make_graph([helper.make_node("Linear", ["x"], ["y"], name="linear", domain=FUNCTION_DOMAIN)], "g",
+                              [vi("x", ["b", k])], [vi("y", ["b", n])])
+    return helper.make_model(graph, functions=[function], ir_version=12,
+                             opset_imports=[*OPSET, helper.make_opsetid(FUNCTION_DOMAIN, 1)])
+
+
+def nvfp4_function_model(n=48, k=64) -> onnx.ModelProto:
+    """y = local.fp4::Linear(x) whose body holds NVFP4 in fp4pass's two-DQ form, stored in Constant nodes:
+    x @ DQ(W FLOAT4E2M1, DQ(S16 FLOAT8E4M3FN, G), block 16)^T."""
+    w = weight((n, k), 21)
+    blocks = w.reshape(n, k // 16, 16)
+    g = np.float32(np.abs(w).max() / (6 * 448))
+    s16 = (np.abs(blocks).max(-1) / 6 / g).astype(ml_dtypes.float8_e4m3fn)
+    codes = (blocks / (s16.astype(np.float32) * g)[..., None]).astype(ml_dtypes.float4_e2m1fn).reshape(n, k)
+    body = [helper.make_node("Constant", [], ["W"], name="W_const", value=numpy_helper.from_array(codes, "W")),
+            helper.make_node("Constant", [], ["S16"], name="S16_const", value=numpy_helper.from_array(s16, "S16")),
+            helper.make_node("Constant", [], ["G"], name="G_const", value=numpy_helper.from_array(g, "G")),
+            helper.make_node("DequantizeLinear", ["S16", "G"], ["s"], name="s_dq"),
+            helper.make_node("DequantizeLinear", ["W", "s"], ["W_dq"], name="W_dq", axis=-1, block_size=16),
+            helper.make_node("Transpose", ["W_dq"], ["W_t"], name="W_t", perm=[1, 0]),
+            helper.make_node("MatMul", ["x", "W_t"], ["y"], name="mm")]
+    function = helper.make_function(FUNCTION_DOMAIN, "Linear", ["x"], ["y"], body, OPSET)
+    graph = helper.make_graph([helper.make_node("Linear", ["x"], ["y"], name="linear", domain=FUNCTION_DOMAIN)], "g",
+                              [vi("x", ["b", k])], [vi("y", ["b", n])])
+    return helper.make_model(graph, functions=[function], ir_version=12,
+                             opset_imports=[*OPSET, helper.make_opsetid(FUNCTION_DOMAIN, 1)])

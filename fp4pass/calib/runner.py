@@ -6,7 +6,8 @@ Steps (ModelOpt's staging: targets -> session -> collect -> compute):
    (:func:`fp4pass.onnx.patterns.find_fp4_consumers`: MatMul / Gemm / Einsum, and QMoE's input), each
    activation once however many consumers it feeds. Declined, with the reason: an activation blocked along
    another axis than its last (Gemm transA=1, MatMul with the weight as input A, an Einsum whose activation
-   does not contract its last axis), a constant, one inside a subgraph.
+   does not contract its last axis), a constant, one computed inside a subgraph (an outer activation that a
+   consumer inside an If / Loop / Scan body reads is a target), one read inside a local function's body.
 2. Session: a copy of the model lowered for onnxruntime (:func:`fp4pass.onnx.lower.lower_for_ort`, exact)
    with the targets added as graph outputs, run by :func:`fp4pass.onnx.runtime.make_session` (CUDA EP when
    present).
@@ -66,19 +67,25 @@ class CalibrationTarget:
 
 def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[dict]]:
     """(targets, declined): the activations to calibrate, in graph order, and those declined with a reason."""
+    from fp4pass.onnx.passes import function_graphs, function_label, function_of
     from fp4pass.onnx.patterns import find_fp4_consumers
 
     targets: dict[str, CalibrationTarget] = {}
     declined: list[dict] = []
-    top_level = {id(node) for node in model.graph}
+    main_values = {id(v) for v in model.graph.inputs} | {id(v) for node in model.graph for v in node.outputs}
+    owners = function_graphs(model)
     for node, activation_input, _weight in find_fp4_consumers(model):
         value = node.inputs[activation_input] if activation_input < len(node.inputs) else None
         label = node.name or node.op_type
         reason = None
+        function = function_of(node, owners)
         if value is None:
             reason = "no activation input"
-        elif id(node) not in top_level:
-            reason = "consumer is inside a subgraph"
+        elif function is not None:
+            reason = (f"consumer is inside function {function_label(function)}, whose values calibration does not "
+                      "observe; inline the function to calibrate it")
+        elif id(value) not in main_values and value.const_value is None:
+            reason = "activation is computed inside a subgraph (calibration observes the main graph's values)"
         elif value.const_value is not None and not value.is_graph_input():
             reason = f"activation {value.name!r} is a constant"
         else:

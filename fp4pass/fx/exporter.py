@@ -414,7 +414,7 @@ def export(model, example_inputs, path: str | os.PathLike | None = None, target:
     has_e8m0 = any(v.dtype == ir.DataType.FLOAT8E8M0 for v in onnx_model.graph.initializers.values())
     if has_e8m0 and onnx_model.opset_imports.get("", 1) < E8M0_DQ_OPSET:
         onnx_model.opset_imports[""] = E8M0_DQ_OPSET
-    SetOpsetAndIR().call(onnx_model, wrote_fp4_dq=bool(counts["mxfp4"] or counts["nvfp4"]))
+    SetOpsetAndIR(wrote_fp4_dq=bool(counts["mxfp4"] or counts["nvfp4"]))(onnx_model)
     log.info("fx export: %s; opset %s, IR %s", counts, onnx_model.opset_imports.get(""), onnx_model.ir_version)
     if path is not None:
         from fp4pass.onnx.loading import save

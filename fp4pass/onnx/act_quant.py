@@ -20,6 +20,9 @@ the float x). Names of everything already in the graph stay as they were; new na
    name, scalar or per-expert [E]) is multiplied by input_scale, once per initializer. An activation with a
    consumer missing from ``alphas`` (it fell back to dq) keeps its scale in the DQ, and the report says so.
 
+Where: one quantizer per graph that holds FP4 consumers of x (a consumer inside an If / Loop / Scan body gets
+its quantizer in that body, before it); a consumer inside a local function's body is declined with the reason.
+
 Declined, with the reason in the report: an activation no FP4 consumer reads, an activation not blocked along
 its last axis (:func:`fp4pass.onnx.activations.activation_axis_reason`), a last dim that is not a multiple of 16.
 
@@ -45,9 +48,10 @@ from fp4pass.formats.constants import FP4_MIN_IR_VERSION, TRT_DOMAIN
 from fp4pass.onnx.activations import activation_axis_reason
 from fp4pass.onnx.dtypes import FLOAT_TYPES, value_dtype
 from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
+from fp4pass.onnx.passes import function_graphs, function_label, function_of
 from fp4pass.onnx.patterns import node_label
 
-__all__ = ["insert_activation_quantizers", "QuantizerScale", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+__all__ = ["insert_activation_quantizers", "InsertActivationQuantizers", "QuantizerScale", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
 log = logging.getLogger(__name__)
 
@@ -147,44 +151,83 @@ def insert_activation_quantizers(model: ir.Model, scales, target: str = "trt",
     """Insert one NVFP4 quantizer per calibrated activation, in place (module docstring); return the report.
 
     ``scales``: {activation name: input_scale or :class:`QuantizerScale`}, or anything
-    :func:`quantizer_scales` reads (a calibration's result).
+    :func:`quantizer_scales` reads (a calibration's result). :class:`InsertActivationQuantizers` run once.
 
     Report entries: ``{"activation", "consumers", "input_scale", "g_amax", "target", "scale_form",
     "inserted": bool, "reason", "alphas"}``.
     """
-    if target not in TARGETS:
-        raise UsageError(f"activation quantizers: target must be one of {', '.join(TARGETS)}, got {target!r}")
-    if scale_form not in SCALE_FORMS:
-        raise UsageError(f"activation quantizers: scale_form must be dq or alpha, got {scale_form!r}")
-    if scale_form == "alpha" and alphas is None:
-        raise UsageError("activation quantizers: scale_form 'alpha' needs the consumers' alpha initializers")
-    graph = model.graph
-    groups = _consumers_by_activation(model)
-    order = {id(node): i for i, node in enumerate(graph)}
-    scaled_alphas: dict[str, float] = {}
-    report: list[dict] = []
-    for name, scale in quantizer_scales(scales).items():
+    insert = InsertActivationQuantizers(scales, target=target, scale_form=scale_form, alphas=alphas)
+    insert(model)
+    return insert.entries
+
+
+def _function_reason(function: ir.Function) -> str:
+    return (f"it sits inside function {function_label(function)}, whose values calibration does not observe and "
+            "whose body is shared by every call; inline the function to quantize it")
+
+
+class InsertActivationQuantizers(ir.passes.InPlacePass):
+    """Stage 6 as an onnx_ir pass (module docstring): ``entries`` holds the report after it ran; ``modified``
+    is True when a quantizer was inserted.
+
+    Consumers are found everywhere (:func:`fp4pass.onnx.patterns.find_fp4_consumers`). One quantizer serves
+    the consumers of one graph: a consumer inside an If / Loop / Scan body gets a quantizer in that body,
+    placed before it (its name gets ``_{n}`` after ``_nvfp4``), reading the outer activation and the one
+    global scale initializer of the main graph. A consumer inside a local function's body is declined with
+    the reason in the entry.
+    """
+
+    def __init__(self, scales, target: str = "trt", scale_form: str = "dq", alphas: dict[str, str] | None = None):
+        super().__init__()
+        if target not in TARGETS:
+            raise UsageError(f"activation quantizers: target must be one of {', '.join(TARGETS)}, got {target!r}")
+        if scale_form not in SCALE_FORMS:
+            raise UsageError(f"activation quantizers: scale_form must be dq or alpha, got {scale_form!r}")
+        if scale_form == "alpha" and alphas is None:
+            raise UsageError("activation quantizers: scale_form 'alpha' needs the consumers' alpha initializers")
+        self.scales, self.target, self.scale_form, self.alphas = scales, target, scale_form, alphas
+        self.entries: list[dict] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        groups, owners = _consumers_by_activation(model), function_graphs(model)
+        scaled_alphas: dict[str, float] = {}  # alpha initializer -> the input scale it was multiplied by
+        self.entries = [self._insert(model, name, scale, groups, owners, scaled_alphas)
+                        for name, scale in quantizer_scales(self.scales).items()]
+        inserted = any(e["inserted"] for e in self.entries)
+        if inserted:
+            _ensure_opset(model, self.target)
+        return ir.passes.PassResult(model, inserted)
+
+    def _insert(self, model: ir.Model, name: str, scale: QuantizerScale, groups, owners, scaled_alphas) -> dict:
+        target, scale_form, alphas = self.target, self.scale_form, self.alphas
+        main = model.graph
         entry = {"activation": name, "consumers": [], "input_scale": scale.input_scale, "g_amax": scale.g_amax,
                  "target": target, "scale_form": scale_form, "inserted": False, "reason": None, "alphas": []}
-        report.append(entry)
-        uses = [(node, index) for node, index in groups.get(name, []) if id(node) in order]
-        usable = [(n, i) for n, i in uses if activation_axis_reason(n, i) is None]
+        uses = groups.get(name, [])
+        left: list[tuple[str, str]] = []  # (consumer, reason) of the consumers not quantized
+        usable = []
+        for node, index in uses:
+            function = function_of(node, owners)
+            reason = _function_reason(function) if function is not None else activation_axis_reason(node, index)
+            if reason is None:
+                usable.append((node, index))
+            else:
+                left.append((node_label(node), reason))
         if not usable:
-            entry["reason"] = (activation_axis_reason(*uses[0]) if uses else
-                               "no FP4 consumer (MatMul/Gemm/Einsum/QMoE) in the main graph reads it")
-            continue
+            entry["reason"] = (left[0][1] if left else "no FP4 consumer (MatMul/Gemm/Einsum/QMoE) reads it")
+            return entry
         x = usable[0][0].inputs[usable[0][1]]
         dims = list(x.shape.dims) if x.shape is not None else []
         if dims and isinstance(dims[-1], int) and dims[-1] % NV_BLOCK_SIZE:
             entry["reason"] = f"last dim {dims[-1]} is not a multiple of 16"
-            continue
+            return entry
         prefix = f"{name}_nvfp4"
         dtype = _activation_dtype(usable[0][0], usable[0][1])
         if dtype not in FLOAT_TYPES:
             entry["reason"] = f"activation is {dtype.name}, not a float type"
-            continue
+            return entry
         g = _scalar(f"{prefix}/input_scale", scale.input_scale)
-        graph.register_initializer(g)
+        main.register_initializer(g)
         form = scale_form
         if form == "alpha" and any(node_label(n) not in alphas for n, _ in usable):
             form = "dq"  # a consumer without an alpha initializer (fell back to dq): one quantizer serves all
@@ -193,32 +236,35 @@ def insert_activation_quantizers(model: ir.Model, scales, target: str = "trt",
         if form == "alpha":
             g_dq = _scalar(f"{prefix}/dequant_scale_one", 1.0) if target == "trt" else None
             if g_dq is not None:
-                graph.register_initializer(g_dq)
+                main.register_initializer(g_dq)
         else:
             g_dq = g
-        if target == "trt":
-            nodes, x_hat = trt_quantizer(x, g, g_dq, prefix, dtype)
-        else:
-            tape = ir.tape.Tape()
-            x_hat = nvfp4_fake_quant(tape, x, g, name=name, input_dtype=dtype,
-                                     **({"dequant_scale": None} if form == "alpha" else {}))
-            nodes = list(tape.nodes)
-            for init in tape.initializers:
-                graph.register_initializer(init)
-        first = min((node for node, _ in usable), key=lambda n: order[id(n)])
-        graph.insert_before(first, nodes)
+        sites: dict[int, tuple[ir.Graph, list]] = {}  # one quantizer per graph holding consumers, main graph first
         for node, index in usable:
-            node.replace_input_with(index, x_hat)
-            entry["consumers"].append(node_label(node))
-            if form == "alpha":
-                entry["alphas"].append(_scale_alpha(graph, node, alphas, scale.input_scale, scaled_alphas))
+            sites.setdefault(id(node.graph), (node.graph, []))[1].append((node, index))
+        for site, (graph, consumers) in enumerate(sorted(sites.values(), key=lambda s: s[0] is not main)):
+            stem = name if site == 0 else f"{prefix}_{site}"
+            if target == "trt":
+                nodes, x_hat = trt_quantizer(x, g, g_dq, prefix if site == 0 else f"{prefix}_{site}", dtype)
+            else:
+                tape = ir.tape.Tape()
+                x_hat = nvfp4_fake_quant(tape, x, g, name=stem, input_dtype=dtype,
+                                         **({"dequant_scale": None} if form == "alpha" else {}))
+                nodes = list(tape.nodes)
+                for init in tape.initializers:
+                    main.register_initializer(init)
+            order = {id(node): i for i, node in enumerate(graph)}
+            first = min((node for node, _ in consumers), key=lambda n: order[id(n)])
+            graph.insert_before(first, nodes)
+            for node, index in consumers:
+                node.replace_input_with(index, x_hat)
+                entry["consumers"].append(node_label(node))
+                if form == "alpha":
+                    entry["alphas"].append(_scale_alpha(main, node, alphas, scale.input_scale, scaled_alphas))
         entry["inserted"] = True
-        declined = [node_label(n) for n, i in uses if (n, i) not in usable]
-        if declined:
-            entry["reason"] = f"not quantized for {', '.join(declined)}: {activation_axis_reason(*uses[0])}"
-    if any(e["inserted"] for e in report):
-        _ensure_opset(model, target)
-    return report
+        if left:
+            entry["reason"] = "; ".join(f"not quantized for {label}: {reason}" for label, reason in left)
+        return entry
 
 
 def _scale_alpha(graph: ir.Graph, node: ir.Node, alphas: dict[str, str], input_scale: float,
@@ -233,7 +279,7 @@ def _scale_alpha(graph: ir.Graph, node: ir.Node, alphas: dict[str, str], input_s
             raise ModelError(f"alpha initializer {alpha_name!r} is shared by consumers of activations with "
                              f"different input scales ({done[alpha_name]} vs {input_scale})")
         return alpha_name
-    alpha = graph.initializers.get(alpha_name)
+    alpha = node.graph.initializers.get(alpha_name) or graph.initializers.get(alpha_name)  # a branch's, or the model's
     if alpha is None or alpha.const_value is None:
         raise ModelError(f"node {label}: alpha initializer {alpha_name!r} is not in the graph")
     values = alpha.const_value.numpy().astype(np.float32) * np.float32(input_scale)

@@ -2,7 +2,12 @@
 
 onnxruntime has no DequantizeLinear kernel for FLOAT4E2M1 and runs QMoE's FP4 modes on CUDA only (docs/formats.md).
 ``lower_for_ort`` returns a copy of the model where every such pattern computes the same numbers with ops it
-does run. Passes, in the order they run:
+does run. Each lowering is an ``onnx_ir`` in-place pass (:class:`NodeLowering`) that visits every node of the
+main graph, of every subgraph (If / Loop / Scan bodies, recursively) and of every local function body
+(:mod:`fp4pass.onnx.passes`), and rewrites a node in the graph that holds it: new constants are
+initializers of that graph, or ``Constant`` nodes in a function body (functions hold no initializers), and
+an FP4 tensor a function stores in a ``Constant`` node counts as stored. :func:`lower` runs them with
+``onnx_ir.passes.PassManager``, in this order:
 
 1. :class:`LowerTRTFP4DynamicQuantize` - the TensorRT activation quantizer
    ``trt::TRT_FP4DynamicQuantize(x, g) -> (x_fp4, s_e4m3); DQ(s_e4m3, g') -> s_f; DQ(x_fp4, s_f, block 16)``
@@ -24,10 +29,17 @@ does run. Passes, in the order they run:
    at run time (onnxruntime runs E4M3 DQ). Covers MXFP4 (block 32), NVFP4 two-DQ (block 16, scalar or
    per-expert [E] G) and the alpha form (any FP32 scale input).
 
-Versions: IR is capped at 13 (onnxruntime 1.31) and kept >= 11 when FP4 initializers remain; the
-``com.microsoft`` opset is added when used; the default opset is raised to 21 when an emulation is inserted.
-Every pass has ``check(node) -> reason | None`` (None = it applies) and the reasons of the declines are
-logged and returned in :class:`LoweringReport`.
+4. ``onnx_ir.passes.common.RemoveUnusedOpsetsPass`` - opset imports no node uses any more (the ``trt``
+   domain once its quantizers are lowered) go, from the model and from each function.
+5. :class:`SetOrtVersions` - IR is capped at 13 (onnxruntime 1.31) and kept >= 11 when FP4 tensors remain;
+   the ``com.microsoft`` opset is imported by the model, and by each function whose body uses it (an MS op
+   inside an If branch needs the model's import); the default opset is raised to 21 where an emulation
+   was inserted (the model, and each function that got one).
+
+QMoE inside a function body is declined (its weights would be ``Constant`` nodes there; inline the
+function). Every lowering has ``check(node) -> reason | None`` (None = it applies); the reasons of the
+declines are logged and returned in :class:`LoweringReport`. A pass's ``PassResult.modified`` is True when it
+rewrote at least one node (or changed a version).
 """
 
 from __future__ import annotations
@@ -38,11 +50,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 import torch
+from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from fp4pass.errors import ModelError
 from fp4pass.formats import decode_e4m3, decode_e8m0
 from fp4pass.formats.constants import FP4_MIN_IR_VERSION, MS_DOMAIN, ORT_MAX_IR_VERSION, TRT_DOMAIN
 from fp4pass.onnx import emulate, qmoe_layout
+from fp4pass.onnx.passes import (ModelNames, all_nodes, constant_tensor, function_graphs, function_label, function_of,
+                                 run_passes)
 
 __all__ = [
     "lower_for_ort",
@@ -51,6 +66,8 @@ __all__ = [
     "LowerFP4DequantizeLinear",
     "LowerQMoEFP4",
     "LowerTRTFP4DynamicQuantize",
+    "NodeLowering",
+    "SetOrtVersions",
     "ORT_MAX_IR_VERSION",
 ]
 
@@ -79,53 +96,124 @@ def _attr(node: ir.Node, name: str, default=None):
     return default if attr is None else attr.value
 
 
+def _dtype(value: ir.Value | None) -> ir.DataType | None:
+    """A value's type, or its stored tensor's (a function body's Constant outputs often carry no type)."""
+    stored = constant_tensor(value)
+    return stored.dtype if stored is not None else (value.dtype if value is not None else None)
+
+
 def _rank(value: ir.Value) -> int | None:
     return None if value.shape is None else len(value.shape)
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray | ir.TensorProtocol) -> ir.Value:
-    """Register a new initializer whose name is unique in the graph (suffixes _1, _2 ... on a clash)."""
-    base, n = name, 0
-    while name in graph.initializers:
-        n += 1
-        name = f"{base}_{n}"
-    tensor = array if isinstance(array, ir.TensorProtocol) else ir.tensor(array, name=name)
-    tensor.name = name
-    out = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(out)
-    return out
+class Scope:
+    """Where one rewrite puts what it adds: ``graph``, the graph holding the node being lowered (the main
+    graph, a subgraph or a function body). Constants are initializers of that graph, or, in a function body
+    (``function`` set; it holds no initializers), ``Constant`` nodes placed before the node. Names are unique
+    in the whole model."""
+
+    def __init__(self, node: ir.Node, function: ir.Function | None, names: ModelNames) -> None:
+        self.node, self.graph, self.function, self.names = node, node.graph, function, names
+
+    def constant(self, name: str, array: np.ndarray | ir.TensorProtocol) -> ir.Value:
+        name = self.names.take(name)
+        tensor = array if isinstance(array, ir.TensorProtocol) else ir.tensor(array, name=name)
+        tensor.name = name
+        value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        self.adopt(value)
+        return value
+
+    def adopt(self, value: ir.Value) -> None:
+        """Make the constant ``value`` (``const_value`` set, no producer) available before the node."""
+        if self.function is None:
+            self.graph.register_initializer(value)
+            return
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", value.const_value)], outputs=[value],
+                       name=f"{value.name}/Constant")
+        self.graph.insert_before(self.node, [node])
+
+    def arange(self, n: int, hint: str) -> ir.Value:
+        return self.constant(f"{hint}/arange{n}", np.arange(n, dtype=np.int64))
 
 
-def _arange(graph: ir.Graph, n: int, hint: str) -> ir.Value:
-    return _initializer(graph, f"{hint}/arange{n}", np.arange(n, dtype=np.int64))
+def _scale_codes(tensor: ir.TensorProtocol) -> torch.Tensor:
+    """uint8 codes of an FP8/E8M0 tensor as a torch tensor (numpy holds them as ml_dtypes)."""
+    return torch.from_numpy(np.array(tensor.numpy()).view(np.uint8))
 
 
-def _scale_codes(value: ir.Value) -> torch.Tensor:
-    """uint8 codes of an FP8/E8M0 initializer as a torch tensor (numpy holds them as ml_dtypes)."""
-    array = value.const_value.numpy()
-    return torch.from_numpy(np.array(array).view(np.uint8))
-
-
-def _drop_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
-    """Remove an initializer the rewrite orphaned (onnxruntime warns about unused ones)."""
-    if (value is not None and value.is_initializer() and not value.uses() and not value.is_graph_output()
-            and not value.is_graph_input() and graph.initializers.get(value.name) is value):
+def _drop_if_unused(value: ir.Value | None) -> None:
+    """Remove an initializer or ``Constant`` node the rewrite orphaned (onnxruntime warns about unused ones)."""
+    if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
+        return
+    graph = value.graph
+    if value.is_initializer() and graph is not None and graph.initializers.get(value.name) is value:
         graph.initializers.pop(value.name)
+        return
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.graph is not None:
+        producer.graph.remove(producer, safe=True)
 
 
-def _dequant_gbq(graph: ir.Graph, data: ir.Value, scales: ir.Value, block_size: int, name: str) -> ir.Node:
+def _dequant_gbq(scope: Scope, data: ir.Value, scales: ir.Value, block_size: int, name: str) -> ir.Node:
     """GatherBlockQuantized(data, arange(dim0), scales) = the whole tensor dequantized along its last axis."""
-    rank = len(data.shape)
+    shape = constant_tensor(data).shape if constant_tensor(data) is not None else data.shape
+    rank = len(shape)
     return ir.node(
         "GatherBlockQuantized",
-        [data, _arange(graph, int(data.shape[0]), name), scales],
+        [data, scope.arange(int(shape[0]), name), scales],
         {"gather_axis": 0, "quantize_axis": rank - 1, "block_size": block_size},
         domain=MS_DOMAIN,
         name=f"{name}/GatherBlockQuantized",
     )
 
 
-class LowerFP4DequantizeLinear:
+class NodeLowering(ir.passes.InPlacePass):
+    """One lowering as an onnx_ir pass: every node it ``matches``, wherever it lives (main graph, subgraphs,
+    function bodies), is ``check``ed, then rewritten in the graph that holds it (:class:`Scope`), or left with
+    the reason in ``report``. ``functions`` lists the function bodies it rewrote a node in."""
+
+    name = "lowering"
+
+    def __init__(self, report: LoweringReport | None = None) -> None:
+        super().__init__()
+        self.report = report if report is not None else LoweringReport()
+        self.functions: list[ir.Function] = []
+
+    def matches(self, node: ir.Node) -> bool:
+        raise NotImplementedError
+
+    def check(self, node: ir.Node) -> str | None:
+        raise NotImplementedError
+
+    def rewrite(self, scope: Scope, node: ir.Node) -> None:
+        raise NotImplementedError
+
+    def check_in(self, node: ir.Node, function: ir.Function | None) -> str | None:
+        """:meth:`check`, for a node that sits in ``function``'s body (None: in the main graph or a subgraph)."""
+        return self.check(node)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        owners = function_graphs(model)
+        names = ModelNames(model)
+        modified = False
+        for node in all_nodes(model):
+            if node.graph is None or not self.matches(node):  # graph None: removed by an earlier rewrite
+                continue
+            function = function_of(node, owners)
+            reason = self.check_in(node, function)
+            if reason is not None:
+                logger.warning("lowering for onnxruntime: left %s: %s", node.name or node.op_type, reason)
+                self.report.declined.append(reason)
+                continue
+            self.rewrite(Scope(node, function, names), node)
+            self.report.count(self.name)
+            if function is not None and function not in self.functions:
+                self.functions.append(function)
+            modified = True
+        return ir.passes.PassResult(model, modified)
+
+
+class LowerFP4DequantizeLinear(NodeLowering):
     """FP4 weight DequantizeLinear -> GatherBlockQuantized (module docstring, pass 3).
 
     Cases, numbered as in the code: (1) E8M0 scale initializer -> FP32 initializer; (2) E8M0 scale computed at
@@ -140,15 +228,16 @@ class LowerFP4DequantizeLinear:
             node.op_type == "DequantizeLinear"
             and node.domain == ""
             and node.inputs[0] is not None
-            and node.inputs[0].dtype == ir.DataType.FLOAT4E2M1
+            and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
         )
 
     def check(self, node: ir.Node) -> str | None:
         data = node.inputs[0]
         scale = node.inputs[1]
-        if data.const_value is None:
+        stored = constant_tensor(data)
+        if stored is None:
             return f"{data.name}: FP4 data is not an initializer (a graph input or computed)"
-        rank = _rank(data)
+        rank = len(stored.shape)
         if not rank or rank < 2:
             return f"{data.name}: FP4 data of rank {rank}; only [N, K] and [E, N, K] (rank >= 2) are lowered"
         axis = _attr(node, "axis", 1)
@@ -158,36 +247,39 @@ class LowerFP4DequantizeLinear:
         if block_size < 16 or block_size & (block_size - 1):
             return f"{node.name}: block_size={block_size} (GatherBlockQuantized needs a power of two >= 16)"
         if len(node.inputs) > 2 and node.inputs[2] is not None:
-            zero_point = node.inputs[2].const_value
+            zero_point = constant_tensor(node.inputs[2])
             if zero_point is None or np.any(np.asarray(zero_point.numpy(), np.float32) != 0):
                 return f"{node.name}: non-zero FP4 zero point"
         if scale is None:
             return f"{node.name}: no scale input"
-        if scale.dtype is not None and scale.dtype not in (ir.DataType.FLOAT8E8M0, *_FLOAT_TYPES):
-            return f"{node.name}: scale of type {scale.dtype} (want E8M0 or float)"
+        if _dtype(scale) is not None and _dtype(scale) not in (ir.DataType.FLOAT8E8M0, *_FLOAT_TYPES):
+            return f"{node.name}: scale of type {_dtype(scale)} (want E8M0 or float)"
         return None
 
-    def rewrite(self, graph: ir.Graph, node: ir.Node) -> None:
+    def rewrite(self, scope: Scope, node: ir.Node) -> None:
         data, scale = node.inputs[0], node.inputs[1]
         new_nodes: list[ir.Node] = []
-        if scale.dtype == ir.DataType.FLOAT8E8M0 and scale.const_value is not None:  # (1)
-            scale_f = decode_e8m0(_scale_codes(scale), what=f"{scale.name} (E8M0 scales)").numpy()
-            scale = _initializer(graph, f"{scale.name}/f32", scale_f)
-        elif scale.dtype == ir.DataType.FLOAT8E8M0:  # (2)
+        stored_scale = constant_tensor(scale)
+        scale_dtype = _dtype(scale)
+        if scale_dtype == ir.DataType.FLOAT8E8M0 and stored_scale is not None:  # (1)
+            scale_f = decode_e8m0(_scale_codes(stored_scale), what=f"{scale.name} (E8M0 scales)").numpy()
+            scale = scope.constant(f"{scale.name}/f32", scale_f)
+        elif scale_dtype == ir.DataType.FLOAT8E8M0:  # (2)
             cast = ir.node("Cast", [scale], {"to": ir.DataType.FLOAT}, name=f"{node.name}/scale_f32")
             new_nodes.append(cast)
             scale = cast.outputs[0]
-        gather = _dequant_gbq(graph, data, scale, _attr(node, "block_size"), node.name or data.name)  # (3)
+        gather = _dequant_gbq(scope, data, scale, _attr(node, "block_size"), node.name or data.name)  # (3)
         new_nodes.append(gather)
         out = gather.outputs[0]
         out_dtype = _attr(node, "output_dtype", 0)
-        scale_dtype = scale.dtype or ir.DataType.FLOAT
+        scale_dtype = _dtype(scale) or ir.DataType.FLOAT
         if out_dtype and ir.DataType(out_dtype) != scale_dtype:  # (4)
             cast = ir.node("Cast", [out], {"to": ir.DataType(out_dtype)}, name=f"{node.name}/output_dtype")
             new_nodes.append(cast)
             out = cast.outputs[0]
-        ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [out])
-        _drop_if_unused(graph, node.inputs[1])
+        old_scale = node.inputs[1]
+        ir.convenience.replace_nodes_and_values(scope.graph, node, [node], new_nodes, [node.outputs[0]], [out])
+        _drop_if_unused(old_scale)
 
 
 # QMoE input positions (com.microsoft::QMoE, onnxruntime 1.31 schema).
@@ -200,7 +292,7 @@ _MOE_ATTRS = ("k", "activation_type", "normalize_routing_weights", "use_sparse_m
 _QMOE_BLOCK = {"fp4": (32, ir.DataType.FLOAT8E8M0), "nvfp4": (16, ir.DataType.FLOAT8E4M3FN)}
 
 
-class LowerQMoEFP4:
+class LowerQMoEFP4(NodeLowering):
     """QMoE 'fp4' / 'nvfp4' -> float MoE with GatherBlockQuantized-dequantized weights (module docstring, pass 2).
 
     W_fc[e, n, k] = e2m1(code(e, n, k)) * (decode(scales[e, n, k // B]) * global_scale[e]),
@@ -211,8 +303,19 @@ class LowerQMoEFP4:
 
     name = "QMoE FP4 -> MoE"
 
-    def __init__(self, hints: qmoe_layout.Hints | None = None) -> None:
-        self.hints = hints
+    def __init__(self, hints: qmoe_layout.Hints | None = None, report: LoweringReport | None = None) -> None:
+        super().__init__(report)
+        self.given_hints = self.hints = hints
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.hints = self.given_hints if self.given_hints is not None else qmoe_layout.Hints.of(model)
+        return super().call(model)
+
+    def check_in(self, node: ir.Node, function: ir.Function | None) -> str | None:
+        if function is not None:
+            return (f"{node.name}: QMoE inside function {function_label(function)} is not lowered (its weights would be "
+                    "Constant nodes there); inline the function to lower it")
+        return self.check(node)
 
     def matches(self, node: ir.Node) -> bool:
         return node.op_type == "QMoE" and node.domain == MS_DOMAIN and _attr(node, "quant_type", "int") in _QMOE_BLOCK
@@ -246,7 +349,7 @@ class LowerQMoEFP4:
             return f"{node.name}: input of type {x_dtype} (want float, float16 or bfloat16)"
         return None
 
-    def rewrite(self, graph: ir.Graph, node: ir.Node) -> None:
+    def rewrite(self, scope: Scope, node: ir.Node) -> None:
         quant_type = _attr(node, "quant_type")
         block, _ = _QMOE_BLOCK[quant_type]
         decode = decode_e8m0 if quant_type == "fp4" else decode_e4m3
@@ -263,12 +366,12 @@ class LowerQMoEFP4:
                 codes = qmoe_layout.kernel_to_schema(codes, rows, k)
             fp4 = ir.PackedTensor(codes.reshape(experts, rows, k // 2), ir.DataType.FLOAT4E2M1,
                                   shape=(experts, rows, k))
-            fp4_value = _initializer(graph, f"{weights.name}/fp4", fp4)
-            block_scale = decode(_scale_codes(scales)).numpy()
+            fp4_value = scope.constant(f"{weights.name}/fp4", fp4)
+            block_scale = decode(_scale_codes(scales.const_value)).numpy()
             g = (np.ones(experts, np.float32) if global_scale is None
                  else np.asarray(global_scale.const_value.numpy(), np.float32).reshape(experts))
-            scale_f = _initializer(graph, f"{scales.name}/f32", block_scale * g[:, None, None])
-            gather = _dequant_gbq(graph, fp4_value, scale_f, block, f"{node.name}/{fc}")
+            scale_f = scope.constant(f"{scales.name}/f32", block_scale * g[:, None, None])
+            gather = _dequant_gbq(scope, fp4_value, scale_f, block, f"{node.name}/{fc}")
             new_nodes.append(gather)
             float_weights[fc] = gather.outputs[0]
             if x_dtype is not None and x_dtype != ir.DataType.FLOAT:
@@ -285,12 +388,12 @@ class LowerQMoEFP4:
         )
         new_nodes.append(moe)
         old_inputs = [self._input(node, i) for fc in _QMOE_FC.values() for i in (fc[0], fc[1], fc[3])]
-        ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [node.outputs[0]], [moe.outputs[0]])
+        ir.convenience.replace_nodes_and_values(scope.graph, node, [node], new_nodes, [node.outputs[0]], [moe.outputs[0]])
         for value in old_inputs:
-            _drop_if_unused(graph, value)
+            _drop_if_unused(value)
 
 
-class LowerTRTFP4DynamicQuantize:
+class LowerTRTFP4DynamicQuantize(NodeLowering):
     """TRT_FP4DynamicQuantize + its two DQs -> standard-op NVFP4 fake-quant (module docstring, pass 1).
 
     Each consumer ``DQ(x_fp4, s_f, axis=-1, block_size=16)`` with ``s_f = DQ(s_e4m3, g')`` (or a Cast of
@@ -338,7 +441,8 @@ class LowerTRTFP4DynamicQuantize:
             return f"{node.name}: FP4 outputs are graph outputs"
         return None
 
-    def rewrite(self, graph: ir.Graph, node: ir.Node) -> int:
+    def rewrite(self, scope: Scope, node: ir.Node) -> None:
+        graph = scope.graph
         x, g = node.inputs[0], node.inputs[1]
         x_fp4, s_e4m3 = node.outputs[0], node.outputs[1]
         for i, use in enumerate(list(x_fp4.uses())):
@@ -352,7 +456,7 @@ class LowerTRTFP4DynamicQuantize:
                                          output_dtype=ir.DataType(out_dtype) if out_dtype else
                                          (dq.inputs[1].dtype or ir.DataType.FLOAT))
             for init in tape.initializers:
-                graph.register_initializer(init)
+                scope.adopt(init)
             ir.convenience.replace_nodes_and_values(graph, dq, [dq], tape.nodes, [dq.outputs[0]], [y])
         for use in list(s_e4m3.uses()):
             scale_node = use.node
@@ -361,32 +465,18 @@ class LowerTRTFP4DynamicQuantize:
         graph.remove(node, safe=True)
 
 
-PASSES = (LowerTRTFP4DynamicQuantize(), LowerQMoEFP4(), LowerFP4DequantizeLinear())
-
-
-def _passes(model: ir.Model):
-    """The passes, with the QMoE one given ``model``'s producer and metadata (for an ambiguous layout)."""
-    hints = qmoe_layout.Hints.of(model)
-    return tuple(LowerQMoEFP4(hints) if isinstance(p, LowerQMoEFP4) else p for p in PASSES)
+def lowering_passes(report: LoweringReport | None = None) -> list[ir.passes.PassBase]:
+    """The passes of :func:`lower`, in order (module docstring), sharing one ``report``."""
+    report = report if report is not None else LoweringReport()
+    lowerings = [LowerTRTFP4DynamicQuantize(report), LowerQMoEFP4(report=report), LowerFP4DequantizeLinear(report)]
+    return [*lowerings, RemoveUnusedOpsetsPass(), SetOrtVersions(report, lowerings)]
 
 
 def lower(model: ir.Model) -> tuple[ir.Model, LoweringReport]:
     """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done."""
     lowered = model.clone()
-    graph = lowered.graph
     report = LoweringReport()
-    for lowering in _passes(lowered):
-        for node in list(graph):
-            if not lowering.matches(node):
-                continue
-            reason = lowering.check(node)
-            if reason is not None:
-                logger.warning("lowering for onnxruntime: left %s: %s", node.name or node.op_type, reason)
-                report.declined.append(reason)
-                continue
-            lowering.rewrite(graph, node)
-            report.count(lowering.name)
-    _set_versions(lowered, report)
+    run_passes(lowering_passes(report), lowered)
     logger.debug("lowering for onnxruntime: %s", report.summary())
     return lowered, report
 
@@ -398,14 +488,36 @@ def lower_for_ort(model: ir.Model) -> ir.Model:
     return lower(model)[0]
 
 
-def _set_versions(model: ir.Model, report: LoweringReport) -> None:
-    ms_ops = {n.op_type for n in model.graph if n.domain == MS_DOMAIN}
-    if ms_ops and MS_DOMAIN not in model.opset_imports:
-        model.opset_imports[MS_DOMAIN] = 1
-    if report.lowered.get(LowerTRTFP4DynamicQuantize.name):
-        model.opset_imports[""] = max(model.opset_imports.get("", emulate.MIN_OPSET), emulate.MIN_OPSET)
-        if not any(n.domain == TRT_DOMAIN for n in model.graph):
-            model.opset_imports.pop(TRT_DOMAIN, None)
-    ir_version = min(model.ir_version or ORT_MAX_IR_VERSION, ORT_MAX_IR_VERSION)
-    has_fp4 = any(v.dtype == ir.DataType.FLOAT4E2M1 for v in model.graph.initializers.values())
-    model.ir_version = max(ir_version, FP4_MIN_IR_VERSION) if has_fp4 else ir_version
+def _has_fp4(model: ir.Model) -> bool:
+    """Whether an FP4 tensor is stored anywhere: an initializer of any graph, or a Constant node."""
+    if any(v.dtype == ir.DataType.FLOAT4E2M1 for graph in model.graphs() for v in graph.initializers.values()):
+        return True
+    return any(node.op_type == "Constant" and constant_tensor(node.outputs[0]) is not None
+               and constant_tensor(node.outputs[0]).dtype == ir.DataType.FLOAT4E2M1 for node in all_nodes(model))
+
+
+class SetOrtVersions(ir.passes.InPlacePass):
+    """Pass 5 of the module docstring: the versions and imports onnxruntime needs after the lowerings."""
+
+    def __init__(self, report: LoweringReport, lowerings=()) -> None:
+        super().__init__()
+        self.report = report
+        self.lowerings = lowerings
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        before = (model.ir_version, dict(model.opset_imports), [dict(f.opset_imports) for f in model.functions.values()])
+        if any(n.domain == MS_DOMAIN for n in ir.traversal.RecursiveGraphIterator(model.graph)):
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        for function in model.functions.values():
+            if any(n.domain == MS_DOMAIN for n in ir.traversal.RecursiveGraphIterator(function)):
+                function.opset_imports.setdefault(MS_DOMAIN, 1)
+                model.opset_imports.setdefault(MS_DOMAIN, 1)
+        emulated = [p for p in self.lowerings if isinstance(p, LowerTRTFP4DynamicQuantize)]
+        if self.report.lowered.get(LowerTRTFP4DynamicQuantize.name):
+            model.opset_imports[""] = max(model.opset_imports.get("", emulate.MIN_OPSET), emulate.MIN_OPSET)
+            for function in (f for p in emulated for f in p.functions):
+                function.opset_imports[""] = max(function.opset_imports.get("", emulate.MIN_OPSET), emulate.MIN_OPSET)
+        ir_version = min(model.ir_version or ORT_MAX_IR_VERSION, ORT_MAX_IR_VERSION)
+        model.ir_version = max(ir_version, FP4_MIN_IR_VERSION) if _has_fp4(model) else ir_version
+        after = (model.ir_version, dict(model.opset_imports), [dict(f.opset_imports) for f in model.functions.values()])
+        return ir.passes.PassResult(model, before != after)

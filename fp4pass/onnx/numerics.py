@@ -163,11 +163,11 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
             continue  # an input with a default initializer (old IR)
         dims = _static_dims(value, shapes, notes)
         if np.issubdtype(dtype, np.floating):
-            feeds[value.name] = rng.standard_normal(dims).astype(dtype)
+            feeds[value.name] = np.asarray(rng.standard_normal(dims), dtype)  # arrays, 0-d ones included
         elif np.issubdtype(dtype, np.integer):
-            feeds[value.name] = rng.integers(0, 16, size=dims).astype(dtype)
+            feeds[value.name] = np.asarray(rng.integers(0, 16, size=dims), dtype)
         elif dtype == np.bool_:
-            feeds[value.name] = rng.random(dims) < 0.5
+            feeds[value.name] = np.asarray(rng.random(dims) < 0.5)
         else:
             raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; give it in --inputs")
     return feeds

@@ -32,6 +32,7 @@ import onnx_ir as ir
 
 from fp4pass.formats.constants import MS_DOMAIN, QUARK_DOMAIN
 from fp4pass.onnx import qmoe_layout
+from fp4pass.onnx.passes import all_nodes, constant_tensor, function_graphs, function_label, function_of
 
 __all__ = [
     "FP4Weight",
@@ -113,11 +114,12 @@ class Declined:
 
 
 def _dtype(value: ir.Value | None) -> ir.DataType | None:
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.dtype
-    return value.dtype
+    """A value's type: its stored tensor's (an initializer, or a Constant node, whose output often carries
+    no type in a function body), else its declared one."""
+    stored = constant_tensor(value)
+    if stored is not None:
+        return stored.dtype
+    return value.dtype if value is not None else None
 
 
 def node_label(node: ir.Node) -> str:
@@ -523,11 +525,21 @@ PATTERNS = (MXFP4Dequantize(), QMoEFp4(), GatherBlockQuantizedFp4(), FP4FloatSca
 
 
 def _all_nodes(model: ir.Model):
-    return list(ir.traversal.RecursiveGraphIterator(model.graph))
+    """Every node: main graph, subgraphs, function bodies (:func:`fp4pass.onnx.passes.all_nodes`)."""
+    return all_nodes(model)
+
+
+def function_reason(function: ir.Function) -> str:
+    """Why a weight pattern inside ``function``'s body is declined, and what would make it convertible."""
+    return (f"inside function {function_label(function)}: a function body holds no initializers, so the NVFP4 "
+            "codes and scales have nowhere to be stored; inline the function "
+            "(onnx.inliner.inline_local_functions) and lift its Constant nodes to initializers "
+            "(onnx_ir.passes.common.LiftConstantsToInitializersPass(size_limit=0)), then convert")
 
 
 def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[Declined]]:
-    """Every MXFP4 weight pattern in ``model`` (subgraphs included), and the near-misses with their reason.
+    """Every MXFP4 weight pattern in ``model`` (subgraphs and function bodies included), and the near-misses
+    with their reason. A weight pattern inside a local function's body is declined (:func:`function_reason`).
 
     ``model_dir``: the model's folder, where a ``genai_config.json`` tells an ambiguous QMoE layout.
     """
@@ -535,9 +547,11 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
     declined: list[Declined] = []
     hints = qmoe_layout.Hints.of(model, model_dir)
     patterns = tuple(QMoEFp4(hints) if isinstance(p, QMoEFp4) else p for p in PATTERNS)
+    owners = function_graphs(model)
     for node in _all_nodes(model):
         if _is_nvfp4_dq(node):  # fp4pass's own NVFP4 output: nothing to convert, nothing to decline
             continue
+        function = function_of(node, owners)
         for pattern in patterns:
             if not pattern.match(node):
                 continue
@@ -546,6 +560,9 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
             except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
                 # a malformed node: declined with its reason, the others still convert
                 reason = f"malformed node ({type(exc).__name__}: {exc})"
+            if function is not None:
+                reason = (f"inside function {function_label(function)}: {reason}" if isinstance(pattern, DeclineOnly)
+                          else function_reason(function))
             if reason is None:
                 found.extend(pattern.records(node))
             else:

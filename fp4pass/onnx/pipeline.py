@@ -1,20 +1,38 @@
 """The ONNX stages of ``fp4pass.onnx.convert`` (MXFP4 -> NVFP4 over a whole ONNX model), which
-:func:`fp4pass.pipeline.convert` runs in this order, like a compiler pass pipeline:
+:func:`fp4pass.pipeline.convert` runs in this order. Stages 4-6 are ``onnx_ir`` in-place passes
+(``ir.passes.InPlacePass``: ``call(model) -> PassResult(model, modified)``) run by ``ir.passes.PassManager``
+(:func:`fp4pass.onnx.passes.run_passes`); each holds its inputs and, after it ran, its results for the report.
+docs/passes.md has the whole list, with what each pass walks and declines.
 
 1. load       - path / ModelProto / onnx_ir.Model / graphsurgeon Graph into onnx_ir (external data lazy, checked)
-2. match      - :func:`fp4pass.onnx.sharing.find_weights`: the MXFP4 patterns (one record per weight, however
-                many dequantize nodes read it), and near-misses with a reason
+2. match      - :func:`fp4pass.onnx.sharing.find_weights`: the MXFP4 patterns in the main graph, its subgraphs
+                (If / Loop / Scan bodies) and local function bodies (one record per weight, however many
+                dequantize nodes read it), and near-misses with a reason. A weight inside a function body is
+                declined: the reason names the function and says what converts it (inline, lift constants)
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
-4. rewrite    - per weight (:func:`rewrite_weights`): :mod:`rewrite_trt` (``dq`` / ``alpha`` form,
-                GatherBlockQuantized) or :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy.
-                A Quark weight becomes an MXFP4 DQ first; the Quark fake-quants left are folded (constants) or
-                go with the activations (:func:`quark_rest`, :mod:`rewrite_quark`)
-5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR`, :func:`group_initializers`
-6. activations (optional) - calibration (``fp4pass.calib``) then :mod:`fp4pass.onnx.act_quant`: run by
-                the pipeline above both (:mod:`fp4pass.pipeline`), so that this package never imports the
-                calibration
+                (``WeightConversion``)
+4. rewrite    - :class:`RewriteMXFP4Weights` (records and conversions in; ``done``, ``alphas``, ``wrote_dq``
+                out): per weight :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
+                :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy and go to the graph that
+                holds the codes (an outer-scope initializer read in a branch: the main graph), new nodes to
+                the graph of the node they serve. A Quark weight becomes an MXFP4 DQ first.
+                :class:`FoldQuarkFakeQuants` (``entries`` out): the Quark fake-quants left are folded
+                (constants) or go with the activations (:mod:`rewrite_quark`)
+5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR` (``versions`` out), :class:`GroupInitializers`
+6. activations (optional) - calibration (``fp4pass.calib``, not a pass: it measures), then
+                :class:`fp4pass.onnx.act_quant.InsertActivationQuantizers` (``entries`` out; one quantizer per
+                graph that holds consumers, a consumer in a function body declined); run by the pipeline
+                above both (:mod:`fp4pass.pipeline`), so that this package never imports the calibration
 7. write      - streamed with external data (one weight's conversion in memory at a time), or materialized
-8. check (optional) - ``fp4pass.onnx.numerics.diff`` between the input and the output
+8. check (optional) - ``fp4pass.onnx.numerics.diff`` between the input and the output (both lowered by the
+                passes of :mod:`fp4pass.onnx.lower`)
+
+Removal stays with the rewrite that orphans something (a replaced node, an old scale initializer nothing
+reads, the com.amd.quark import once no node uses it), at once, because the freed name goes to the new
+value. ``onnx_ir``'s ``RemoveUnusedNodesPass`` / ``RemoveUnusedOpsetsPass`` are not run on the written model:
+they would also delete what the input itself leaves unused (a dead layer, with weights the report lists as
+converted; unused opset imports; unused optional outputs), which is not fp4pass's to change. The lowering,
+whose copy is only run, uses ``RemoveUnusedOpsetsPass``.
 
 Targets: ``trt`` and ``reference`` write linear weights in the ModelOpt two-DQ form; ``ort`` writes the same
 two-DQ form for linear weights (runnable after ``fp4pass.onnx.lower``; MatMulBlockQuantizedFp4Weight is
@@ -30,6 +48,7 @@ import onnx_ir as ir
 
 from fp4pass.choices import ExternalData, Method, Provider, ScaleForm, Target, values
 from fp4pass.errors import UsageError
+from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import UniqueNames
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4
 from fp4pass.onnx.rewrite_quark import (activation_declines, drop_unused_quark_opset, fold_constants,
@@ -37,7 +56,9 @@ from fp4pass.onnx.rewrite_quark import (activation_declines, drop_unused_quark_o
 from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, alpha_note
 from fp4pass.onnx.sharing import sharing_note
 
-__all__ = ["rewrite_weights", "quark_rest", "quark_replaced", "group_initializers", "materialize", "METHODS", "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
+__all__ = ["RewriteMXFP4Weights", "FoldQuarkFakeQuants", "SetOpsetAndIR", "GroupInitializers", "weight_passes",
+           "quark_rest", "quark_replaced", "group_initializers", "materialize", "METHODS",
+           "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
 
 log = logging.getLogger(__name__)
 
@@ -63,42 +84,56 @@ def materialize(model: ir.Model) -> None:
                 value.const_value = tensor
 
 
-def rewrite_weights(records, convs, scale_form: str) -> tuple[list[tuple], dict[str, str], bool]:
-    """Rewrite every record; returns [(record, conv, form, note)], the alpha initializers, whether an FP4 DQ was written."""
-    done, alphas, wrote_dq = [], {}, False
-    names = UniqueNames()  # one for every rewrite: new tensor names never clash
-    alpha_pass, dq_pass, gbq_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names)
-    qmoe_pass = QMoEToNVFP4()
-    for record, conv in zip(records, convs):
-        note = conv.lossy_reason
-        if record.pattern == "quark":
-            materialize_weight(record)
-        if record.pattern in ("dq", "dq_float", "quark"):
-            wrote_dq = True
-            reason = alpha_pass.check(record) if scale_form == "alpha" else None
-            if scale_form == "alpha" and reason is None:
-                out = alpha_pass.rewrite(record, conv)
-                alphas.update(out["alphas"])
-                if out["gemm_alpha"]:
-                    note = "; ".join(filter(None, [note, f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"]))
-                if out["cast"]:  # worded once the global scale is known (after the conversion)
-                    note = _joined_note(note, lambda out=out, conv=conv: alpha_note(out, conv))
+class RewriteMXFP4Weights(ir.passes.InPlacePass):
+    """Stage 4: rewrite every matched weight (``records``, each with its lazy ``convs`` entry) into NVFP4.
+
+    Out, after the pass ran: ``done`` [(record, conv, form, note)] for the report, ``alphas`` {consumer
+    node: alpha initializer} (the ``alpha`` form), ``wrote_dq`` whether an FP4 DequantizeLinear (or
+    GatherBlockQuantized with a DQ scale) was written. ``modified``: at least one weight was rewritten.
+    """
+
+    def __init__(self, records, convs, scale_form: str) -> None:
+        super().__init__()
+        self.records, self.convs, self.scale_form = list(records), list(convs), scale_form
+        self.done: list[tuple] = []
+        self.alphas: dict[str, str] = {}
+        self.wrote_dq = False
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        scale_form = self.scale_form
+        names = UniqueNames(model.graph)  # one for every rewrite: new tensor names never clash
+        alpha_pass, dq_pass, gbq_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names)
+        qmoe_pass = QMoEToNVFP4()
+        for record, conv in zip(self.records, self.convs):
+            note = conv.lossy_reason
+            if record.pattern == "quark":
+                materialize_weight(record)
+            if record.pattern in ("dq", "dq_float", "quark"):
+                self.wrote_dq = True
+                reason = alpha_pass.check(record) if scale_form == "alpha" else None
+                if scale_form == "alpha" and reason is None:
+                    out = alpha_pass.rewrite(record, conv)
+                    self.alphas.update(out["alphas"])
+                    if out["gemm_alpha"]:
+                        note = "; ".join(filter(None, [note, f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"]))
+                    if out["cast"]:  # worded once the global scale is known (after the conversion)
+                        note = _joined_note(note, lambda out=out, conv=conv: alpha_note(out, conv))
+                else:
+                    if reason:
+                        note = "; ".join(filter(None, [note, f"alpha form not possible ({reason}); wrote the dq form"]))
+                    out = dq_pass.rewrite(record, conv)
+            elif record.pattern == "gbq":
+                self.wrote_dq = True
+                out = gbq_pass.rewrite(record, conv)
             else:
-                if reason:
-                    note = "; ".join(filter(None, [note, f"alpha form not possible ({reason}); wrote the dq form"]))
-                out = dq_pass.rewrite(record, conv)
-        elif record.pattern == "gbq":
-            wrote_dq = True
-            out = gbq_pass.rewrite(record, conv)
-        else:
-            out = qmoe_pass.rewrite(record, conv)
-            if conv.prior_global is not None:
-                note = "global scale multiplied by the input's fc*_global_scale"
-        shared = sharing_note(record)
-        if shared:
-            note = _joined_note(shared, note) if callable(note) else "; ".join(n for n in (shared, note) if n)
-        done.append((record, conv, out["form"], note))
-    return done, alphas, wrote_dq
+                out = qmoe_pass.rewrite(record, conv)
+                if conv.prior_global is not None:
+                    note = "global scale multiplied by the input's fc*_global_scale"
+            shared = sharing_note(record)
+            if shared:
+                note = _joined_note(shared, note) if callable(note) else "; ".join(n for n in (shared, note) if n)
+            self.done.append((record, conv, out["form"], note))
+        return ir.passes.PassResult(model, bool(self.records))
 
 
 def _joined_note(first: str | None, later):
@@ -106,16 +141,32 @@ def _joined_note(first: str | None, later):
     return lambda: "; ".join(n for n in (first, later()) if n)
 
 
+class FoldQuarkFakeQuants(ir.passes.InPlacePass):
+    """Stage 4, Quark's rest: the Quark fake-quants left after the weights. Constants are folded; activations
+    removed when ``calibrated`` quantizers replace them, else kept and their declines appended to
+    ``declined`` (running them needs Quark's custom-op library); the com.amd.quark import goes once no node
+    uses it. Out: ``entries`` (the report's "quark" list). ``modified``: a node was folded or removed."""
+
+    def __init__(self, calibrated: bool, declined: list) -> None:
+        super().__init__()
+        self.calibrated, self.declined = calibrated, declined
+        self.entries: list[dict] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.entries = fold_constants(model)
+        if self.calibrated:
+            self.entries += remove_activation_fake_quants(model)
+        else:
+            self.declined.extend(activation_declines(model))
+        dropped = drop_unused_quark_opset(model)
+        return ir.passes.PassResult(model, bool(self.entries) or dropped)
+
+
 def quark_rest(model: ir.Model, calibrated: bool, declined: list) -> list[dict]:
-    """Quark fake-quants left after the weights: constants folded; activations removed when calibrated
-    quantizers replace them, else kept and declined (running them needs Quark's custom-op library)."""
-    entries = fold_constants(model)
-    if calibrated:
-        entries += remove_activation_fake_quants(model)
-    else:
-        declined.extend(activation_declines(model))
-    drop_unused_quark_opset(model)
-    return entries
+    """:class:`FoldQuarkFakeQuants` run once; returns its report entries."""
+    fold = FoldQuarkFakeQuants(calibrated, declined)
+    fold(model)
+    return fold.entries
 
 
 def quark_replaced(entries: list[dict], activations: list[dict]) -> None:
@@ -127,26 +178,51 @@ def quark_replaced(entries: list[dict], activations: list[dict]) -> None:
                                "removed; not replaced: it feeds no FP4 GEMM (NVFP4 quantizes only FP4 GEMM inputs)")
 
 
-def group_initializers(model: ir.Model, records) -> None:
-    """Put each weight's new scale initializers right after its codes, so that ``ir.save`` writes a weight's
-    parts one after another and its conversion is freed before the next one starts (peak memory ~ one weight)."""
-    companions: dict[str, list[str]] = {}
-    for record in records:
-        w = record.name
-        companions[w] = [f"{w}_scale_e4m3", f"{w}_global_scale", f"{w}_scale_one"]
-    for graph in model.graphs():
-        order: list[str] = []
-        placed: set[str] = set()
-        for name in list(graph.initializers):
-            if name in placed:
+class GroupInitializers(ir.passes.InPlacePass):
+    """Stage 5: put each weight's new scale initializers right after its codes, so that ``ir.save`` writes a
+    weight's parts one after another and its conversion is freed before the next one starts (peak memory ~
+    one weight). ``modified``: the order of some graph's initializers changed."""
+
+    def __init__(self, records) -> None:
+        super().__init__()
+        self.records = list(records)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        companions: dict[str, list[str]] = {}
+        for record in self.records:
+            w = record.name
+            companions[w] = [f"{w}_scale_e4m3", f"{w}_global_scale", f"{w}_scale_one"]
+        modified = False
+        for graph in model.graphs():
+            order: list[str] = []
+            placed: set[str] = set()
+            for name in list(graph.initializers):
+                if name in placed:
+                    continue
+                order.append(name)
+                placed.add(name)
+                for extra in companions.get(name, ()):
+                    if extra in graph.initializers and extra not in placed:
+                        order.append(extra)
+                        placed.add(extra)
+            if order == list(graph.initializers):
                 continue
-            order.append(name)
-            placed.add(name)
-            for extra in companions.get(name, ()):
-                if extra in graph.initializers and extra not in placed:
-                    order.append(extra)
-                    placed.add(extra)
-        values = [graph.initializers[name] for name in order]
-        graph.initializers.clear()
-        for value in values:
-            graph.initializers[value.name] = value
+            modified = True
+            values = [graph.initializers[name] for name in order]
+            graph.initializers.clear()
+            for value in values:
+                graph.initializers[value.name] = value
+        return ir.passes.PassResult(model, modified)
+
+
+def group_initializers(model: ir.Model, records) -> None:
+    """:class:`GroupInitializers` run once."""
+    GroupInitializers(records)(model)
+
+
+def weight_passes(records, convs, scale_form: str, calibrated: bool, declined: list) -> list[ir.passes.PassBase]:
+    """Stages 4 and 5 as onnx_ir passes, in the order they run (module docstring); run them with
+    :func:`fp4pass.onnx.passes.run_passes`, then read their results off them."""
+    rewrite = RewriteMXFP4Weights(records, convs, scale_form)
+    return [rewrite, FoldQuarkFakeQuants(calibrated, declined), SetOpsetAndIR(lambda: rewrite.wrote_dq),
+            GroupInitializers(records)]

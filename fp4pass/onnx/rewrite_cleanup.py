@@ -2,17 +2,26 @@
 
 1. Default-domain opset: raised to 23 when an FP4 DequantizeLinear was written into a model below 23
    (FLOAT4E2M1 input and ``output_dtype`` arrive in DequantizeLinear-23); never lowered.
+   A local function whose default opset equalled the model's is raised with it (the checker wants a
+   function's imports to agree with the model's).
 2. IR version: the lowest that holds the model, max(IR of its opsets, 11 if FLOAT4E2M1/FLOAT8E4M3FN tensors
-   are present, 12 if FLOAT8E8M0 remains). Always written explicitly: onnx 1.23 writes IR 14 by default and
-   onnxruntime 1.31 loads IR <= 13.
+   are present, 12 if FLOAT8E8M0 remains), looking at the initializers and inputs of every graph and
+   subgraph and at the ``Constant`` nodes everywhere (function bodies included). Always written explicitly:
+   onnx 1.23 writes IR 14 by default and onnxruntime 1.31 loads IR <= 13.
+
+:class:`SetOpsetAndIR` is an ``onnx_ir`` in-place pass; ``versions`` holds (old, new) for the report after it
+ran, and ``PassResult.modified`` says whether either number changed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import onnx
 import onnx_ir as ir
 
 from fp4pass.formats.constants import E8M0_MIN_IR_VERSION, FP4_MIN_IR_VERSION
+from fp4pass.onnx.passes import all_nodes, constant_tensor
 
 __all__ = ["SetOpsetAndIR"]
 
@@ -27,13 +36,23 @@ def _min_ir_for_opset(version: int) -> int:
         return onnx.IR_VERSION
 
 
-class SetOpsetAndIR:
-    """Cases 1 and 2 of the module docstring. ``call`` returns (old, new) for the report."""
+class SetOpsetAndIR(ir.passes.InPlacePass):
+    """Cases 1 and 2 of the module docstring. ``wrote_fp4_dq``: whether an FP4 DequantizeLinear was written,
+    or a callable that tells it when the pass runs (the rewrite pass before it in a pass manager knows)."""
 
-    def call(self, model: ir.Model, wrote_fp4_dq: bool) -> dict:
+    def __init__(self, wrote_fp4_dq: bool | Callable[[], bool] = False) -> None:
+        super().__init__()
+        self.wrote_fp4_dq = wrote_fp4_dq
+        self.versions: dict | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        wrote = self.wrote_fp4_dq() if callable(self.wrote_fp4_dq) else self.wrote_fp4_dq
         before = {"ir_version": model.ir_version, "opset": model.opset_imports.get("", None)}
         default = model.opset_imports.get("", 1)
-        if wrote_fp4_dq and default < 23:
+        if wrote and default < 23:
+            for function in model.functions.values():
+                if function.opset_imports.get("") == default:
+                    function.opset_imports[""] = 23
             model.opset_imports[""] = default = 23
             model.graph.opset_imports[""] = 23
         needed = _min_ir_for_opset(default)
@@ -43,5 +62,10 @@ class SetOpsetAndIR:
                 needed = max(needed, _IR_FOR_TYPE.get(dtype, 0))
             for value in graph.inputs:
                 needed = max(needed, _IR_FOR_TYPE.get(value.dtype, 0))
+        for node in all_nodes(model):
+            if node.op_type == "Constant" and node.domain == "" and node.outputs:
+                stored = constant_tensor(node.outputs[0])
+                needed = max(needed, _IR_FOR_TYPE.get(stored.dtype, 0) if stored is not None else 0)
         model.ir_version = needed
-        return {"before": before, "after": {"ir_version": needed, "opset": model.opset_imports.get("")}}
+        self.versions = {"before": before, "after": {"ir_version": needed, "opset": model.opset_imports.get("")}}
+        return ir.passes.PassResult(model, self.versions["after"] != before)

@@ -44,13 +44,25 @@ class UniqueNames:
     """Value names already taken in a graph and its subgraphs; :meth:`take` hands out new ones.
 
     A new name is ``base`` when free, else ``base_1``, ``base_2``, ...: a scale kept for an unconverted reader
-    (or any tensor of the input) may already hold the name a rewrite would choose.
+    (or any tensor of the input) may already hold the name a rewrite would choose. With ``root`` (a model's
+    main graph), a name for any of its subgraphs (an If branch) is checked against the whole model, so that a
+    value in a branch never shadows one of the outer graph or repeats one of another branch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, root: ir.Graph | None = None) -> None:
         self._taken: dict[int, set[str]] = {}
+        self._root = root
+        self._inside_root: set[int] | None = None
+
+    def _scope(self, graph: ir.Graph) -> ir.Graph:
+        if self._root is None or graph is self._root:
+            return graph
+        if self._inside_root is None:
+            self._inside_root = {id(sub) for sub in self._root.subgraphs()}
+        return self._root if id(graph) in self._inside_root else graph
 
     def _names(self, graph: ir.Graph) -> set[str]:
+        graph = self._scope(graph)
         names = self._taken.get(id(graph))
         if names is None:
             names = {v.name for v in graph.inputs} | set(graph.initializers)

@@ -168,9 +168,15 @@ def remove_activation_fake_quants(model: ir.Model) -> list[dict]:
     return entries
 
 
-def drop_unused_quark_opset(model: ir.Model) -> None:
-    """Remove the com.amd.quark opset import once no node of that domain is left."""
+def drop_unused_quark_opset(model: ir.Model) -> bool:
+    """Remove the com.amd.quark opset import once no node of that domain is left; True when it went.
+
+    Only that domain: ``onnx_ir.passes.common.RemoveUnusedOpsetsPass`` would also drop every other import
+    the input has and does not use (Quark's exports import eight such domains), which is not fp4pass's to
+    change."""
     if any(node.domain == QUARK_DOMAIN for graph in model.graphs() for node in graph):
-        return
+        return False
+    had = QUARK_DOMAIN in model.opset_imports
     model.opset_imports.pop(QUARK_DOMAIN, None)
     model.graph.opset_imports.pop(QUARK_DOMAIN, None)
+    return had
