@@ -142,7 +142,8 @@ def auto_candidates(codes: np.ndarray, e8m0: np.ndarray) -> list[np.float32]:
 
 def auto_best_candidates(codes: np.ndarray, e8m0: np.ndarray) -> list[tuple[tuple, np.float32]]:
     """The global scales of ``auto``'s wide ("best") search on a group of spread > 17, labelled, in float32:
-    (("octave", d, c), 2^(k_max-8+d)/c) for d in -2..2 and c in 1, 1.125..1.875, and (("amax",), amax/(6*448))."""
+    (("octave", d, c), 2^(k_max-8+d)/c) for d in -2..2 and c in 1, 1.125..1.875, and (("amax", s), amax/(6*s))
+    for s = 448 (requant's) and the E4M3 codes 256, 288, .., 416."""
     holds = (codes.reshape(*e8m0.shape, 32) & 7).any(-1)
     k_max = int(e8m0.astype(np.int64)[holds].max()) - 127
     out = []
@@ -150,7 +151,9 @@ def auto_best_candidates(codes: np.ndarray, e8m0: np.ndarray) -> list[tuple[tupl
         base = F32(2.0 ** (k_max - 8 + d))
         out += [(("octave", d, c), F32(base / F32(c))) for c in [1 + i / 8 for i in range(8)]]
     amax = F32(np.abs(mx_dequant(codes, e8m0)).max())
-    return out + [(("amax",), max(F32(amax / F32(6 * 448)), F32(2.0**-140)))]
+    out.append((("amax", 448), max(F32(amax / F32(6 * 448)), F32(2.0**-140))))
+    # amax/(6*s) for the E4M3 codes s of the top octave below 448, quotient in float64 rounded once
+    return out + [(("amax", s), F32(max(float(amax) / (6 * s), 2.0**-140))) for s in (256, 288, 320, 352, 384, 416)]
 
 
 def sse_at(codes: np.ndarray, e8m0: np.ndarray, S, steps=(0, -1, 1)) -> float:

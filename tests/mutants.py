@@ -84,9 +84,17 @@ MUTANTS = [
     ], ["tests/test_convert.py"]),
     Mutant("auto-without-octaves-below", "auto (best) drops its candidates with octave offset d = -1, -2", [
         ("fp4pass/convert/methods.py", "BEST_OCTAVES = (0, -1, -2)", "BEST_OCTAVES = (0,)"),
-    ], ["tests/test_convert.py"]),
+    ], ["tests/test_convert.py"], open_question=True,
+        note="since the amax/(6*s) candidates, no group is known where a d < 0 candidate alone reaches the least "
+             "error: searched the lossy groups of test_convert._mixed_group seeds 0..2499, and seeds 0..399 with "
+             "magnitudes capped at 0.5..3 (amax far below 6 * 2^k_max)"),
     Mutant("auto-without-amax", "auto drops requant's candidate amax/(6*448)", [
         ("fp4pass/convert/methods.py", "columns.append(global_scale_from_amax(amax))", "pass"),
+    ], ["tests/test_convert.py"]),
+    Mutant("auto-without-amax-codes", "auto (best) drops its candidates amax/(6*s), s = 256..416", [
+        ("fp4pass/convert/methods.py",
+         "columns += [(amax.double() / (6 * s)).float().clamp(min=GLOBAL_SCALE_MIN) for s in AMAX_CODES]",
+         "pass"),
     ], ["tests/test_convert.py"]),
     Mutant("auto-without-code-steps-2", "auto (best) drops the per-half codes s0 -+ 2", [
         ("fp4pass/convert/methods.py", 'AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1, -2, 2)}',

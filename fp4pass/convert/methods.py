@@ -13,14 +13,19 @@ spread = k_max - k_min. A block's nibbles stay valid at block scale s = 2^(k_b)/
    tries candidate global scales S and, at each S, gives every 16-half its verbatim scale when exact, else the
    least-SSE E4M3 code among the standard s0 and its neighbours; the S of least total SSE wins.
    effort ``best`` (default): S = 2^(k_max-8+d)/c for every octave offset d in 0, -1, -2 and every E4M3
-       mantissa c in 1, 1.125..1.875 (24 scales), and amax/(6*448) (requant's); codes s0, s0 -+ 1, s0 -+ 2.
+       mantissa c in 1, 1.125..1.875 (24 scales), amax/(6*448) (requant's) and amax/(6*s) for the E4M3 codes
+       s = 256, 288, .., 416 (``AMAX_CODES``; 31 scales); codes s0, s0 -+ 1, s0 -+ 2.
    effort ``fast``: S = 2^(k_max-8) (hybrid's), 2^(k_max-8)/c for c in 1.125..1.75, 2^(k_max-7)/c for c in
        1.125..1.875, amax/(6*448); codes s0, s0 -+ 1.
    Since hybrid's and requant's S are candidates and their per-half choices are among the options, auto's
    SSE <= min(requant, hybrid) per group. S = 2^m/c keeps the verbatim path exact for the blocks where
-   2^(k_b-m)*c is still an E4M3 value. Wider searches (codes s0-4..s0+8, octaves -4..4) find nothing better
-   on the study's lossy scenarios. The search runs on distinct half patterns (:mod:`fp4pass.convert.patterns`),
-   so its cost grows with the patterns (~10^5 per expert), not with the halves.
+   2^(k_b-m)*c is still an E4M3 value; S = amax/(6*s) keeps the group's largest element exact at E2M1 6 with
+   block code s, which for amax = 4 * 2^k_max is no 2^m/c (it is 2^m * (4/3)/c). Against a brute-force optimum
+   (``tests/search_headroom.py``: every 16-half at its best of all 126 E4M3 codes, S on a 128-per-octave grid
+   plus every scale where some element can be exact) ``best`` is within a relative 1e-7 of it on the study's
+   five lossy scenarios (geomean MSE 1.436e-07; before the amax/(6*s) scales 1.497e-07, 23% above the optimum
+   on the single extreme outlier); docs/conversion-search.md. The search runs on distinct half patterns
+   (:mod:`fp4pass.convert.patterns`), so its cost grows with the patterns (~10^5 per expert), not the halves.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from fp4pass.convert import layout as layout_mod
 from fp4pass.convert.layout import E4M3_POW2_CODES, EMPTY_K, GroupLayout, exact_pow2
 from fp4pass.formats import decode_e2m1, global_scale_from_amax, unpack_nibbles
 from fp4pass.formats.constants import (E4M3_MIN_NORMAL_EXP, E4M3_POW2_MAX_EXP, E4M3_POW2_MIN_EXP, E8M0_BIAS,
-                                       E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN)
+                                       E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, GLOBAL_SCALE_MIN)
 
-__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "auto_candidates", "AUTO_STEPS"]
+__all__ = ["verbatim_scales", "pow2_scale_codes", "choose_m", "auto_candidates", "AUTO_STEPS", "AMAX_CODES"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,11 @@ def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks
 
 #: per-half E4M3 code offsets from the standard s0 that auto tries, per effort (s0 first: ties keep it)
 AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1, -2, 2)}
+#: E4M3 block codes s of the top octave below 448 (256, 288, .., 416): "best" also tries S = amax/(6*s), which
+#: keeps the group's largest element exact at E2M1 6 (requant's S is s = 448). Where the largest value is
+#: e2m1 * 2^k with e2m1 in 0.5, 1, 2, 4, these are the only candidates that keep it exact (2^k*4/3 per code)
+#: while the bulk of the group sits near E4M3's subnormal floor: single outliers, gpt-oss experts with outliers
+AMAX_CODES = tuple(256 * c for c in (1.0,) + MANTISSAS[:5])
 #: octave offsets d of the "best" candidates 2^(k_max - 8 + d) / c (0 first: hybrid's S wins ties). No d > 0:
 #: every d = +2 candidate and most d = +1 ones are never better, half by half, than a d = 0 one tried first
 #: (docs/conversion-search.md), and no group was found where the others win
@@ -147,4 +157,6 @@ def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor, effort: str = "best
             base = exact_pow2(k_max - 8 + d)
             columns += [base / c for c in MANTISSAS] if d == 0 else [base] + [base / c for c in MANTISSAS]
     columns.append(global_scale_from_amax(amax))
+    if effort != "fast":  # lossy groups hold a value: amax > 0; float64 quotient rounded once to float32
+        columns += [(amax.double() / (6 * s)).float().clamp(min=GLOBAL_SCALE_MIN) for s in AMAX_CODES]
     return torch.stack(columns, dim=-1)
