@@ -12,9 +12,12 @@ spread = k_max - k_min. A block's nibbles stay valid at block scale s = 2^(k_b)/
 4. ``auto``: groups with spread <= 17 take hybrid's lossless path (no code is unpacked). Every other group
    tries candidate global scales S and, at each S, gives every 16-half its verbatim scale when exact, else the
    least-SSE E4M3 code among the standard s0 and its neighbours; the S of least total SSE wins.
-   effort ``best`` (default): S = 2^(k_max-8+d)/c for every octave offset d in 0, -1, -2 and every E4M3
-       mantissa c in 1, 1.125..1.875 (24 scales), amax/(6*448) (requant's) and amax/(6*s) for the E4M3 codes
-       s = 256, 288, .., 416 (``AMAX_CODES``; 31 scales); codes s0, s0 -+ 1, s0 -+ 2.
+   effort ``best`` (default): S = 2^(k_max-8)/c for every E4M3 mantissa c in 1, 1.125..1.875 (8 scales),
+       amax/(6*448) (requant's) and amax/(6*s) for the E4M3 codes s = 256, 288, .., 416 (``AMAX_CODES``;
+       15 scales); codes s0, s0 -+ 1, s0 -+ 2. No octave other than hybrid's: the amax/(6*s) scales follow
+       the group's largest magnitude down (for amax = 1.5 * 2^k_max they are 2^(k_max-10)/c), and with them
+       no group is known where 2^(k_max-8+d)/c with d in -2..2 reaches a lower error (searched: 2,900
+       random and structured groups; the brute-force optimum below on the study and on gpt-oss-like experts).
    effort ``fast``: S = 2^(k_max-8) (hybrid's), 2^(k_max-8)/c for c in 1.125..1.75, 2^(k_max-7)/c for c in
        1.125..1.875, amax/(6*448); codes s0, s0 -+ 1.
    Since hybrid's and requant's S are candidates and their per-half choices are among the options, auto's
@@ -138,11 +141,6 @@ AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1, -2, 2)}
 #: e2m1 * 2^k with e2m1 in 0.5, 1, 2, 4, these are the only candidates that keep it exact (2^k*4/3 per code)
 #: while the bulk of the group sits near E4M3's subnormal floor: single outliers, gpt-oss experts with outliers
 AMAX_CODES = tuple(256 * c for c in (1.0,) + MANTISSAS[:5])
-#: octave offsets d of the "best" candidates 2^(k_max - 8 + d) / c (0 first: hybrid's S wins ties). No d > 0:
-#: every d = +2 candidate and most d = +1 ones are never better, half by half, than a d = 0 one tried first
-#: (docs/conversion-search.md), and no group was found where the others win
-BEST_OCTAVES = (0, -1, -2)
-
 
 def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor, effort: str = "best") -> torch.Tensor:
     """Candidate global scales [L, C] float32 for the lossy groups (module docstring, hybrid's first)."""
@@ -153,9 +151,7 @@ def auto_candidates(k_max: torch.Tensor, amax: torch.Tensor, effort: str = "best
         columns += [hybrid / c for c in MANTISSAS if c <= 1.75]
         columns += [above / c for c in MANTISSAS]
     else:
-        for d in BEST_OCTAVES:
-            base = exact_pow2(k_max - 8 + d)
-            columns += [base / c for c in MANTISSAS] if d == 0 else [base] + [base / c for c in MANTISSAS]
+        columns += [hybrid / c for c in MANTISSAS]
     columns.append(global_scale_from_amax(amax))
     if effort != "fast":  # lossy groups hold a value: amax > 0; float64 quotient rounded once to float32
         columns += [(amax.double() / (6 * s)).float().clamp(min=GLOBAL_SCALE_MIN) for s in AMAX_CODES]
