@@ -20,7 +20,9 @@ GBQ = "FP4 DequantizeLinear -> GatherBlockQuantized"
 
 
 def _feeds(proto: onnx.ModelProto) -> list[dict]:
-    x = np.random.default_rng(7).standard_normal((3, 64)).astype(np.float32)
+    """x on a grid of quarters: every product with an FP4 weight and every partial sum of a 64-long row is exact
+    in float32, so a MatMul gives the same bits whatever order onnxruntime's and numpy's kernels add in."""
+    x = (np.random.default_rng(7).integers(-8, 9, (3, 64)) / 4).astype(np.float32)
     if len(proto.graph.input) == 2:
         return [{"x": x, "cond": np.array(True)}, {"x": x, "cond": np.array(False)}]
     return [{"x": x}]
@@ -146,15 +148,23 @@ def _nodes_in_branches(proto: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]
     return {a.name: list(a.g.node) for a in if_node.attribute}
 
 
-def _assert_lowered_runs_as_reference(converted: onnx.ModelProto, feeds_list) -> None:
-    """lower + onnxruntime CPU on the converted model == onnx.reference on the converted model, unlowered."""
+def _assert_lowered_runs_as_reference(converted: onnx.ModelProto, feeds_list, exact: bool = True) -> None:
+    """lower + onnxruntime CPU on the converted model == onnx.reference on the converted model, unlowered.
+
+    ``exact=False`` where a quantized activation (arbitrary float32 global scale) meets the weight: the MatMul's
+    products are then inexact and the two runtimes' summation orders differ in the last bits, so the bound is
+    float32 rounding of the row sums (1e-5 of the output's range), far below any FP4 code or scale fault."""
     from tests.graph_variants import run_reference
 
     lowered, report = lower(ir.serde.deserialize_model(converted))
     assert not report.declined
     session = _ort(lowered)
     for feeds in feeds_list:
-        np.testing.assert_array_equal(session.run(None, feeds)[0], run_reference(converted, feeds)[0])
+        got, expected = session.run(None, feeds)[0], run_reference(converted, feeds)[0]
+        if exact:
+            np.testing.assert_array_equal(got, expected)
+        else:
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
 
 
 @pytest.mark.parametrize("scale_form", ["dq", "alpha"])
@@ -224,7 +234,7 @@ def test_activation_quantizers_go_into_each_branch_that_reads_the_outer_activati
         mm = next(i for i, n in enumerate(nodes) if n.op_type == "MatMul")
         quantized = nodes[mm].input[0]  # the MatMul now reads the quantizer's output, made before it in the branch
         assert quantized != "x" and quantized in {o for n in nodes[:mm] for o in n.output}
-    _assert_lowered_runs_as_reference(converted, _feeds(proto))
+    _assert_lowered_runs_as_reference(converted, _feeds(proto), exact=False)
 
 
 def test_an_activation_consumer_inside_a_function_is_declined_with_the_reason():
