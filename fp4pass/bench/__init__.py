@@ -31,7 +31,7 @@ class BenchResult:
     seconds: float
     baseline: str
     baseline_seconds: float
-    goal: float | None = None  # the ratio the issue asks for (<=), if any
+    goal: float | None = None  # the target ratio (<=), if any: the README table states it
     extra: dict = field(default_factory=dict)  # throughput, bytes, peak memory, ...
     unit: str = "s"
 

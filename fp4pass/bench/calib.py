@@ -1,5 +1,5 @@
 """Calibration overhead: ``calibrate_model`` over a data set, as a ratio to a plain onnxruntime run of the same
-model over the same feeds (session creation included in both). Goal (issue 6): <= 1.2x.
+model over the same feeds (session creation included in both). Goal: <= 1.2x.
 
 The model: an MLP x[T, K] -> MatMul(K, 4K) -> Relu -> MatMul(4K, K), both activations (x and the hidden one)
 calibrated with the ``max`` calibrator (what ``convert --calib`` runs by default).

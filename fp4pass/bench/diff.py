@@ -3,7 +3,7 @@
 The model: ``layers`` x (MXFP4 DequantizeLinear [H, H] -> Transpose -> MatMul -> Relu), tokens x H input.
 A is that model, B the same with the weights as NVFP4 (ModelOpt two-DQ form). The baseline is what any
 check must at least do: create a session for each (already lowered, serialized) model and run it once on
-the same inputs. The diff adds reading both files, lowering, and the metrics. Goal (issue 5): <= 1.5x.
+the same inputs. The diff adds reading both files, lowering, and the metrics. Goal: <= 1.5x.
 """
 
 from __future__ import annotations

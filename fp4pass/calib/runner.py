@@ -209,7 +209,7 @@ def _session_options():
 
     By default onnxruntime's worker threads keep spinning for a while after ``run`` returns, waiting for the
     next one; here the statistics of the batch run next on the same cores, and measured 10-20x slower while
-    the pools spun (2 cores, issue 6's benchmark). ``session.force_spinning_stop`` keeps the spinning inside
+    the pools spun (2 cores, the calibration benchmark). ``session.force_spinning_stop`` keeps the spinning inside
     a run (its speed) and stops it when the run returns.
     """
     import onnxruntime as ort
@@ -225,7 +225,7 @@ class _TargetOutputs:
 
     The first batch runs plainly; while later feeds have the same shapes, the targets are bound (onnxruntime
     IO binding) to the previous batch's output arrays, so onnxruntime writes them in place instead of
-    allocating and copying fresh ones each batch (measured ~4% of the run on issue 6's benchmark). The
+    allocating and copying fresh ones each batch (measured ~4% of the run on the calibration benchmark). The
     statistics never keep a view of a batch, so reusing its memory is safe. Any failure (a shape that
     depends on the data, a dtype numpy cannot hold) falls back to plain runs for good.
     """

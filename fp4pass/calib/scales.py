@@ -140,5 +140,5 @@ class ActivationScales:
         return cls.from_json(data, where=str(path))
 
     def report(self) -> list[dict]:
-        """Per activation: g_amax, B_min/B_max, block fractions, SNR (the calibration report of issue 6)."""
+        """Per activation: g_amax, B_min/B_max, block fractions, SNR (the calibration report)."""
         return [scale.report(name) for name, scale in self.tensors.items()]

@@ -1,4 +1,4 @@
-"""``fp4pass bench``: the benchmarks the issues name, each a ratio to a baseline run in the same process."""
+"""``fp4pass bench``: the benchmarks, each a ratio to a baseline run in the same process."""
 
 from __future__ import annotations
 

@@ -174,7 +174,14 @@ def _write_atomic(path: Path, write) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the checkpoint is for everyone to read
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # and the rename itself survives a crash
+        finally:
+            os.close(folder)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -272,7 +279,11 @@ def write_tiny_calib(path: str | Path, seed: int = 0) -> Path:
     import numpy as np
 
     path = Path(path)
-    _write_atomic(path, lambda p: np.savez(open(p, "wb"), input_ids=tiny_calib_ids(seed)))
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, input_ids=tiny_calib_ids(seed))
+
+    _write_atomic(path, write)
     return path
 
 
