@@ -56,6 +56,10 @@ def test_parser_reads_back_what_the_generator_writes():
         table_under(text, "Missing")
 
 
+def test_main_job_table_matches_the_code():
+    check(readme.MAIN_JOB_HEADING, readme.EXAMPLE_HEADER, readme.main_job_rows())
+
+
 def test_example_model_table_matches_the_code():
     check(readme.EXAMPLE_HEADING, readme.EXAMPLE_HEADER, readme.example_rows())
 

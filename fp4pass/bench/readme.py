@@ -1,8 +1,11 @@
 """The README's deterministic results tables, computed by the code: ``python -m fp4pass.bench.readme``.
 
-Two tables, printed as markdown, each to be pasted under its README heading (``tests/test_readme_tables.py``
+Three tables, printed as markdown, each to be pasted under its README heading (``tests/test_readme_tables.py``
 checks that the committed README holds what this module computes):
 
+- ``main`` (under the heading starting "The main job"): the README's first command, ``fp4pass convert
+  models/tiny_gpt_oss.onnx --calib models/tiny_gpt_oss_calib.npz --check``, in the example table's columns,
+  with a row for each expert that is not lossless.
 - ``example`` (under the heading starting "The example model"): ``fp4pass convert models/moe.onnx --calib
   models/calib.npz --check``, i.e. method auto, TensorRT activation quantizers, ``max`` calibrator, checked
   under onnxruntime CPU on the calibration rows. One row per converted weight (16-halves kept verbatim,
@@ -23,14 +26,15 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["example_rows", "study_rows", "markdown", "EXAMPLE_HEADER", "STUDY_HEADER", "EXAMPLE_HEADING",
-           "STUDY_HEADING", "MODELS_DIR"]
+__all__ = ["example_rows", "main_job_rows", "study_rows", "markdown", "EXAMPLE_HEADER", "STUDY_HEADER",
+           "EXAMPLE_HEADING", "MAIN_JOB_HEADING", "STUDY_HEADING", "MODELS_DIR"]
 
 #: the example model and its calibration data
 MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "models"
 
 #: the README headings the tables sit under (the start of the heading's text)
 EXAMPLE_HEADING = "The example model"
+MAIN_JOB_HEADING = "The main job"
 STUDY_HEADING = "Conversion:"
 
 EXAMPLE_HEADER = ["tensor", "blocks16 verbatim", "MSE vs MXFP4", "SNR dB"]
@@ -56,13 +60,25 @@ def example_rows(model: str | Path | None = None, calib: str | Path | None = Non
     _, report = convert(str(model), calib=str(calib), calibrator="max", check=True, provider="cpu")
     rows = []
     for t in report["tensors"]:
-        snr = "lossless" if t["snr_db"] is None and t["mse"] == 0 else format(t["snr_db"], ".2f")
         rows.append([f"{t['name']} {list(t['shape'])}", f"{t['blocks16_verbatim']}/{t['blocks16_total']}",
-                     _g(t["mse"], 3), snr])
+                     _g(t["mse"], 3), _snr(t)])
+        groups = t.get("per_expert") or []
+        if len(groups) > 1:
+            rows += [[f"{t['name']} expert {g['expert']}", f"{g['blocks16_verbatim']}/{g['blocks16_total']}",
+                      _g(g["mse"], 3), _snr(g)] for g in groups if not g["lossless"]]
     for o in report["check"]["outputs"]:
         snr = "identical" if o["snr_db"] is None else format(o["snr_db"], ".2f")
         rows.append([f"output `{o['name']}` (weights + 4-bit activations)", "", "", snr])
     return rows
+
+
+def _snr(stats: dict) -> str:
+    return "lossless" if stats["snr_db"] is None and stats["mse"] == 0 else format(stats["snr_db"], ".2f")
+
+
+def main_job_rows() -> list[list[str]]:
+    """The main job's rows: the tiny gpt-oss converted, calibrated and checked as the README's first command."""
+    return example_rows(MODELS_DIR / "tiny_gpt_oss.onnx", MODELS_DIR / "tiny_gpt_oss_calib.npz")
 
 
 def study_rows(device: str = "cpu") -> list[list[str]]:
@@ -90,10 +106,13 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp4pass.bench.readme",
                                      description="Print the README's deterministic results tables as markdown.")
-    parser.add_argument("--table", choices=["example", "study", "all"], default="all")
+    parser.add_argument("--table", choices=["main", "example", "study", "all"], default="all")
     parser.add_argument("--device", default="cpu", help="device of the study (default cpu)")
     args = parser.parse_args(argv)
     blocks = []
+    if args.table in ("main", "all"):
+        blocks.append(f"<!-- under the heading '### {MAIN_JOB_HEADING}...' -->\n"
+                      + markdown(EXAMPLE_HEADER, main_job_rows()))
     if args.table in ("example", "all"):
         blocks.append(f"<!-- under the heading '### {EXAMPLE_HEADING}...' -->\n"
                       + markdown(EXAMPLE_HEADER, example_rows()))
