@@ -191,7 +191,6 @@ def test_a_symbolic_trace_that_folded_the_dequant_is_told_the_fix():
         fp4pass.fx.calibrate(gm, [torch.randn(8, 64)])
 
 
-@pytest.mark.slow
 def test_same_scales_as_onnx_calibrate_on_the_export(program, tmp_path):
     """fx.calibrate and fp4pass calibrate on fx.export's ONNX agree on every SCALES.json field."""
     from fp4pass.calib import calibrate_model

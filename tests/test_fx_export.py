@@ -170,7 +170,6 @@ class _HalfActivation(torch.nn.Module):
         return h.float() @ self.inner.weight(0).T
 
 
-@pytest.mark.slow
 def test_bfloat16_activation_is_cast_around_the_quantizer():
     x = torch.randn(4, 64)
     proto = ir.serde.serialize_model(fp4pass.fx.export(_HalfActivation(), (x,), target="reference"))
@@ -193,7 +192,6 @@ class _ComputedCodes(torch.nn.Module):
         return x @ torch.ops.fp4pass.dequantize_mxfp4(codes, self.inner.scales0).T
 
 
-@pytest.mark.slow
 def test_codes_computed_in_the_graph_are_refused_naming_the_node():
     with pytest.raises(ModelError, match="MXFP4 codes .* not a constant of the program"):
         fp4pass.fx.export(_ComputedCodes(), (torch.randn(4, 64),))
@@ -204,7 +202,6 @@ def test_bad_target_is_a_usage_error():
         fp4pass.fx.export(MXFP4MLP(shapes=((32, 64),)), (torch.randn(4, 64),), target="ort")
 
 
-@pytest.mark.slow
 def test_nan_e8m0_scale_is_refused_naming_the_tensor():
     model = MXFP4MLP(shapes=((32, 64),))
     x = torch.randn(4, 64)

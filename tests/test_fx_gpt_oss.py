@@ -176,7 +176,6 @@ def test_convert_is_lossless_per_expert_where_the_exponent_spread_forecasts_it(c
     assert entry["experts"] == 4 and len(entry["global_scale"]) == 4 and entry["mse"] > 0
 
 
-@pytest.mark.slow
 def test_exported_program_in_out_saved_loaded_and_run(tmp_path, exported, converted, input_ids):
     program, _ = converted
     assert isinstance(program, torch.export.ExportedProgram)

@@ -40,9 +40,14 @@ Staged as export -> lower -> set opset/IR -> save:
    ``_e8m0`` / ``_e4m3`` copy. Codes reshaped from a constant (``Reshape`` to a static shape, ``Identity``)
    are read through the reshape, and their typed initializer takes the program's weight name
    (:func:`weight_names`). Codes or scales computed in the graph (not constants) raise ModelError.
+   4. ``RMSNormalization(X BFLOAT16|FLOAT16, scale FLOAT)``, which torch.onnx writes for a 16-bit model whose
+      norm computes in FP32 (transformers' RMSNorms, gpt-oss's among them), gets ``Cast(X, to=FLOAT)`` in
+      front: the ONNX checker refuses an X type other than the scale's, and widening a 16-bit float to FP32 is
+      exact, so the node computes what it did (``stash_type`` 1 already normalises in FP32).
 3. Opset and IR: the lowest that hold the types (:class:`fp4pass.onnx.rewrite_cleanup.SetOpsetAndIR`): the
    exporter's default opset 20, 21 for the reference quantizer, 23 for FP4 DequantizeLinear (torch converts
-   its ops up to 23), 24 where E8M0 scales remain (a number change: 24 adds the E8M0 type); IR 11 for FP4 /
+   its ops up to 23), 24 where E8M0 scales remain or a TopK reads BFLOAT16 (a number change: 24 adds the E8M0
+   type and bfloat16 TopK); IR 11 for FP4 /
    E4M3, 12 for E8M0.
 4. Save (``path``): atomically, through :func:`fp4pass.onnx.loading.save` (``external_data`` auto | always
    | never; auto goes external past 2 GiB of weights).
@@ -371,6 +376,33 @@ def weight_names(program: torch.export.ExportedProgram) -> dict[str, tuple[str |
             for n in program.graph.nodes if n.op == "call_function" and n.target in dequants}
 
 
+def _widen_rms_norm_inputs(model: ir.Model) -> int:
+    """Cast a 16-bit X of ``RMSNormalization`` to its FP32 scale's type (module docstring, 2.4); the count."""
+    widened = 0
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        if node.op_type != "RMSNormalization" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        x, scale = node.inputs[0], node.inputs[1]
+        if x is None or scale is None or x.dtype is None or x.dtype == scale.dtype:
+            continue
+        if not (x.dtype.is_floating_point() and scale.dtype.itemsize > x.dtype.itemsize):
+            continue
+        cast = ir.node("Cast", [x], attributes={"to": scale.dtype}, name=f"{node.name}_widen_x")
+        cast.outputs[0].name = f"{x.name}_as_{scale.dtype.name.lower()}"
+        cast.outputs[0].dtype, cast.outputs[0].shape = scale.dtype, x.shape
+        node.graph.insert_before(node, cast)
+        node.replace_input_with(0, cast.outputs[0])
+        widened += 1
+    return widened
+
+
+def _has_bfloat16_topk(model: ir.Model) -> bool:
+    """Whether a ``TopK`` reads BFLOAT16 (a bf16 router): torch.onnx writes it at opset 23, whose TopK has no
+    bfloat16; opset 24's has, with the same semantics."""
+    return any(n.op_type == "TopK" and n.inputs[0] is not None and n.inputs[0].dtype == ir.DataType.BFLOAT16
+               for n in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
 def _needed_opset(program: torch.export.ExportedProgram, target: str) -> int:
     found = {n.target for n in program.graph.nodes if n.op == "call_function"}
     need = EXPORTER_DEFAULT_OPSET
@@ -409,10 +441,11 @@ def export(model, example_inputs, path: str | os.PathLike | None = None, target:
         opset_version=min(need, FP4_DQ_OPSET), optimize=True, verbose=False)
     onnx_model = onnx_program.model
     counts = lower_placeholders(onnx_model, target, weight_names(program))
+    _widen_rms_norm_inputs(onnx_model)
     if counts["fake_quantize"] and target == "trt":
         onnx_model.opset_imports.setdefault(TRT_DOMAIN, 1)
     has_e8m0 = any(v.dtype == ir.DataType.FLOAT8E8M0 for v in onnx_model.graph.initializers.values())
-    if has_e8m0 and onnx_model.opset_imports.get("", 1) < E8M0_DQ_OPSET:
+    if (has_e8m0 or _has_bfloat16_topk(onnx_model)) and onnx_model.opset_imports.get("", 1) < E8M0_DQ_OPSET:
         onnx_model.opset_imports[""] = E8M0_DQ_OPSET
     SetOpsetAndIR(wrote_fp4_dq=bool(counts["mxfp4"] or counts["nvfp4"]))(onnx_model)
     log.info("fx export: %s; opset %s, IR %s", counts, onnx_model.opset_imports.get(""), onnx_model.ir_version)

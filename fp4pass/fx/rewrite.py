@@ -45,7 +45,7 @@ from fp4pass.formats import MXFP4Tensor
 from fp4pass.fx import ops  # noqa: F401
 from fp4pass.fx.alpha import alpha_plan
 from fp4pass.fx.program import GraphConstants, constants_of
-from fp4pass.onnx.report import summarize, summary_line, tensor_entry
+from fp4pass.onnx.report import group_stats, summarize, summary_line, tensor_entry
 
 __all__ = ["MXFP4ToNVFP4FxPass", "convert", "METHODS", "SCALE_FORMS", "PATTERN"]
 
@@ -86,6 +86,7 @@ class _Conversion:
     nv: object
     stats: dict
     seconds: float
+    per_expert: list | None = None  # one dict per global-scale group (fp4pass.onnx.report.group_stats)
 
 
 def weight_name(codes_name: str) -> str:
@@ -170,8 +171,10 @@ class MXFP4ToNVFP4FxPass:
 
         start = time.perf_counter()
         mx = MXFP4Tensor.from_codes(codes, scales, name=name)
-        nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
-        return _Conversion(nv, stats, time.perf_counter() - start)
+        group_dims = self._group_dims(len(mx.shape))
+        nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=group_dims)
+        per_expert = group_stats(mx, nv, group_dims, stats)
+        return _Conversion(nv, stats, time.perf_counter() - start, per_expert)
 
     def _group_dims(self, rank: int) -> int:
         return self.group_dims if self.group_dims is not None else (1 if rank == 3 else 0)
