@@ -110,3 +110,34 @@ def test_int4_gather_block_quantized_is_declined():
     (d,) = declined
     assert (d.pattern, d.node, d.tensor) == ("gbq_int4", "embed", "table")
     assert "integer 4-bit" in d.reason and "not FP4" in d.reason
+
+
+def test_inspect_forecasts_arbitrary_scales_by_converting_them(tmp_path):
+    """FP4 with float scales that are not MXFP4 (a negative power of two; a non-power of two): inspect gives
+    the lossy path's figures, the same as convert's, and calls the negative one lossless because its values
+    are exact on the NVFP4 grid, which onnx.reference confirms on the converted model."""
+    from onnx.reference import ReferenceEvaluator
+
+    from fp4pass.onnx.inspection import inspect
+
+    rng = np.random.default_rng(3)
+    negative = -_pow2(rng, (16, 2))
+    arbitrary = _pow2(rng, (16, 2)) * rng.uniform(1, 2, (16, 2)).astype(np.float32)  # a mantissa per block
+    model = _dq_model([("n", _codes(rng, 16, 64), negative, {"axis": -1, "block_size": 32}, "dq_n"),
+                       ("r", _codes(rng, 16, 64), arbitrary, {"axis": -1, "block_size": 32}, "dq_r")])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    forecast = {t["name"]: t for t in inspect(str(path))["tensors"]}
+    out = tmp_path / "out.onnx"
+    _, report = convert(str(path), output=str(out))
+    converted = onnx.load(str(out))
+    done = {t["name"]: t for t in report["tensors"]}
+    assert forecast["n"]["lossless"] and not forecast["r"]["lossless"]
+    for name in "nr":
+        for key in ("mse", "max_abs_err", "blocks16_verbatim"):
+            assert forecast[name][key] == done[name][key], (name, key)
+    assert done["r"]["mse"] > 0
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    before = ReferenceEvaluator(model).run(["y_n"], {"x": x})[0]
+    after = ReferenceEvaluator(converted).run(["y_n"], {"x": x})[0]
+    np.testing.assert_array_equal(after, before)

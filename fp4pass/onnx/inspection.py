@@ -84,12 +84,17 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
     tensors = []
     for record in records:
         conv = WeightConversion(record, "auto")
-        if conv.lossy_reason is not None:  # FP4 with arbitrary float scales: no exponents, never lossless
+        if conv.lossy_reason is not None:  # FP4 with arbitrary float scales: no exponents to forecast from
             lossy = {"k_min": None, "k_max": None, "spread": None, "lossless": False}
             experts = [{"expert": e, **lossy} for e in range(record.experts or 0)]
-            tensors.append({"name": record.name, "node": node_label(record.node), "pattern": record.pattern,
-                            "slot": record.slot, "shape": list(record.shape), "experts": record.experts, **lossy,
-                            "lossless_per_tensor_scale": False, "per_expert": experts, "reason": conv.lossy_reason})
+            entry = {"name": record.name, "node": node_label(record.node), "pattern": record.pattern,
+                     "slot": record.slot, "shape": list(record.shape), "experts": record.experts, **lossy,
+                     "lossless_per_tensor_scale": False, "per_expert": experts, "reason": conv.lossy_reason}
+            if measure:  # the lossy path's own figures: exact where every value lands on the NVFP4 grid
+                conv.result()
+                entry.update({key: jsonable(conv.stats[key]) for key in _ERROR_KEYS})
+                entry["lossless"] = conv.stats["max_abs_err"] == 0
+            tensors.append(entry)
             continue
         mx = conv.mx()
         k = mx.exponents.numpy().astype(np.int64)
@@ -126,14 +131,22 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
 
 def format_inspection(info: dict) -> str:
     """A human-readable table of :func:`inspect`'s result."""
-    lines = [f"{info['model']}: {info['summary']['tensors']} MXFP4 tensors, {info['summary']['lossless']} forecast "
-             "lossless (per-expert global scales)"]
+    summary = info["summary"]
+    experts = f", {summary['experts_lossless']}/{summary['experts']} experts" if summary["experts"] else ""
+    lines = [f"{info['model']}: {summary['tensors']} MXFP4 tensors, {summary['lossless']} forecast lossless"
+             f"{experts} (per-expert global scales)"]
     header = f"{'tensor':<32} {'pattern':<7} {'shape':<18} {'k range':<12} {'spread':>6}  lossless"
     lines.append(header)
     for t in info["tensors"]:
         k_range = "-" if t["k_min"] is None else f"{t['k_min']}..{t['k_max']}"
         if t.get("reason"):
-            lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {'-':<12} {'-':>6}  no ({t['reason']})")
+            verdict = "yes, every value exact on the NVFP4 grid" if t["lossless"] else "no"
+            lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {'-':<12} {'-':>6}  "
+                         f"{verdict} ({t['reason']})")
+            if not t["lossless"] and t.get("mse") is not None:
+                snr = "-" if t["snr_db"] is None else f"{t['snr_db']:.2f}"
+                lines.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
+                             f"mse {t['mse']:.3g}, SNR {snr} dB")
             continue
         lossless = "yes" if t["lossless"] else "no"
         if t["experts"]:
