@@ -131,6 +131,28 @@ def test_block_size_other_than_32_is_declined(tmp_path):
     assert declined["pattern"] == "quark" and declined["node"] == "w_fq" and "block size 16" in declined["reason"]
 
 
+@pytest.mark.parametrize("bad", [{"axis": 5}, {"block_size": 0}], ids=["axis", "block"])
+def test_fake_quant_on_a_bias_that_makes_no_mx_block_is_declined_and_the_weight_converts(tmp_path, bad):
+    """A malformed fake-quant on a bias (out-of-range axis, block 0) stays, declined with its reason; the
+    weight beside it converts as usual and the bias is not folded."""
+    rng = np.random.default_rng(5)
+    w, b = rng.standard_normal((64, 40)).astype(np.float32), rng.standard_normal(40).astype(np.float32)
+    model = _quark_model(w, 0, b)
+    (bias_fq,) = [n for n in model.graph.node if n.input[0] == "b"]
+    for attr in bias_fq.attribute:
+        if attr.name in bad:
+            attr.i = bad[attr.name]
+    path = tmp_path / "q.onnx"
+    onnx.save(model, str(path))
+    _, report = convert(str(path), output=str(tmp_path / "out.onnx"))
+    assert [t["name"] for t in report["tensors"]] == ["w"]
+    (declined,) = report["declined"]
+    assert declined["pattern"] == "quark" and declined["tensor"] == "b"
+    assert ("axis 5 is out of range" if "axis" in bad else "block_size 0") in declined["reason"]
+    out = onnx.load(str(tmp_path / "out.onnx"))
+    assert [n.input[0] for n in out.graph.node if n.domain == "com.amd.quark"] == ["b"]
+
+
 def test_live_quark_matches():
     """Where amd-quark is installed: its custom-op library's values against ours, on fresh random weights."""
     pytest.importorskip("quark")

@@ -153,7 +153,7 @@ class FoldQuarkFakeQuants(ir.passes.InPlacePass):
         self.entries: list[dict] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.entries = fold_constants(model)
+        self.entries = fold_constants(model, self.declined)
         if self.calibrated:
             self.entries += remove_activation_fake_quants(model)
         else:

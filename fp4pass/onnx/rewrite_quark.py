@@ -39,6 +39,7 @@ __all__ = [
     "quantize_weight",
     "materialize_weight",
     "fold_constants",
+    "fold_reason",
     "activation_fake_quants",
     "activation_declines",
     "remove_activation_fake_quants",
@@ -96,14 +97,38 @@ def materialize_weight(record: QuarkWeight) -> None:
     record.consumers = trace_consumers(dq.outputs[0])
 
 
-def fold_constants(model: ir.Model) -> list[dict]:
-    """Case 2: every Quark FP4 fake-quant left on a constant is folded into its exact values (report entries)."""
+def fold_reason(node: ir.Node) -> str | None:
+    """Why a Quark FP4 fake-quant on a constant cannot be folded (its attributes make no MX block), or None."""
+    x = node.inputs[0]
+    rank = x.const_value.shape.rank()
+    axis = _attr(node, "axis", 1)
+    block = _attr(node, "block_size", MX_BLOCK_SIZE)
+    if rank and (not isinstance(axis, int) or not -rank <= axis < rank):  # a scalar is one block whatever axis
+        return f"Quark MX fake-quant on {x.name!r}: axis {axis!r} is out of range for rank {rank}; left as it is"
+    if not isinstance(block, int) or block <= 0:
+        return f"Quark MX fake-quant on {x.name!r}: block_size {block!r} is not a positive integer; left as it is"
+    if x.const_value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        return f"Quark MX fake-quant on {x.name!r}: {x.const_value.dtype} is not a float type; left as it is"
+    return None
+
+
+def fold_constants(model: ir.Model, declined: list[Declined] | None = None) -> list[dict]:
+    """Case 2: every Quark FP4 fake-quant left on a constant is folded into its exact values (report entries).
+
+    One whose attributes make no MX block (:func:`fold_reason`) stays, and is appended to ``declined`` unless
+    that node is declined there already (as a weight)."""
     entries = []
     for graph in model.graphs():
         for node in list(graph):
             if not quark_constant(node):
                 continue
             x = node.inputs[0]
+            reason = fold_reason(node)
+            if reason is not None:
+                label = node_label(node)
+                if declined is not None and not any(d.node == label for d in declined):
+                    declined.append(Declined("quark", label, x.name, reason))
+                continue
             axis = _attr(node, "axis", 1)
             block = _attr(node, "block_size", MX_BLOCK_SIZE)
             values = quark_fake_quant(_float32(x), axis, block, name=x.name)
