@@ -112,6 +112,30 @@ def test_random_inputs_are_seeded_and_symbolic_dims_noted(pair):
         make_inputs(model, shapes={"x": (1, 2, 3)})
 
 
+def test_bfloat16_inputs_drawn_or_given_as_npz_raw_bytes(tmp_path):
+    """A bfloat16 input: drawn at random (float32 draws rounded once), or given in an .npz, which stores an
+    ml_dtypes array as raw 2-byte items ('V2'): read back as the same bfloat16 values. An array that cannot be
+    cast is one UsageError naming the input."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 8])])
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    drawn = make_inputs(model, seed=1)["x"]
+    expected = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    assert drawn.dtype == ml_dtypes.bfloat16 and np.array_equal(drawn.view(np.uint16), expected.view(np.uint16))
+    np.savez(tmp_path / "x.npz", x=expected)
+    raw = np.load(tmp_path / "x.npz")["x"]
+    assert raw.dtype.kind == "V"  # what np.load gives back for ml_dtypes arrays
+    notes = []
+    given = make_inputs(model, {"x": raw}, notes=notes)["x"]
+    assert given.dtype == ml_dtypes.bfloat16 and np.array_equal(given.view(np.uint16), expected.view(np.uint16))
+    assert "raw 2-byte items" in notes[0]
+    with pytest.raises(UsageError, match="input 'x': the given <U1 array cannot be cast"):
+        make_inputs(model, {"x": np.full((2, 8), "a")})
+
+
 def test_bad_models_raise_model_errors(tmp_path, pair):
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"this is not protobuf \xff\xff")

@@ -56,6 +56,7 @@ from fp4pass.errors import ModelError
 from fp4pass.formats import decode_e4m3, decode_e8m0
 from fp4pass.formats.constants import FP4_MIN_IR_VERSION, MS_DOMAIN, ORT_MAX_IR_VERSION, TRT_DOMAIN
 from fp4pass.onnx import emulate, qmoe_layout
+from fp4pass.onnx.patterns import node_label
 from fp4pass.onnx.passes import (ModelNames, all_nodes, constant_tensor, function_graphs, function_label, function_of,
                                  run_passes)
 
@@ -202,7 +203,7 @@ class NodeLowering(ir.passes.InPlacePass):
             function = function_of(node, owners)
             reason = self.check_in(node, function)
             if reason is not None:
-                logger.warning("lowering for onnxruntime: left %s: %s", node.name or node.op_type, reason)
+                logger.warning("lowering for onnxruntime: left %s: %s", node.op_type, reason)
                 self.report.declined.append(reason)
                 continue
             self.rewrite(Scope(node, function, names), node)
@@ -242,18 +243,18 @@ class LowerFP4DequantizeLinear(NodeLowering):
             return f"{data.name}: FP4 data of rank {rank}; only [N, K] and [E, N, K] (rank >= 2) are lowered"
         axis = _attr(node, "axis", 1)
         if axis not in (-1, rank - 1):
-            return f"{node.name}: axis={axis} is not the last axis"
+            return f"{node_label(node)}: axis={axis} is not the last axis"
         block_size = _attr(node, "block_size", 0)
         if block_size < 16 or block_size & (block_size - 1):
-            return f"{node.name}: block_size={block_size} (GatherBlockQuantized needs a power of two >= 16)"
+            return f"{node_label(node)}: block_size={block_size} (GatherBlockQuantized needs a power of two >= 16)"
         if len(node.inputs) > 2 and node.inputs[2] is not None:
             zero_point = constant_tensor(node.inputs[2])
             if zero_point is None or np.any(np.asarray(zero_point.numpy(), np.float32) != 0):
-                return f"{node.name}: non-zero FP4 zero point"
+                return f"{node_label(node)}: non-zero FP4 zero point"
         if scale is None:
-            return f"{node.name}: no scale input"
+            return f"{node_label(node)}: no scale input"
         if _dtype(scale) is not None and _dtype(scale) not in (ir.DataType.FLOAT8E8M0, *_FLOAT_TYPES):
-            return f"{node.name}: scale of type {_dtype(scale)} (want E8M0 or float)"
+            return f"{node_label(node)}: scale of type {_dtype(scale)} (want E8M0 or float)"
         return None
 
     def rewrite(self, scope: Scope, node: ir.Node) -> None:
@@ -265,7 +266,7 @@ class LowerFP4DequantizeLinear(NodeLowering):
             scale_f = decode_e8m0(_scale_codes(stored_scale), what=f"{scale.name} (E8M0 scales)").numpy()
             scale = scope.constant(f"{scale.name}/f32", scale_f)
         elif scale_dtype == ir.DataType.FLOAT8E8M0:  # (2)
-            cast = ir.node("Cast", [scale], {"to": ir.DataType.FLOAT}, name=f"{node.name}/scale_f32")
+            cast = ir.node("Cast", [scale], {"to": ir.DataType.FLOAT}, name=f"{node_label(node)}/scale_f32")
             new_nodes.append(cast)
             scale = cast.outputs[0]
         gather = _dequant_gbq(scope, data, scale, _attr(node, "block_size"), node.name or data.name)  # (3)
@@ -274,7 +275,7 @@ class LowerFP4DequantizeLinear(NodeLowering):
         out_dtype = _attr(node, "output_dtype", 0)
         scale_dtype = _dtype(scale) or ir.DataType.FLOAT
         if out_dtype and ir.DataType(out_dtype) != scale_dtype:  # (4)
-            cast = ir.node("Cast", [out], {"to": ir.DataType(out_dtype)}, name=f"{node.name}/output_dtype")
+            cast = ir.node("Cast", [out], {"to": ir.DataType(out_dtype)}, name=f"{node_label(node)}/output_dtype")
             new_nodes.append(cast)
             out = cast.outputs[0]
         old_scale = node.inputs[1]
@@ -313,7 +314,7 @@ class LowerQMoEFP4(NodeLowering):
 
     def check_in(self, node: ir.Node, function: ir.Function | None) -> str | None:
         if function is not None:
-            return (f"{node.name}: QMoE inside function {function_label(function)} is not lowered (its weights would be "
+            return (f"{node_label(node)}: QMoE inside function {function_label(function)} is not lowered (its weights would be "
                     "Constant nodes there); inline the function to lower it")
         return self.check(node)
 
@@ -328,25 +329,25 @@ class LowerQMoEFP4(NodeLowering):
         quant_type = _attr(node, "quant_type")
         block, scale_dtype = _QMOE_BLOCK[quant_type]
         if self._input(node, _QMOE_FC3) is not None:
-            return f"{node.name}: QMoE with fc3 weights (no fc3 global scale in the schema) is not lowered"
+            return f"{node_label(node)}: QMoE with fc3 weights (no fc3 global scale in the schema) is not lowered"
         if self._input(node, _QMOE_ROUTER_WEIGHTS) is not None:
-            return f"{node.name}: router_weights has no equivalent in the float MoE"
+            return f"{node_label(node)}: router_weights has no equivalent in the float MoE"
         if any(self._input(node, i) is not None for i in _QMOE_ACT_SCALES):
-            return f"{node.name}: activation scales (FP8 activation modes) are not lowered"
+            return f"{node_label(node)}: activation scales (FP8 activation modes) are not lowered"
         for fc, (w_i, s_i, _, g_i) in _QMOE_FC.items():
             weights, scales, global_scale = (self._input(node, i) for i in (w_i, s_i, g_i))
             if weights is None or weights.const_value is None or scales is None or scales.const_value is None:
-                return f"{node.name}: {fc} weights and scales must be initializers"
+                return f"{node_label(node)}: {fc} weights and scales must be initializers"
             if scales.dtype != scale_dtype:
-                return f"{node.name}: {fc} scales are {scales.dtype}, quant_type '{quant_type}' needs {scale_dtype}"
+                return f"{node_label(node)}: {fc} scales are {scales.dtype}, quant_type '{quant_type}' needs {scale_dtype}"
             if global_scale is not None and global_scale.const_value is None:
-                return f"{node.name}: {fc}_global_scale must be an initializer"
+                return f"{node_label(node)}: {fc}_global_scale must be an initializer"
         detected = qmoe_layout.detect(node, block, self.hints)
         if detected.layout is None:
-            return f"{node.name}: {detected.reason}"
+            return f"{node_label(node)}: {detected.reason}"
         x_dtype = node.inputs[0].dtype if node.inputs and node.inputs[0] is not None else None
         if x_dtype is not None and x_dtype not in _FLOAT_TYPES:
-            return f"{node.name}: input of type {x_dtype} (want float, float16 or bfloat16)"
+            return f"{node_label(node)}: input of type {x_dtype} (want float, float16 or bfloat16)"
         return None
 
     def rewrite(self, scope: Scope, node: ir.Node) -> None:
@@ -371,12 +372,12 @@ class LowerQMoEFP4(NodeLowering):
             g = (np.ones(experts, np.float32) if global_scale is None
                  else np.asarray(global_scale.const_value.numpy(), np.float32).reshape(experts))
             scale_f = scope.constant(f"{scales.name}/f32", block_scale * g[:, None, None])
-            gather = _dequant_gbq(scope, fp4_value, scale_f, block, f"{node.name}/{fc}")
+            gather = _dequant_gbq(scope, fp4_value, scale_f, block, f"{node_label(node)}/{fc}")
             new_nodes.append(gather)
             float_weights[fc] = gather.outputs[0]
             if x_dtype is not None and x_dtype != ir.DataType.FLOAT:
                 cast = ir.node("Cast", [gather.outputs[0]], {"to": x_dtype},
-                               name=f"{node.name}/{fc}/to_{x_dtype.name.lower()}")
+                               name=f"{node_label(node)}/{fc}/to_{x_dtype.name.lower()}")
                 new_nodes.append(cast)
                 float_weights[fc] = cast.outputs[0]
         fc1_bias, fc2_bias = self._input(node, 4), self._input(node, 7)
@@ -384,7 +385,7 @@ class LowerQMoEFP4(NodeLowering):
         moe = ir.Node(
             MS_DOMAIN, "MoE",
             [node.inputs[0], node.inputs[1], float_weights["fc1"], fc1_bias, float_weights["fc2"], fc2_bias],
-            attributes=list(attrs.values()), name=f"{node.name}/MoE",
+            attributes=list(attrs.values()), name=f"{node_label(node)}/MoE",
         )
         new_nodes.append(moe)
         old_inputs = [self._input(node, i) for fc in _QMOE_FC.values() for i in (fc[0], fc[1], fc[3])]
@@ -420,25 +421,25 @@ class LowerTRTFP4DynamicQuantize(NodeLowering):
 
     def check(self, node: ir.Node) -> str | None:
         if len(node.inputs) < 2 or node.inputs[1] is None:
-            return f"{node.name}: no global scale input"
+            return f"{node_label(node)}: no global scale input"
         if _attr(node, "block_size", 16) != 16 or _attr(node, "scale_type", 17) != 17:
-            return f"{node.name}: only block_size=16 with E4M3 scales (scale_type=17) is an NVFP4 quantizer"
+            return f"{node_label(node)}: only block_size=16 with E4M3 scales (scale_type=17) is an NVFP4 quantizer"
         x = node.inputs[0]
         rank = _rank(x)
         if _attr(node, "axis", -1) not in (-1, None if rank is None else rank - 1):
-            return f"{node.name}: quantized axis is not the last one"
+            return f"{node_label(node)}: quantized axis is not the last one"
         x_fp4, s_e4m3 = node.outputs[0], node.outputs[1]
         for use in x_fp4.uses():
             consumer = use.node
             if consumer.op_type != "DequantizeLinear" or use.idx != 0:
-                return f"{node.name}: FP4 output feeds {consumer.op_type} {consumer.name!r}, not a DequantizeLinear"
+                return f"{node_label(node)}: FP4 output feeds {consumer.op_type} {consumer.name!r}, not a DequantizeLinear"
             if _attr(consumer, "block_size", 0) != 16 or _attr(consumer, "axis", 1) not in (-1, None if rank is None else rank - 1):
                 return f"{consumer.name}: DQ of the FP4 activations is not block 16 along the last axis"
             ok, _ = self._scale_source(consumer.inputs[1], s_e4m3)
             if not ok:
                 return f"{consumer.name}: its scale is not DQ/Cast of the quantizer's E4M3 scales"
         if x_fp4.is_graph_output() or s_e4m3.is_graph_output():
-            return f"{node.name}: FP4 outputs are graph outputs"
+            return f"{node_label(node)}: FP4 outputs are graph outputs"
         return None
 
     def rewrite(self, scope: Scope, node: ir.Node) -> None:

@@ -135,6 +135,23 @@ def _static_dims(value: ir.Value, shapes: dict, notes: list[str]) -> tuple[int, 
     return tuple(dims)
 
 
+def _as_input_type(name: str, array: np.ndarray, dtype: np.dtype, notes: list[str]) -> np.ndarray:
+    """A given array in the input's type. ``np.savez`` of an ml_dtypes array (bfloat16, float8) reads back as
+    raw bytes ('V2', 'V1'): those are the input's values when the item sizes agree, and are viewed as such."""
+    if array.dtype == dtype:
+        return array
+    if array.dtype.kind == "V" and array.dtype.itemsize == dtype.itemsize:
+        notes.append(f"input {name!r}: given as raw {array.dtype.itemsize}-byte items, read as {dtype}")
+        return array.view(dtype)
+    try:
+        cast = array.astype(dtype)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"input {name!r}: the given {array.dtype} array cannot be cast to the input's type "
+                         f"{dtype} ({error})") from None
+    notes.append(f"input {name!r}: given {array.dtype}, cast to {dtype}")
+    return cast
+
+
 def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, shapes: dict | None = None,
                 notes: list[str] | None = None) -> dict[str, np.ndarray]:
     """Feeds for every graph input of ``model``: ``given`` arrays, the rest seeded random (module docstring)."""
@@ -153,17 +170,14 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
     for value in model.graph.inputs:
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         if value.name in given:
-            array = np.asarray(given[value.name])
-            if array.dtype != dtype:
-                notes.append(f"input {value.name!r}: given {array.dtype}, cast to {dtype}")
-                array = array.astype(dtype)
-            feeds[value.name] = array
+            feeds[value.name] = _as_input_type(value.name, np.asarray(given[value.name]), dtype, notes)
             continue
         if value.const_value is not None:
             continue  # an input with a default initializer (old IR)
         dims = _static_dims(value, shapes, notes)
-        if np.issubdtype(dtype, np.floating):
-            feeds[value.name] = np.asarray(rng.standard_normal(dims), dtype)  # arrays, 0-d ones included
+        if np.issubdtype(dtype, np.floating) or (value.dtype is not None and value.dtype.is_floating_point()):
+            # float32 draws rounded once to the input's type (ml_dtypes' bfloat16 and float8 included)
+            feeds[value.name] = np.asarray(rng.standard_normal(dims), np.float32).astype(dtype)
         elif np.issubdtype(dtype, np.integer):
             feeds[value.name] = np.asarray(rng.integers(0, 16, size=dims), dtype)
         elif dtype == np.bool_:
