@@ -41,11 +41,17 @@ def run(args) -> int:
         return _run_peers(args, devices)
     results = []
     for device in devices:
-        results += run_benchmarks(device, args.quick, args.area or AREAS, log=lambda row: print(row, file=sys.stderr))
+        results += run_benchmarks(device, args.quick, args.area or AREAS, log=lambda row: _progress(args, row))
     print(format_table(results))
     if args.json:
         write_json(args.json, {"devices": [str(d) for d in devices], "results": [r.to_json() for r in results]})
     return 0
+
+
+def _progress(args, row: str) -> None:
+    """Each row on stderr as it is measured (long runs), unless --quiet; the table goes to stdout at the end."""
+    if not args.quiet:
+        print(row, file=sys.stderr)
 
 
 def _run_peers(args, devices) -> int:
@@ -57,7 +63,7 @@ def _run_peers(args, devices) -> int:
     results = []
     for device in devices:
         for r in peers.bench_peers(device, args.quick, args.rounds):
-            print(format_row(r), file=sys.stderr)
+            _progress(args, format_row(r))
             results.append(r)
     print(format_table(results))
     if args.json:
