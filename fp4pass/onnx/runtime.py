@@ -140,6 +140,32 @@ def _external_folders(model: ir.Model) -> set[str]:
 
 
 
+#: external tensors up to this size are read into the proto before onnxruntime sees it (see below)
+_SMALL_EXTERNAL_BYTES = 4096
+
+
+def _inline_small_external(proto: onnx.ModelProto, folder: str) -> None:
+    """Read the small external tensors of ``proto`` (all graphs) into it, from ``folder``.
+
+    onnxruntime reads external data of a model given as bytes only when it loads the initializers, not when
+    its graph resolution needs a constant's value (Unsqueeze axes, Reshape shapes): a model saved with
+    ``size_threshold=0`` then fails with "Cannot parse data from external tensors". Such constants are tiny;
+    weights, which stay external, are not read this way. The locations were checked to stay inside the
+    model's folder when the model was loaded.
+    """
+    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_tensor, uses_external_data
+
+    for tensor in _get_all_tensors(proto):
+        if not uses_external_data(tensor):
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        length = int(info.get("length", -1) or -1)
+        if 0 <= length <= _SMALL_EXTERNAL_BYTES:
+            load_external_data_for_tensor(tensor, folder)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+
+
 def _with_quark_ops(options: ort.SessionOptions, exc: Exception) -> ort.SessionOptions:
     """A model with AMD Quark's custom ops (``com.amd.quark``, e.g. MX fake-quant on activations) runs only
     with Quark's custom-op library: registered when the ``amd-quark`` package is installed, else a clear error."""
@@ -172,9 +198,12 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
     if isinstance(model, ir.Model):
         folders = _external_folders(model)
         if _initializer_bytes(model) < _INLINE_LIMIT and len(folders) <= 1:
-            source = ir.serde.serialize_model(model).SerializeToString()
+            proto = ir.serde.serialize_model(model)
             if folders:
-                options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folders.pop())
+                folder = folders.pop()
+                _inline_small_external(proto, folder)
+                options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folder)
+            source = proto.SerializeToString()
         else:
             tmpdir = tempfile.TemporaryDirectory(prefix="fp4pass-ort-")
             path = Path(tmpdir.name) / "model.onnx"
