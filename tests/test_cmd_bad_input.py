@@ -188,6 +188,30 @@ def test_output_the_checker_refuses_is_a_bug_exit_3_nothing_written(work, capsys
     assert sorted(os.listdir(work)) == ["calib.npz", "m.onnx"]
 
 
+def _dangling_input(model):
+    model.graph.node[-1].input[0] = "nowhere"
+
+
+def _block_size_ints(model):
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear"][:1]
+    (attr,) = [a for a in dq.attribute if a.name == "block_size"]
+    attr.type = onnx.AttributeProto.INTS
+    attr.ints.extend([32])
+
+
+@pytest.mark.parametrize("mutate,message", [(_dangling_input, "not a valid graph"),
+                                            (_block_size_ints, "attribute 'block_size' is INTS, not an INT")],
+                         ids=["dangling_input", "block_size_ints"])
+def test_invalid_model_allowed_in_is_exit_2_where_onnxruntime_runs_it(work, capsys, mutate, message):
+    """--allow-invalid lets the model in; diff and --check, which lower it for onnxruntime, then give one
+    line and exit 2 (never exit 3), and the unchecked model is not left."""
+    bad = _mutated(work / "bad.onnx", mutate)
+    code, err = cli(capsys, "diff", bad, MODELS / "tiny_mlp.onnx", "--allow-invalid", "--quiet")
+    assert code == 2 and message in one_line(err)
+    code, err = cli(capsys, "convert", bad, "-o", work / "o.onnx", "--allow-invalid", "--check", "--quiet")
+    assert code == 2 and message in one_line(err) and not (work / "o.onnx").exists()
+
+
 def test_unexpected_exception_exit_3_traceback_only_with_debug(work, capsys, monkeypatch):
     import fp4pass.onnx.inspection as inspection
 

@@ -1,11 +1,12 @@
-"""A fuzz campaign over the example models: ``inspect`` and ``convert`` run in-process on seeded mutations.
+"""A fuzz campaign over the example models: ``inspect``, ``convert`` (some with ``--check``) and ``diff`` (the
+mutated model against itself, so through the lowering and onnxruntime) run in-process on seeded mutations.
 
 Invariants, for every case (tests/fuzz_mutator.py lists the mutations):
 1. exit code 0, 1 or 2 (3 would be a bug, anything else a crash);
 2. no traceback on stderr;
 3. the input folder unchanged (same files, same bytes) and nothing written outside the output folder;
-4. the output folder holds the model (+ its data) and the report after exit 0, and nothing otherwise:
-   no partial file, no temporary left;
+4. the output folder holds the model (+ its data) and the report after exit 0, only the report after exit 1
+   (a check below its threshold), and nothing otherwise: no partial file, no temporary left;
 5. a model written with exit 0 loads and passes the ONNX checker (full check; with ``--allow-invalid`` an
    invalid input may give an invalid output, so only loading is required there).
 
@@ -47,6 +48,7 @@ REGRESSION_SEEDS = [
     495,              # attribute of type UNDEFINED (with --allow-invalid): SerdeError at save
     3082,             # STRING tensor in external data: no byte size
     4287,             # a node with no outputs (with --allow-invalid): IndexError in pattern matching
+    2669,             # output_dtype 33 (with --allow-invalid): ValueError in diff's lowering
 ]
 
 CONVERT_VARIANTS = (
@@ -57,6 +59,8 @@ CONVERT_VARIANTS = (
     ["--external-data", "never", "--method", "verbatim"],
     ["--allow-invalid"],
     ["--allow-invalid", "--target", "reference", "--external-data", "always"],
+    ["--check", "--provider", "cpu"],
+    ["--allow-invalid", "--check", "--provider", "cpu", "--method", "requant"],
 )
 
 
@@ -94,7 +98,8 @@ def run_case(seed: int, root) -> list[str]:
         if sorted(os.listdir(root)) != before_root:
             problems.append(f"{what}: {label} wrote outside the output folder: {sorted(os.listdir(root))}")
         listing = sorted(os.listdir(out))
-        expected = sorted(written) if code == 0 else []
+        # exit 1 (a check below its threshold) keeps the report that explains it, never the model
+        expected = sorted(written) if code == 0 else [n for n in written if n.endswith(".json")] if code == 1 else []
         if code == 0:
             listing = [n for n in listing if n != "o.onnx.data"]
         if listing != expected:
@@ -103,6 +108,9 @@ def run_case(seed: int, root) -> list[str]:
     allow = ["--allow-invalid"] if seed % 2 else []
     code, err = _run(["inspect", str(model), "--quiet", *allow])
     check("inspect", code, err, [])
+    # the model under onnxruntime (lowering, sessions, random inputs): diff against itself
+    code_diff, err_diff = _run(["diff", str(model), str(model), "--quiet", "--provider", "cpu", *allow])
+    check("diff", code_diff, err_diff, [])
     variant = CONVERT_VARIANTS[seed % len(CONVERT_VARIANTS)]
     argv = ["convert", str(model), "-o", str(out / "o.onnx"), "--report", str(out / "r.json"), "--quiet", *variant]
     code, err = _run(argv)

@@ -92,9 +92,24 @@ class LoweringReport:
         return done + (f"; {len(self.declined)} left as is" if self.declined else "")
 
 
+#: the kind each attribute read here must have (a model loaded with --allow-invalid may carry any)
+_ATTR_KINDS = {"axis": int, "block_size": int, "output_dtype": int, "to": int, "scale_type": int, "quant_type": str}
+
+
 def _attr(node: ir.Node, name: str, default=None):
     attr = node.attributes.get(name)
-    return default if attr is None else attr.value
+    if attr is None:
+        return default
+    kind = _ATTR_KINDS.get(name)
+    if kind is not None and not isinstance(attr.value, kind):
+        raise ModelError(f"{node_label(node)}: attribute {name!r} is {attr.type.name}, not "
+                         f"{'an INT' if kind is int else 'a STRING'}")
+    if name in ("output_dtype", "to") and attr.value:
+        try:
+            ir.DataType(attr.value)
+        except ValueError:
+            raise ModelError(f"{node_label(node)}: attribute {name!r} = {attr.value} is no ONNX data type") from None
+    return attr.value
 
 
 def _dtype(value: ir.Value | None) -> ir.DataType | None:
@@ -475,7 +490,14 @@ def lowering_passes(report: LoweringReport | None = None) -> list[ir.passes.Pass
 
 def lower(model: ir.Model) -> tuple[ir.Model, LoweringReport]:
     """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done."""
-    lowered = model.clone()
+    try:
+        lowered = model.clone()
+    except (RuntimeError, ValueError) as exc:  # onnx_ir refuses to copy a graph that reads undefined values
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ModelError(f"the model cannot be copied for onnxruntime, it is not a valid graph: {first[:240]}") from exc
     report = LoweringReport()
     run_passes(lowering_passes(report), lowered)
     logger.debug("lowering for onnxruntime: %s", report.summary())
