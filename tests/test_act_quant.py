@@ -140,3 +140,26 @@ def test_alpha_form_falls_back_to_dq_when_a_consumer_has_no_alpha():
                                           alphas={"mm1": "w1_global_scale"})
     assert report[0]["scale_form"] == "dq" and "alpha" in report[0]["reason"]
     assert float(model.graph.initializers["w1_global_scale"].const_value.numpy()) == before
+
+
+def test_an_activation_without_a_scale_is_reported_left_in_full_precision(caplog):
+    """SCALES with one of moe.onnx's two quantizable activations: the other is named in the report, not
+    inserted, with the reason, and a warning says so (it used to vanish from the report)."""
+    import logging
+    from pathlib import Path
+
+    import onnx_ir as ir
+
+    from fp4pass.pipeline import convert
+
+    moe = Path(__file__).resolve().parents[1] / "models" / "moe.onnx"
+    with caplog.at_level(logging.WARNING, logger="fp4pass.onnx.act_quant"):
+        scale = {"amax": 2.688, "g_amax": 2.688, "input_scale": 0.001, "b_min": 0.1, "b_max": 2.688, "blocks": 64}
+        model, report = convert(str(moe), scales={"calibrator": "max", "tensors": {"x_e": scale}})
+    entries = {e["activation"]: e for e in report["activations"]}
+    assert entries["x_e"]["inserted"] is True
+    assert entries["h_act"]["inserted"] is False and entries["h_act"]["consumers"] == ["fc2"]
+    assert "no scale" in entries["h_act"]["reason"] and "h_act" in caplog.text
+    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
+    fc2 = next(n for n in proto.graph.node if n.name == "fc2")
+    assert "h_act" in fc2.input  # still reads the activation itself

@@ -191,12 +191,32 @@ class InsertActivationQuantizers(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         groups, owners = _consumers_by_activation(model), function_graphs(model)
         scaled_alphas: dict[str, float] = {}  # alpha initializer -> the input scale it was multiplied by
+        scales = quantizer_scales(self.scales)
         self.entries = [self._insert(model, name, scale, groups, owners, scaled_alphas)
-                        for name, scale in quantizer_scales(self.scales).items()]
+                        for name, scale in scales.items()]
+        self.entries += self._unscaled(groups, owners, scales)
         inserted = any(e["inserted"] for e in self.entries)
         if inserted:
             _ensure_opset(model, self.target)
         return ir.passes.PassResult(model, inserted)
+
+    def _unscaled(self, groups, owners, scales) -> list[dict]:
+        """Entries for the activations an FP4 consumer could quantize but ``scales`` has no scale for: they
+        stay in full precision, which the report says (and a warning), rather than nothing at all."""
+        entries = []
+        for name, uses in groups.items():
+            if name in scales:
+                continue
+            consumers = [node_label(node) for node, index in uses
+                         if function_of(node, owners) is None and activation_axis_reason(node, index) is None]
+            if not consumers:
+                continue
+            log.warning("activation %r (read by %s) has no scale: left in full precision", name,
+                           ", ".join(consumers))
+            entries.append({"activation": name, "consumers": consumers, "input_scale": None, "g_amax": None,
+                            "target": self.target, "scale_form": self.scale_form, "inserted": False,
+                            "reason": "no scale for it in the calibration: left in full precision", "alphas": []})
+        return entries
 
     def _insert(self, model: ir.Model, name: str, scale: QuantizerScale, groups, owners, scaled_alphas) -> dict:
         target, scale_form, alphas = self.target, self.scale_form, self.alphas
