@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Choice", "Method", "ScaleForm", "Target", "ActivationTarget", "Provider", "Calibrator",
+__all__ = ["Choice", "Method", "ScaleForm", "Target", "ActivationTarget", "Provider", "CheckProvider",
+           "Calibrator",
            "ExternalData", "Effort", "MRule", "Device", "values"]
 
 
@@ -59,6 +60,16 @@ class Provider(Choice):
     AUTO = "auto"
     CUDA = "cuda"
     CPU = "cpu"
+
+
+class CheckProvider(Choice):
+    """What runs the two models of ``diff`` and ``convert --check``: an onnxruntime provider as
+    :class:`Provider`, or ``reference``, onnx.reference (numpy; slow; runs what onnxruntime CPU cannot)."""
+
+    AUTO = "auto"
+    CUDA = "cuda"
+    CPU = "cpu"
+    REFERENCE = "reference"
 
 
 class Calibrator(Choice):

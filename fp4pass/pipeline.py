@@ -23,7 +23,7 @@ from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx import pipeline as onnx_stages
 from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
-from fp4pass.onnx.numerics import diff
+from fp4pass.onnx.numerics import REFERENCE, diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
 from fp4pass.onnx.passes import run_passes
@@ -93,7 +93,8 @@ def convert(
     output path when ``output`` is given). ``output``: write the model there (atomically; streamed with
     external data per ``external_data`` = auto | always | never). ``calib``: an .npz file or a folder of them
     to calibrate activation scales with ``calibrator``; ``scales``: a SCALES.json path or dict to reuse.
-    ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check".
+    ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check"
+    (``provider`` "reference": under onnx.reference, for what onnxruntime cannot run, e.g. bfloat16).
     ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile). ``snr_min``: the
     check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB.
     ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
@@ -105,7 +106,10 @@ def convert(
     onnx_stages.check_choice("scale_form", scale_form, SCALE_FORMS)
     onnx_stages.check_choice("target", target, TARGETS)
     onnx_stages.check_choice("external_data", external_data, EXTERNAL_DATA)
-    onnx_stages.check_choice("provider", provider, PROVIDERS)
+    onnx_stages.check_choice("provider", provider, (*PROVIDERS, REFERENCE))
+    if provider == REFERENCE and calib is not None:
+        raise UsageError("provider 'reference' runs the check with onnx.reference; calibration needs onnxruntime "
+                         "(provider auto, cpu or cuda), or reuse a calibration with scales")
     if calib is not None and scales is not None:
         raise UsageError("give either calib (to calibrate) or scales (to reuse a calibration), not both")
     start = time.perf_counter()

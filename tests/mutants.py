@@ -142,9 +142,22 @@ MUTANTS = [
     ], ["tests/test_onnx_sharing.py"]),
     Mutant("ort-external-data-folder", "onnxruntime sessions of in-memory models are not told where their "
            "external data lives", [
-        ("fp4pass/onnx/runtime.py", "options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folders.pop())",
-         "folders.pop()"),
+        ("fp4pass/onnx/runtime.py", "options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folder)",
+         "folder"),
     ], ["tests/test_numerics.py"]),
+    Mutant("ort-small-external-left-external", "small external tensors (shape constants) are not read into the "
+           "model before onnxruntime resolves its graph", [
+        ("fp4pass/onnx/runtime.py", "if 0 <= length <= _SMALL_EXTERNAL_BYTES:", "if False:"),
+    ], ["tests/test_cmd_bad_input.py"]),
+    Mutant("quark-fold-any-attributes", "a Quark fake-quant on a constant is folded whatever its axis and block", [
+        ("fp4pass/onnx/rewrite_quark.py", "    reason = fold_reason(node)\n", "    reason = None\n"),
+    ], ["tests/test_rewrite_quark.py"]),
+    Mutant("fx-per-expert-stats-dropped", "fx.convert's report has no per-expert statistics for expert weights", [
+        ("fp4pass/fx/rewrite.py", "group_stats(mx, nv, group_dims, stats)", "group_stats(mx, nv, 0, stats)"),
+    ], ["tests/test_gpt_oss_e2e.py"]),
+    Mutant("fx-export-bf16-rms-norm", "fx.export leaves RMSNormalization's bfloat16 input beside its FP32 scale", [
+        ("fp4pass/fx/exporter.py", "    _widen_rms_norm_inputs(onnx_model)\n", "\n"),
+    ], ["tests/test_gpt_oss_e2e.py"]),
     Mutant("emulate-clamp-normal", "the activation quantizer clamps E4M3 block scales at 2^-6 instead of 2^-9", [
         ("fp4pass/onnx/emulate.py", 'f"{p}/e4m3_min_subnormal", E4M3_MIN_SUBNORMAL, f32)',
          'f"{p}/e4m3_min_subnormal", 2.0**-6, f32)'),

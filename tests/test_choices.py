@@ -7,8 +7,8 @@ import torch
 
 from fp4pass import MXFP4Tensor
 from fp4pass.calib import CALIBRATORS
-from fp4pass.choices import (ActivationTarget, Calibrator, Device, Effort, ExternalData, Method, Provider, ScaleForm,
-                             Target, values)
+from fp4pass.choices import (ActivationTarget, Calibrator, CheckProvider, Device, Effort, ExternalData, Method,
+                             Provider, ScaleForm, Target, values)
 from fp4pass.cli import build_parser
 from fp4pass.convert import mxfp4_to_nvfp4
 
@@ -27,9 +27,9 @@ def _choices(parser, flag):
 @pytest.mark.parametrize("command, flag, enum, default", [
     ("convert", "--method", Method, "auto"), ("convert", "--scale-form", ScaleForm, "dq"),
     ("convert", "--target", Target, "trt"), ("convert", "--external-data", ExternalData, "auto"),
-    ("convert", "--effort", Effort, "best"), ("convert", "--provider", Provider, "auto"),
+    ("convert", "--effort", Effort, "best"), ("convert", "--provider", CheckProvider, "auto"),
     ("convert", "--calibrator", Calibrator, "max"), ("calibrate", "--calibrator", Calibrator, "max"),
-    ("diff", "--provider", Provider, "auto"), ("bench", "--device", Device, "auto"),
+    ("diff", "--provider", CheckProvider, "auto"), ("bench", "--device", Device, "auto"),
     ("study", "--device", Device, "auto"),
 ])
 def test_cli_choices_come_from_the_enums(command, flag, enum, default):

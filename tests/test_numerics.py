@@ -173,15 +173,17 @@ def test_cuda_provider_used_where_present(pair):
 
 
 def test_make_session_finds_external_data_beside_the_model_from_any_folder(tmp_path, monkeypatch):
-    """An in-memory model whose weight lives in a file beside its .onnx runs wherever the process stands."""
+    """An in-memory model whose weight lives in a file beside its .onnx runs wherever the process stands (the
+    weight, 8 KiB, is above the size that make_session reads into the model itself)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    w = np.arange(12, dtype=np.float32).reshape(4, 3) / 7
+    w = np.arange(4 * 512, dtype=np.float32).reshape(4, 512) / 7
+    assert w.nbytes > runtime._SMALL_EXTERNAL_BYTES
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 512])],
         [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     folder = tmp_path / "model"
@@ -194,3 +196,26 @@ def test_make_session_finds_external_data_beside_the_model_from_any_folder(tmp_p
     session, _, _ = runtime.make_session(loaded, "cpu")
     x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x.astype(np.float64) @ w, rtol=1e-6)
+
+
+def test_reference_provider_agrees_with_onnxruntime_on_a_w4a4_model(tmp_path):
+    """The example MoE with TensorRT activation quantizers: onnx.reference (FP4 DequantizeLinear run as it is,
+    the TRT quantizer lowered to standard ops) and onnxruntime CPU (everything lowered) give the same figures
+    within float32 summation order; calibration refuses the reference provider with the reason."""
+    from pathlib import Path
+
+    from fp4pass.pipeline import convert
+
+    models = Path(__file__).resolve().parents[1] / "models"
+    out = tmp_path / "w4a4.onnx"
+    convert(str(models / "moe.onnx"), calib=str(models / "calib.npz"), output=str(out), provider="cpu")
+    feeds = {"x": np.load(models / "calib.npz")["x"][:16]}
+    by_ort = fp4pass.onnx.diff(models / "moe.onnx", out, inputs=feeds, provider="cpu", intermediates=True)
+    by_reference = fp4pass.onnx.diff(models / "moe.onnx", out, inputs=feeds, provider="reference",
+                                      intermediates=True)
+    assert by_reference.provider == "reference" and by_ort.provider == "cpu"
+    (o_ort,), (o_ref,) = by_ort.outputs, by_reference.outputs
+    assert 10 < o_ref.snr_db < 40 and o_ref.snr_db == pytest.approx(o_ort.snr_db, abs=0.01)
+    assert {m.name for m in by_reference.intermediates} >= {"h_act"}
+    with pytest.raises(UsageError, match="calibration needs onnxruntime"):
+        convert(str(models / "moe.onnx"), calib=str(models / "calib.npz"), provider="reference")

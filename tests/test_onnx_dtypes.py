@@ -58,6 +58,30 @@ def test_lossless_weights_give_identical_outputs(dtype, form):
         result = diff(original, out, inputs={"x": x}, provider="cpu")
         assert result.provider.lower().startswith("cpu")
         assert [m.snr_db for m in result.outputs] == [None] and result.outputs[0].max_abs_err == 0
+    # BFLOAT16 (and FLOAT16) under the reference provider: fp4pass diff runs what onnxruntime CPU cannot
+    result = diff(original, out, inputs={"x": x}, provider="reference")
+    assert result.provider == "reference" and result.passed
+    assert [m.snr_db for m in result.outputs] == [None] and result.outputs[0].max_abs_err == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_provider_sees_a_lossy_16_bit_conversion_as_the_evaluator_does(dtype):
+    """diff(provider="reference") on a lossy conversion gives the SNR of the two models' onnx.reference
+    outputs computed here by hand, and the default provider cannot run BFLOAT16 (one named error)."""
+    from fp4pass.errors import ModelError
+    from fp4pass.metrics import snr_db
+
+    original = V.mlp(dtype)
+    out, _ = convert(original, method="requant")
+    x = V.random_input((5, 64), dtype, scale=0.05)
+    (y0,), (y1,) = V.run_reference(original, {"x": x}), V.run_reference(out, {"x": x})
+    a, b = y0.astype(np.float64), y1.astype(np.float64)
+    expected = snr_db(float(np.sum(a * a)), float(np.sum((a - b) ** 2)))
+    result = diff(original, out, inputs={"x": x}, provider="reference")
+    assert result.outputs[0].snr_db == pytest.approx(expected, abs=1e-6) and expected < 60
+    if dtype == TensorProto.BFLOAT16:
+        with pytest.raises(ModelError, match="onnxruntime could not load"):
+            diff(original, out, inputs={"x": x}, provider="cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from fp4pass.choices import Provider, values
+from fp4pass.choices import CheckProvider, Provider, values
 from fp4pass.errors import UsageError
 from fp4pass.io import check_outputs
 
@@ -57,9 +57,13 @@ def plot_path(text: str) -> str:
     return text
 
 
-def add_provider_arguments(p) -> None:
-    p.add_argument("--provider", choices=values(Provider), default=Provider.AUTO.value,
-                   help="auto: CUDA if onnxruntime's CUDA provider loads, else CPU (default)")
+def add_provider_arguments(p, reference: bool = False) -> None:
+    """--provider and --strict; ``reference``: "reference" (onnx.reference, for the checks) is a choice too."""
+    choices = values(CheckProvider) if reference else values(Provider)
+    p.add_argument("--provider", choices=choices, default=Provider.AUTO.value,
+                   help="auto: CUDA if onnxruntime's CUDA provider loads, else CPU (default)"
+                        + ("; reference: onnx.reference (numpy, slow; runs what onnxruntime CPU cannot, "
+                           "e.g. bfloat16 MatMul)" if reference else ""))
     p.add_argument("--strict", action="store_true",
                    help="with --provider cuda: exit 2 when CUDA cannot run, instead of falling back to CPU")
 

@@ -54,7 +54,7 @@ def register(sub, common) -> None:
 
 
 def _add_safety_arguments(p) -> None:
-    _safety.add_provider_arguments(p)
+    _safety.add_provider_arguments(p, reference=True)
     _safety.add_allow_invalid(p)
     p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB",
                    help="--check fails (exit 1) when an output's SNR is below DB (default: 15 for weight-only "

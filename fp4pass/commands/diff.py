@@ -58,7 +58,7 @@ def register(sub, common) -> None:
     p.add_argument("--seed", type=_safety.seed, default=0, help="seed of the random inputs (default 0, >= 0)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
                    help="full dims of an input with symbolic dims, e.g. input_ids=1,128 (repeatable)")
-    _safety.add_provider_arguments(p)
+    _safety.add_provider_arguments(p, reference=True)
     _safety.add_allow_invalid(p)
     p.add_argument("--intermediates", action="store_true", help="also compare tensors both graphs name alike")
     p.add_argument("--json", metavar="REPORT.json", help="write the result as JSON")

@@ -488,8 +488,12 @@ def lowering_passes(report: LoweringReport | None = None) -> list[ir.passes.Pass
     return [*lowerings, RemoveUnusedOpsetsPass(), SetOrtVersions(report, lowerings)]
 
 
-def lower(model: ir.Model) -> tuple[ir.Model, LoweringReport]:
-    """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done."""
+def lower(model: ir.Model, *, for_reference: bool = False) -> tuple[ir.Model, LoweringReport]:
+    """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done.
+
+    ``for_reference``: for ``onnx.reference`` instead of onnxruntime. It runs FP4 / E8M0 DequantizeLinear
+    itself, so only TensorRT's activation quantizer (a custom op) is lowered, to the same standard ops.
+    """
     try:
         lowered = model.clone()
     except (RuntimeError, ValueError) as exc:  # onnx_ir refuses to copy a graph that reads undefined values
@@ -499,8 +503,9 @@ def lower(model: ir.Model) -> tuple[ir.Model, LoweringReport]:
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise ModelError(f"the model cannot be copied for onnxruntime, it is not a valid graph: {first[:240]}") from exc
     report = LoweringReport()
-    run_passes(lowering_passes(report), lowered)
-    logger.debug("lowering for onnxruntime: %s", report.summary())
+    passes = [LowerTRTFP4DynamicQuantize(report), RemoveUnusedOpsetsPass()] if for_reference else lowering_passes(report)
+    run_passes(passes, lowered)
+    logger.debug("lowering for %s: %s", "onnx.reference" if for_reference else "onnxruntime", report.summary())
     return lowered, report
 
 

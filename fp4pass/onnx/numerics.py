@@ -12,6 +12,9 @@ Signature::
    [0, 16), bools fair coins. Symbolic dims take ``shapes[name]`` (the input's full dims); a symbolic dim
    without one is 1, and a note says so.
 3. Sessions come from :func:`fp4pass.onnx.runtime.make_session` ("auto": CUDA EP if it loads, else CPU).
+   ``provider="reference"`` runs both models with ``onnx.reference`` instead (numpy: slow, for small models),
+   lowering only TensorRT's activation quantizer: what onnxruntime's CPU kernels cannot run (bfloat16
+   MatMul) still gets a diff.
 4. Outputs are matched by name (by position, with a note, when no name is shared); each gets the
    :mod:`fp4pass.metrics` figures, ``original`` being the reference ``a``.
 5. ``intermediates``: every tensor produced by a node in both graphs under the same name is exposed as an
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from fp4pass.choices import CheckProvider
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.loading import load
@@ -42,10 +46,13 @@ from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
 from fp4pass.progress import progress
 
-__all__ = ["diff", "DiffResult", "make_inputs", "plot_diff"]
+__all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "REFERENCE"]
 
 logger = logging.getLogger(__name__)
 
+#: the provider that runs both models with onnx.reference (numpy; slow, exact, runs what onnxruntime's CPU
+#: kernels do not: bfloat16 MatMul, FP4 DequantizeLinear unlowered)
+REFERENCE = CheckProvider.REFERENCE.value
 _ERROR_SAMPLE = 200_000  # |a-b| values kept from the worst output, for the histogram
 _DEFAULT_ELEMENTS = 1 << 20  # size assumed for a tensor whose shape is not known statically
 
@@ -242,14 +249,19 @@ def _with_outputs(model: ir.Model, names: list[str]) -> ir.Model:
 
 
 class _Runner:
-    """One model lowered once; runs it with extra outputs, creating a session per output set."""
+    """One model lowered once; runs it with extra outputs, creating a session per output set (or, for the
+    ``reference`` provider, an ``onnx.reference.ReferenceEvaluator``)."""
 
     def __init__(self, model: ir.Model, provider: str, label: str, notes: list[str]):
         self.label = label
-        self.model, report = lower(model)
+        self.reference = provider == REFERENCE
+        self.model, report = lower(model, for_reference=self.reference)
+        runtime = "onnx.reference" if self.reference else "onnxruntime"
         if report.lowered or report.declined:
-            notes.append(f"{label}: lowered for onnxruntime: {report.summary()}")
+            notes.append(f"{label}: lowered for {runtime}: {report.summary()}")
         notes.extend(f"{label}: not lowered: {reason}" for reason in report.declined)
+        if self.reference:
+            ir.external_data.load_to_model(self.model)  # the evaluator reads tensors from the proto itself
         self.provider_arg = provider
         self.provider = None
         self.note = None
@@ -258,6 +270,8 @@ class _Runner:
 
     def run(self, feeds: dict, extra: list[str] = ()) -> dict[str, np.ndarray]:
         model = _with_outputs(self.model, list(extra)) if extra else self.model
+        if self.reference:
+            return self._run_reference(model, feeds)
         try:
             session, self.provider, self.note = make_session(model, self.provider_arg)
         except ModelError as exc:
@@ -270,6 +284,22 @@ class _Runner:
             values = session.run(names, {n: feeds[n] for n in self.input_names})
         except Exception as exc:  # onnxruntime's own error types
             raise ModelError(f"{self.label}: onnxruntime failed to run it: {str(exc).strip().splitlines()[0]}") from None
+        return dict(zip(names, values))
+
+    def _run_reference(self, model: ir.Model, feeds: dict) -> dict[str, np.ndarray]:
+        from onnx.reference import ReferenceEvaluator
+
+        self.provider = REFERENCE
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise ModelError(f"{self.label}: needs inputs {missing} that the original model does not have")
+        names = [v.name for v in model.graph.outputs]
+        try:
+            evaluator = ReferenceEvaluator(ir.serde.serialize_model(model))
+            values = evaluator.run(names, {n: feeds[n] for n in self.input_names})
+        except Exception as exc:  # onnx.reference raises whatever numpy or its op raises
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(f"{self.label}: onnx.reference failed to run it: {first}") from None
         return dict(zip(names, values))
 
 
