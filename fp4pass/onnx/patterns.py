@@ -133,9 +133,11 @@ def node_label(node: ir.Node) -> str:
 def _initializer_reason(value: ir.Value, role: str) -> str | None:
     """Why ``value`` cannot be rewritten as a stored weight, or None when it is a plain initializer."""
     if value.is_graph_input():
-        return f"{role} {value.name!r} is a graph input, not an initializer"
+        return (f"{role} {value.name!r} is a graph input, not an initializer (the pass rewrites stored weights: "
+                "store it in the model as an initializer to convert it)")
     if value.const_value is None:
-        return f"{role} {value.name!r} is computed at run time, not an initializer"
+        return (f"{role} {value.name!r} is computed at run time, not an initializer (fold the computation into a "
+                "constant first, e.g. with onnxscript's optimizer, then convert)")
     return None
 
 
@@ -225,14 +227,17 @@ class MXFP4Dequantize:
         if _dtype(s) != ir.DataType.FLOAT8E8M0:
             return f"scale of {w.name!r} is {_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
         if len(node.inputs) > 2 and node.inputs[2] is not None:
-            return f"weight {w.name!r} has a zero point"
+            return (f"weight {w.name!r} has a zero point; MXFP4 has none (drop the input where it is all zeros "
+                    "to convert it)")
         shape = tuple(w.const_value.shape.numpy())
         rank = len(shape)
         if rank not in (2, 3):
-            return f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported"
+            return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
+                    "to one of them, with a Reshape after the dequantize)")
         axis = _attr(node, "axis", 1)
         if axis not in (-1, rank - 1):
-            return f"weight {w.name!r} is blocked along axis {axis}, not the last axis"
+            return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
+                    "blocks along the last axis, with a Transpose after the dequantize)")
         block = _attr(node, "block_size", 0)
         if block != 32:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
@@ -373,14 +378,17 @@ class FP4FloatScaleDequantize:
         if reason:
             return reason
         if len(node.inputs) > 2 and node.inputs[2] is not None:
-            return f"weight {w.name!r} has a zero point"
+            return (f"weight {w.name!r} has a zero point; MXFP4 has none (drop the input where it is all zeros "
+                    "to convert it)")
         shape = tuple(w.const_value.shape.numpy())
         rank = len(shape)
         if rank not in (2, 3):
-            return f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported"
+            return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
+                    "to one of them, with a Reshape after the dequantize)")
         axis = _attr(node, "axis", 1)
         if axis not in (-1, rank - 1):
-            return f"weight {w.name!r} is blocked along axis {axis}, not the last axis"
+            return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
+                    "blocks along the last axis, with a Transpose after the dequantize)")
         block = _attr(node, "block_size", 0)
         if block != 32:
             fix = ("store its block scales as FLOAT8E4M3FN with an FP32 global scale (NVFP4's two-DQ form)"
