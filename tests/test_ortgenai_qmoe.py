@@ -23,6 +23,7 @@ from fp4pass.onnx import convert, inspect
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.numerics import diff
 from fp4pass.onnx.runtime import make_session
+from tests import conversion_oracle as O
 from tests.oracles import E2M1_VALUES, qmoe_kernel_codes, qmoe_nvfp4_kernel_dequant
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -40,6 +41,16 @@ def _reference(fixture: Path, layer: int, proj: str) -> np.ndarray:
     prefix = f"model.layers.{layer}.mlp.experts.{proj}"
     w = ckpt._get_mxfp4_tensor(f"{prefix}_blocks", f"{prefix}_scales", dtype=torch.float32)
     return w.double().numpy()
+
+
+def _checkpoint_codes(fixture: Path, layer: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
+    """The checkpoint's own bytes of one expert weight: E2M1 element codes [E, N, K], E8M0 codes [E, N, K/32]."""
+    from safetensors import safe_open
+
+    prefix = f"model.layers.{layer}.mlp.experts.{proj}"
+    with safe_open(str(fixture / "checkpoint" / "experts.safetensors"), "pt") as f:
+        blocks, scales = f.get_tensor(f"{prefix}_blocks").numpy(), f.get_tensor(f"{prefix}_scales").numpy()
+    return O.unpack(blocks.reshape(*blocks.shape[:2], -1)), scales
 
 
 def _init(model: onnx.ModelProto, name: str) -> np.ndarray:
@@ -126,6 +137,12 @@ def test_convert_writes_nvfp4_in_the_kernel_layout_against_the_reference(convert
             for p in entry["per_expert"]:
                 assert p["max_abs_err"] == err[p["expert"]].max()
                 np.testing.assert_allclose(p["mse"], np.mean(err[p["expert"]] ** 2), rtol=1e-9, atol=0)
+            # the lossy expert is within the independent oracle's bound, min(Algo 1, Algo 3) for that expert
+            codes, e8m0 = _checkpoint_codes(fixture, layer, proj)
+            mx = O.mx_dequant(codes[3], e8m0[3])
+            np.testing.assert_array_equal(mx, reference[3])
+            bound = min(O.mse(O.hybrid(codes[3], e8m0[3]), mx), O.mse(O.requant(codes[3], e8m0[3]), mx))
+            assert 0 < O.mse(ours[3], mx) <= bound * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("fixture", [MAIN, H64])
