@@ -144,6 +144,30 @@ def _external_folders(model: ir.Model) -> set[str]:
 _SMALL_EXTERNAL_BYTES = 4096
 
 
+def _graph_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes):
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for graph in attr.graphs:
+                yield from _graph_tensors(graph)
+
+
+def _all_tensors(proto: onnx.ModelProto):
+    """Every TensorProto of the model: initializers and Constant values, subgraphs and functions included."""
+    yield from _graph_tensors(proto.graph)
+    for function in proto.functions:
+        yield from _node_tensors(function.node)
+
+
 def _inline_small_external(proto: onnx.ModelProto, folder: str) -> None:
     """Read the small external tensors of ``proto`` (all graphs) into it, from ``folder``.
 
@@ -153,9 +177,9 @@ def _inline_small_external(proto: onnx.ModelProto, folder: str) -> None:
     weights, which stay external, are not read this way. The locations were checked to stay inside the
     model's folder when the model was loaded.
     """
-    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_tensor, uses_external_data
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    for tensor in _get_all_tensors(proto):
+    for tensor in _all_tensors(proto):
         if not uses_external_data(tensor):
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}
