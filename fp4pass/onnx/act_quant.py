@@ -211,8 +211,7 @@ class InsertActivationQuantizers(ir.passes.InPlacePass):
                          if function_of(node, owners) is None and activation_axis_reason(node, index) is None]
             if not consumers:
                 continue
-            log.warning("activation %r (read by %s) has no scale: left in full precision", name,
-                           ", ".join(consumers))
+            log.warning("activation %r (read by %s) has no scale: left in full precision", name, ", ".join(consumers))
             entries.append({"activation": name, "consumers": consumers, "input_scale": None, "g_amax": None,
                             "target": self.target, "scale_form": self.scale_form, "inserted": False,
                             "reason": "no scale for it in the calibration: left in full precision", "alphas": []})

@@ -501,7 +501,7 @@ def lower(model: ir.Model, *, for_reference: bool = False) -> tuple[ir.Model, Lo
         while cause.__cause__ is not None:
             cause = cause.__cause__
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ModelError(f"the model cannot be copied for onnxruntime, it is not a valid graph: {first[:240]}") from exc
+        raise ModelError(f"the model cannot be copied to be run, it is not a valid graph: {first[:240]}") from exc
     report = LoweringReport()
     passes = [LowerTRTFP4DynamicQuantize(report), RemoveUnusedOpsetsPass()] if for_reference else lowering_passes(report)
     run_passes(passes, lowered)

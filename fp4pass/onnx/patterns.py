@@ -130,6 +130,23 @@ def node_label(node: ir.Node) -> str:
     return f"{node.op_type} -> {out}" if out else node.op_type
 
 
+def _dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
+    """Why an FP4 DequantizeLinear's stored weight is not laid out as the pass converts it (no zero point,
+    rank 2 or 3, blocks along the last axis), with what would make it convertible; None when it is."""
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        return (f"weight {w.name!r} has a zero point; MXFP4 has none (drop the input where it is all zeros "
+                "to convert it)")
+    rank = w.const_value.shape.rank()
+    if rank not in (2, 3):
+        return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
+                "to one of them, with a Reshape after the dequantize)")
+    axis = _attr(node, "axis", 1)
+    if axis not in (-1, rank - 1):
+        return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
+                "blocks along the last axis, with a Transpose after the dequantize)")
+    return None
+
+
 def _initializer_reason(value: ir.Value, role: str) -> str | None:
     """Why ``value`` cannot be rewritten as a stored weight, or None when it is a plain initializer."""
     if value.is_graph_input():
@@ -226,18 +243,9 @@ class MXFP4Dequantize:
             return reason
         if _dtype(s) != ir.DataType.FLOAT8E8M0:
             return f"scale of {w.name!r} is {_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
-        if len(node.inputs) > 2 and node.inputs[2] is not None:
-            return (f"weight {w.name!r} has a zero point; MXFP4 has none (drop the input where it is all zeros "
-                    "to convert it)")
-        shape = tuple(w.const_value.shape.numpy())
-        rank = len(shape)
-        if rank not in (2, 3):
-            return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
-                    "to one of them, with a Reshape after the dequantize)")
-        axis = _attr(node, "axis", 1)
-        if axis not in (-1, rank - 1):
-            return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
-                    "blocks along the last axis, with a Transpose after the dequantize)")
+        reason = _dq_layout_reason(node, w)
+        if reason:
+            return reason
         block = _attr(node, "block_size", 0)
         if block != 32:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
@@ -377,23 +385,15 @@ class FP4FloatScaleDequantize:
         reason = _constants_reason(node, w, s)
         if reason:
             return reason
-        if len(node.inputs) > 2 and node.inputs[2] is not None:
-            return (f"weight {w.name!r} has a zero point; MXFP4 has none (drop the input where it is all zeros "
-                    "to convert it)")
-        shape = tuple(w.const_value.shape.numpy())
-        rank = len(shape)
-        if rank not in (2, 3):
-            return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
-                    "to one of them, with a Reshape after the dequantize)")
-        axis = _attr(node, "axis", 1)
-        if axis not in (-1, rank - 1):
-            return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
-                    "blocks along the last axis, with a Transpose after the dequantize)")
+        reason = _dq_layout_reason(node, w)
+        if reason:
+            return reason
         block = _attr(node, "block_size", 0)
         if block != 32:
             fix = ("store its block scales as FLOAT8E4M3FN with an FP32 global scale (NVFP4's two-DQ form)"
                    if block == 16 else "requantize it with blocks of 32 along the last axis")
             return f"weight {w.name!r} has block size {block} with float scales; FP4 converts at block 32 only ({fix})"
+        shape = tuple(w.const_value.shape.numpy())
         if tuple(s.const_value.shape.numpy()) != (*shape[:-1], shape[-1] // 32) or shape[-1] % 32:
             return (f"scale {s.name!r} has shape {list(s.const_value.shape.numpy())}, "
                     f"expected {[*shape[:-1], shape[-1] // 32]} for weight {list(shape)}")
