@@ -305,11 +305,16 @@ class _Runner:
 
 def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermediates: bool = False,
          snr_min: float | None = None, seed: int = 0, shapes: dict | None = None,
-         show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30) -> DiffResult:
-    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step)."""
+         show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30,
+         base_dir: str | os.PathLike | None = None) -> DiffResult:
+    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step).
+
+    ``base_dir``: the folder the external data of a model given as a proto or ``onnx_ir.Model`` resolves
+    against (:func:`fp4pass.onnx.loading.load`); a path's own folder always wins.
+    """
     notes: list[str] = []
-    model_a = load(original).model
-    model_b = load(rewritten).model
+    model_a = load(original, base_dir).model
+    model_b = load(rewritten, base_dir).model
     label_a = str(original) if isinstance(original, (str, os.PathLike)) else "original"
     label_b = str(rewritten) if isinstance(rewritten, (str, os.PathLike)) else "rewritten"
     runner_a = _Runner(model_a, provider, label_a, notes)
