@@ -87,6 +87,22 @@ def test_rollback_keeps_reports_on_exit_1_and_removes_results(tmp_path):
     assert os.listdir(tmp_path) == ["report.json"]
 
 
+@pytest.mark.parametrize("code", [2, 3, 130, 143])
+def test_rollback_after_any_other_failure_removes_reports_too(tmp_path, code):
+    """Only exit 1 (a check below its threshold) keeps the reports that explain it; any other failure leaves
+    nothing of the run, reports included (``--keep-unchecked`` keeps the model, never a stale report)."""
+    with fio.output_session() as session:
+        fio.write_json(tmp_path / "model.json", {}, kind=fio.RESULT)
+        fio.write_json(tmp_path / "report.json", {}, kind=fio.REPORT)
+        removed = session.rollback(code)
+    assert os.listdir(tmp_path) == [] and len(removed) == 2
+    with fio.output_session() as session:
+        fio.write_json(tmp_path / "model.json", {}, kind=fio.RESULT)
+        fio.write_json(tmp_path / "report.json", {}, kind=fio.REPORT)
+        session.rollback(code, keep_results=True)
+    assert os.listdir(tmp_path) == ["model.json"]
+
+
 def _dead_pid() -> int:
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(proc.stdout)
