@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 REFERENCE = CheckProvider.REFERENCE.value
 _ERROR_SAMPLE = 200_000  # |a-b| values kept from the worst output, for the histogram
 _DEFAULT_ELEMENTS = 1 << 20  # size assumed for a tensor whose shape is not known statically
+#: the most elements drawn for one random input (4 GiB of float32), static dims and --shape alike
+MAX_RANDOM_ELEMENTS = 2**30
 
 
 def _sort_key(m: TensorMetrics) -> tuple:
@@ -142,6 +144,17 @@ def _static_dims(value: ir.Value, shapes: dict, notes: list[str]) -> tuple[int, 
     return tuple(dims)
 
 
+def _random_dims(name: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """``dims`` of a random input, refused (one line) when negative or above :data:`MAX_RANDOM_ELEMENTS`."""
+    if any(d < 0 for d in dims):
+        raise UsageError(f"input {name!r}: dims {list(dims)} are negative")
+    if math.prod(dims) > MAX_RANDOM_ELEMENTS:
+        raise UsageError(f"input {name!r}: dims {list(dims)} are {math.prod(dims)} elements; at most "
+                         f"{MAX_RANDOM_ELEMENTS} (2^30) are drawn at random per input (give it in --inputs, or "
+                         f"smaller dims with --shape {name}=...)")
+    return dims
+
+
 def _as_input_type(name: str, array: np.ndarray, dtype: np.dtype, notes: list[str]) -> np.ndarray:
     """A given array in the input's type. ``np.savez`` of an ml_dtypes array (bfloat16, float8) reads back as
     raw bytes ('V2', 'V1'): those are the input's values when the item sizes agree, and are viewed as such."""
@@ -181,14 +194,15 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
             continue
         if value.const_value is not None:
             continue  # an input with a default initializer (old IR)
-        dims = _static_dims(value, shapes, notes)
+        dims = _random_dims(value.name, _static_dims(value, shapes, notes))
         if np.issubdtype(dtype, np.floating) or (value.dtype is not None and value.dtype.is_floating_point()):
-            # float32 draws rounded once to the input's type (ml_dtypes' bfloat16 and float8 included)
-            feeds[value.name] = np.asarray(rng.standard_normal(dims), np.float32).astype(dtype)
+            # drawn in float32 (never a float64 array then a copy), rounded once to the input's type when it is
+            # another (ml_dtypes' bfloat16 and float8 included)
+            feeds[value.name] = rng.standard_normal(dims, dtype=np.float32).astype(dtype, copy=False)
         elif np.issubdtype(dtype, np.integer):
-            feeds[value.name] = np.asarray(rng.integers(0, 16, size=dims), dtype)
+            feeds[value.name] = rng.integers(0, 16, size=dims, dtype=dtype)
         elif dtype == np.bool_:
-            feeds[value.name] = np.asarray(rng.random(dims) < 0.5)
+            feeds[value.name] = rng.integers(0, 2, size=dims, dtype=np.bool_)
         else:
             raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; give it in --inputs")
     return feeds
