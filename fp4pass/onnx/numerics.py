@@ -41,6 +41,7 @@ import onnx_ir as ir
 from fp4pass.choices import CheckProvider
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
+from fp4pass.npz import read_npz
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
@@ -208,17 +209,22 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
     return feeds
 
 
-def _load_inputs(inputs) -> dict | None:
+def _load_inputs(inputs, model: ir.Model) -> dict | None:
+    """The arrays of an .npz (:func:`fp4pass.npz.read_npz`), each checked from its header against ``model``'s
+    graph inputs (the name, the rank) before its data is inflated."""
     if inputs is None or isinstance(inputs, dict):
         return inputs
-    path = Path(inputs)
-    if not path.is_file():
-        raise UsageError(f"{path}: no such inputs file")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (ValueError, OSError) as exc:
-        raise UsageError(f"{path}: not a readable .npz file ({exc})") from None
+    graph_inputs = {v.name: v for v in model.graph.inputs}
+
+    def check(name: str, dims: tuple, dtype: np.dtype) -> None:
+        if name not in graph_inputs:
+            raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model (inputs: {list(graph_inputs)})")
+        shape = graph_inputs[name].shape
+        if shape is not None and len(shape) != len(dims):
+            raise UsageError(f"{inputs}: array {name!r} has rank {len(dims)} {list(dims)}, the input wants rank "
+                             f"{len(shape)} {[str(d) for d in shape]}")
+
+    return read_npz(inputs, error=UsageError, check=check)[0]
 
 
 def _node_outputs(model: ir.Model) -> dict[str, tuple[ir.Node, ir.Value]]:
@@ -328,7 +334,7 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
     label_b = str(rewritten) if isinstance(rewritten, (str, os.PathLike)) else "rewritten"
     runner_a = _Runner(model_a, provider, label_a, notes)
     runner_b = _Runner(model_b, provider, label_b, notes)
-    feeds = make_inputs(runner_a.model, _load_inputs(inputs), seed=seed, shapes=shapes, notes=notes)
+    feeds = make_inputs(runner_a.model, _load_inputs(inputs, runner_a.model), seed=seed, shapes=shapes, notes=notes)
 
     pairs = [(n, n) for n in runner_a.output_names if n in runner_b.output_names]
     if not pairs and len(runner_a.output_names) == len(runner_b.output_names):
