@@ -35,7 +35,7 @@ def test_the_limit_is_the_one_shape_documents():
     assert MAX_RANDOM_ELEMENTS == MAX_INPUT_ELEMENTS == 2**30
 
 
-@pytest.mark.parametrize("dims", [[2**62, 4], [2**31, 1], [2**15, 2**15 + 1]])
+@pytest.mark.parametrize("dims", [[2**62, 4], [2**31, 1], [2**15, 2**15 + 1], [0, 2**62], [2**40, 0, 3]])
 def test_a_huge_static_dim_is_exit_2_naming_the_input(tmp_path, capsys, dims):
     path = tmp_path / "m.onnx"
     onnx.save(identity_model(dims), path)
@@ -52,6 +52,14 @@ def test_static_dims_at_the_limit_are_drawn():
     model = ir.serde.deserialize_model(identity_model([4, 8]))
     feeds = make_inputs(model)
     assert feeds["x"].shape == (4, 8) and feeds["x"].dtype == np.float32
+
+
+def test_shape_counts_a_zero_dim_as_one(capsys, tmp_path):
+    """--shape x=0,2^62 is refused like the static dims: numpy cannot make that array, empty or not."""
+    path = tmp_path / "m.onnx"
+    onnx.save(identity_model(["n", "m"]), path)
+    code, err = cli(capsys, "diff", path, path, "--shape", f"x=0,{2**62}", "--quiet")
+    assert code == 2 and "2^30" in err and "Traceback" not in err
 
 
 def test_negative_dims_given_through_the_api_are_refused():

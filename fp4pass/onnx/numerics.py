@@ -146,10 +146,12 @@ def _static_dims(value: ir.Value, shapes: dict, notes: list[str]) -> tuple[int, 
 
 
 def _random_dims(name: str, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """``dims`` of a random input, refused (one line) when negative or above :data:`MAX_RANDOM_ELEMENTS`."""
+    """``dims`` of a random input, refused (one line) when negative or above :data:`MAX_RANDOM_ELEMENTS` (the
+    non-zero dims' product: an empty array of a dim above it is refused by numpy too)."""
     if any(d < 0 for d in dims):
         raise UsageError(f"input {name!r}: dims {list(dims)} are negative")
-    if math.prod(dims) > MAX_RANDOM_ELEMENTS:
+    # counted with 0 dims as 1: numpy refuses [0, 2^62] as it refuses [2^62]
+    if math.prod(max(d, 1) for d in dims) > MAX_RANDOM_ELEMENTS:
         raise UsageError(f"input {name!r}: dims {list(dims)} are {math.prod(dims)} elements; at most "
                          f"{MAX_RANDOM_ELEMENTS} (2^30) are drawn at random per input (give it in --inputs, or "
                          f"smaller dims with --shape {name}=...)")
