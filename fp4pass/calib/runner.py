@@ -166,8 +166,10 @@ def iter_feeds(data, inputs: dict[str, ir.Value], batch_size: int | None = None)
 
     def npz(path: Path) -> Iterator[tuple[str, dict]]:
         # each array checked from its .npy header before it is inflated (fp4pass.npz); extras never read
-        feed, extra = read_npz(path, error=CalibrationDataError, names=set(inputs),
-                               check=lambda name, dims, dtype: _check_layout(dims, dtype, inputs[name], str(path), name))
+        def check(name: str, dims: tuple, dtype: np.dtype) -> None:
+            _check_layout(dims, dtype, inputs[name], str(path), name)
+
+        feed, extra = read_npz(path, error=CalibrationDataError, names=set(inputs), check=check)
         if extra:
             log.warning("%s: arrays %s are not graph inputs; ignored", path, ", ".join(sorted(extra)))
         yield from split(str(path), feed)

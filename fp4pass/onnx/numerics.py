@@ -220,7 +220,8 @@ def _load_inputs(inputs, model: ir.Model) -> dict | None:
 
     def check(name: str, dims: tuple, dtype: np.dtype) -> None:
         if name not in graph_inputs:
-            raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model (inputs: {list(graph_inputs)})")
+            raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model "
+                             f"(inputs: {list(graph_inputs)})")
         shape = graph_inputs[name].shape
         if shape is not None and len(shape) != len(dims):
             raise UsageError(f"{inputs}: array {name!r} has rank {len(dims)} {list(dims)}, the input wants rank "
