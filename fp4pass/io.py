@@ -396,3 +396,60 @@ def write_json(path: str | os.PathLike, data, kind: str = REPORT) -> None:
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     with atomic_output(path, kind=kind) as tmp:
         tmp.write_text(text)
+
+
+# -- reading small input files ----------------------------------------------------------------------------
+
+
+def _file_kind(mode: int) -> str:
+    import stat
+
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception] = UsageError) -> bytes:
+    """The bytes of ``path`` when it is a regular file (symlinks followed) of at most ``limit`` bytes.
+
+    Anything else raises ``error`` naming the path: a FIFO (opening it would wait for a writer), a device such
+    as ``/dev/zero`` (reading it never ends), a socket, a directory, a missing file, or a file over ``limit``.
+    The type is checked before the file is opened and again on the open descriptor, and at most ``limit + 1``
+    bytes are read, so a file swapped or grown in between is refused too.
+    """
+    import stat
+
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path}: {_file_kind(info.st_mode)}; only regular files are read")
+    if info.st_size > limit:
+        raise error(f"{path}: {info.st_size} bytes; at most {limit} are read from such a file")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror})") from None
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise error(f"{path}: {_file_kind(opened.st_mode)}; only regular files are read")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise error(f"{path}: more than {limit} bytes; at most {limit} are read from such a file")
+    return b"".join(chunks)
