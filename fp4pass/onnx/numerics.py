@@ -17,12 +17,15 @@ Signature::
    MatMul) still gets a diff.
 4. Outputs are matched by name (by position, with a note, when no name is shared); each gets the
    :mod:`fp4pass.metrics` figures, ``original`` being the reference ``a``.
-5. ``intermediates``: every tensor produced by a node in both graphs under the same name is exposed as an
-   extra output. They are fetched in chunks whose estimated size stays under ``intermediate_budget_bytes``
+5. ``intermediates``: every tensor produced by a node in both graphs (as given, before lowering) under the
+   same name is exposed as an extra output, except one that a model holds without its NVFP4 global scale
+   (alpha form) while the other holds it with the scale: they differ by that scale by design, and a note
+   names them (:mod:`fp4pass.onnx.alpha_scope`). They are fetched in chunks whose estimated size stays under ``intermediate_budget_bytes``
    per model, compared, and dropped: memory stays near the budget plus the largest tensor, whatever the
    model. Each chunk is one run of each model.
-6. ``first_divergent``: the first node of ``original`` in topological order with a compared output under
-   ``snr_min`` dB (or with NaN/Inf the original does not have): ``{"node", "op_type", "tensor", "snr_db"}``.
+6. ``first_divergent``: the first node of ``original`` (as given) in topological order with a compared output
+   under ``snr_min`` dB (or with NaN/Inf the original does not have); with ``intermediates`` and no
+   ``snr_min``, the first whose output differs at all: ``{"node", "op_type", "tensor", "snr_db"}``.
 7. ``passed``: no *output* under ``snr_min`` and no output with new NaN/Inf (intermediates inform, the
    outputs decide). Without ``snr_min`` only the NaN/Inf rule applies.
 """
@@ -41,6 +44,7 @@ import onnx_ir as ir
 from fp4pass.choices import CheckProvider
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
+from fp4pass.onnx.alpha_scope import missing_global_scale
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
@@ -116,8 +120,9 @@ class DiffResult:
             section(f"intermediates (worst {len(worst)} of {len(self.intermediates)}):", worst)
         if self.first_divergent:
             fd = self.first_divergent
-            lines.append(f"first divergent: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} "
-                         f"snr {fmt(fd['snr_db'], '.2f')} dB")
+            what = "first divergent" if self.snr_min is not None else "first divergent (differs at all; no --snr-min)"
+            snr = "identical" if fd["snr_db"] is None else f"{fd['snr_db']:.2f} dB"
+            lines.append(f"{what}: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} snr {snr}")
         threshold = "" if self.snr_min is None else f" (snr-min {self.snr_min:g} dB)"
         lines.append(("PASSED" if self.passed else "FAILED") + threshold)
         return "\n".join(lines)
@@ -328,11 +333,9 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
 
     produced_a = _node_outputs(runner_a.model)
     produced_b = _node_outputs(runner_b.model)
-    outputs_a = set(runner_a.output_names)
     inter_names = []
     if intermediates:
-        inter_names = [n for n in produced_a if n in produced_b and n not in outputs_a
-                       and n not in runner_b.output_names]
+        inter_names = _comparable(model_a, model_b, runner_a, runner_b, label_a, label_b, notes)
     sizes = {n: max(_estimate_bytes(produced_a[n][1], _DEFAULT_ELEMENTS * 4),
                     _estimate_bytes(produced_b[n][1], _DEFAULT_ELEMENTS * 4)) for n in inter_names}
     chunks = _chunks(inter_names, sizes, intermediate_budget_bytes) or [[]]
@@ -370,20 +373,53 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
         notes.insert(0, note)
 
     by_name = {m.name: m for m in [*inter_metrics, *output_metrics]}
-    first = None
-    if snr_min is not None or any(m.new_nonfinite for m in by_name.values()):
-        for node in runner_a.model.graph:
-            hit = next((by_name[o.name] for o in node.outputs if o.name in by_name and by_name[o.name].below(snr_min)),
-                       None)
-            if hit is not None:
-                first = {"node": node.name, "op_type": node.op_type, "tensor": hit.name,
-                         "snr_db": None if hit.snr_db is None or not math.isfinite(hit.snr_db) else hit.snr_db}
-                break
+    first = _first_divergent(model_a, by_name, snr_min, any_difference=intermediates and snr_min is None)
     passed = not any(m.below(snr_min) for m in output_metrics)
     order = [n for n in produced_a if n in by_name] + [m.name for m in output_metrics if m.name not in produced_a]
     for note in notes:
         logger.debug("diff: %s", note)
     return DiffResult(provider_used, output_metrics, inter_metrics, first, passed, notes, snr_min, order, worst_errors)
+
+
+def _comparable(model_a: ir.Model, model_b: ir.Model, runner_a: _Runner, runner_b: _Runner, label_a: str,
+                label_b: str, notes: list[str]) -> list[str]:
+    """The intermediates to compare, in the original's order: produced under the same name by a node of both
+    models as given (not by the lowering), not graph outputs, and holding the same quantity in both. A tensor
+    one model holds without its global scale (alpha form, :mod:`fp4pass.onnx.alpha_scope`) and the other with
+    it is left out, with a note: by name the two differ by that scale, which is not an error."""
+    given_a, given_b = _node_outputs(model_a), _node_outputs(model_b)
+    run_a, run_b = _node_outputs(runner_a.model), _node_outputs(runner_b.model)
+    outputs = {*runner_a.output_names, *runner_b.output_names}
+    names = [n for n in given_a if n in given_b and n in run_a and n in run_b and n not in outputs]
+    unscaled_a, unscaled_b = missing_global_scale(model_a), missing_global_scale(model_b)
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        if (name in unscaled_a) != (name in unscaled_b):
+            label, appliers = (label_a, unscaled_a[name]) if name in unscaled_a else (label_b, unscaled_b[name])
+            skipped.setdefault((label, appliers), []).append(name)
+    for (label, appliers), left in skipped.items():
+        notes.append(f"intermediates {left} not compared: {label} holds them without the global scale (alpha "
+                     f"form; multiplied back in by {appliers}), the other model with it")
+    left_out = {n for group in skipped.values() for n in group}
+    return [n for n in names if n not in left_out]
+
+
+def _first_divergent(model: ir.Model, by_name: dict[str, TensorMetrics], snr_min: float | None, *,
+                     any_difference: bool = False) -> dict | None:
+    """The first node of the original (as given, topological order) with a compared output under ``snr_min``
+    dB or with NaN/Inf; ``any_difference`` (intermediates without ``snr_min``): the first whose output differs
+    at all."""
+
+    def diverges(m: TensorMetrics) -> bool:
+        return m.below(snr_min) or (any_difference and not m.identical)
+
+    for node in model.graph:
+        hit = next((by_name[o.name] for o in node.outputs if o is not None and o.name in by_name
+                    and diverges(by_name[o.name])), None)
+        if hit is not None:
+            return {"node": node.name, "op_type": node.op_type, "tensor": hit.name,
+                    "snr_db": None if hit.snr_db is None or not math.isfinite(hit.snr_db) else hit.snr_db}
+    return None
 
 
 def plot_diff(result: DiffResult, path) -> None:
