@@ -52,13 +52,17 @@ def _activations(model, calib, calibrator, scales, target, scale_form, alphas, p
     return insert_activation_quantizers(model, plain, target=act_target, scale_form=scale_form, alphas=alphas)
 
 
-def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None) -> dict:
+def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None, *,
+           shapes: dict | None = None, past_length: int = 0) -> dict:
     try:
-        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min)
+        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min, shapes=shapes,
+                      past_length=past_length)
     except FP4PassError as exc:
-        raise CheckError(f"--check could not run: {exc}") from exc
+        hint = "" if inputs is not None else " (give the model's inputs with --inputs DATA.npz, or dims with --shape)"
+        raise CheckError(f"--check could not run: {exc}{hint}") from exc
     data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
     data["snr_min"] = snr_min
+    data["notes"] = list(result.notes)
     return data
 
 
@@ -85,6 +89,9 @@ def convert(
     calibrator_options: dict | None = None,
     snr_min: float | None = None,
     allow_invalid: bool | None = None,
+    check_inputs=None,
+    check_shapes: dict | None = None,
+    past_length: int = 0,
 ):
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
@@ -96,7 +103,10 @@ def convert(
     ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check"
     (``provider`` "reference": under onnx.reference, for what onnxruntime cannot run, e.g. bfloat16).
     ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile). ``snr_min``: the
-    check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB.
+    check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB. ``check_inputs``
+    (a dict or .npz path; default the ``calib`` file when it is one), ``check_shapes`` (input name -> dims) and
+    ``past_length`` (of a KV cache) are the check's inputs, as :func:`fp4pass.onnx.diff` takes them; its notes
+    (inputs made up at random among them) are in ``report["check"]["notes"]``.
     ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
     warning); False when it was checked (an output the checker refuses is a bug: nothing is written);
     None: the input is checked here when ``output`` is given (:func:`fp4pass.onnx.loading.save`).
@@ -182,8 +192,10 @@ def convert(
     if check:
         rewritten = str(output) if output is not None else ir.serde.serialize_model(model)
         # the calibration data are the most telling inputs; else diff draws seeded random ones
-        check_inputs = calib if calib is not None and Path(calib).is_file() else None
-        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min)
+        if check_inputs is None and calib is not None and Path(calib).is_file():
+            check_inputs = calib
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min,
+                                 shapes=check_shapes, past_length=past_length)
     log.debug("%s", summary_line(report))
     if output is not None and loaded.kind == "path":
         return Path(output), report

@@ -3,14 +3,16 @@
 Signature::
 
     result = diff(original, rewritten, inputs=None, provider="auto", *, intermediates=False, snr_min=None,
-                  seed=0, shapes=None, show_progress=None, intermediate_budget_bytes=1 << 30)
+                  seed=0, shapes=None, show_progress=None, intermediate_budget_bytes=1 << 30, past_length=0)
 
 1. Both models (path, ``onnx.ModelProto`` or ``onnx_ir.Model``) are read (:mod:`fp4pass.onnx.loading`) and
    lowered for onnxruntime, exactly (:func:`fp4pass.onnx.lower.lower`).
 2. Inputs: ``inputs`` (a dict or an .npz path, arrays named after graph inputs) wins; every other input of
    ``original`` is drawn from ``numpy.random.default_rng(seed)``: floats standard normal, integers uniform in
-   [0, 16), bools fair coins. Symbolic dims take ``shapes[name]`` (the input's full dims); a symbolic dim
-   without one is 1, and a note says so.
+   [0, 16), bools fair coins, and a note says which inputs were made up. Symbolic dims take ``shapes[name]``
+   (the input's full dims), else the graph's own shapes settle them (:mod:`fp4pass.onnx.feeds`: a dim name
+   shared with a given input, a KV cache's past length ``past_length`` (default 0), its head dim, an all-ones
+   ``attention_mask``); a symbolic dim still open is 1, and a note says so.
 3. Sessions come from :func:`fp4pass.onnx.runtime.make_session` ("auto": CUDA EP if it loads, else CPU).
    ``provider="reference"`` runs both models with ``onnx.reference`` instead (numpy: slow, for small models),
    lowering only TensorRT's activation quantizer: what onnxruntime's CPU kernels cannot run (bfloat16
@@ -45,6 +47,7 @@ from fp4pass.choices import CheckProvider
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.alpha_scope import missing_global_scale
+from fp4pass.onnx.feeds import plan_feeds
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
@@ -165,8 +168,9 @@ def _as_input_type(name: str, array: np.ndarray, dtype: np.dtype, notes: list[st
 
 
 def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, shapes: dict | None = None,
-                notes: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Feeds for every graph input of ``model``: ``given`` arrays, the rest seeded random (module docstring)."""
+                notes: list[str] | None = None, past_length: int = 0) -> dict[str, np.ndarray]:
+    """Feeds for every graph input of ``model``: ``given`` arrays, the rest seeded random (module docstring), their
+    symbolic dims settled from the graph's own shapes (:mod:`fp4pass.onnx.feeds`; ``past_length``: of a KV cache)."""
     given = dict(given or {})
     shapes = shapes or {}
     notes = notes if notes is not None else []
@@ -179,6 +183,7 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
     unknown_shapes = sorted(set(shapes) - set(names))
     if unknown_shapes:
         raise UsageError(f"--shape names {unknown_shapes} that are not graph inputs (inputs: {names})")
+    given, shapes = plan_feeds(model, given, shapes, past_length, notes)
     for value in model.graph.inputs:
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         if value.name in given:
@@ -196,6 +201,10 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
             feeds[value.name] = np.asarray(rng.random(dims) < 0.5)
         else:
             raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; give it in --inputs")
+    drawn = [n for n in feeds if n not in given]
+    if drawn:
+        notes.append(f"inputs {drawn} are not given: made up (random values, seed {seed}), not real data; "
+                     "give them with --inputs DATA.npz")
     return feeds
 
 
@@ -310,7 +319,8 @@ class _Runner:
 
 def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermediates: bool = False,
          snr_min: float | None = None, seed: int = 0, shapes: dict | None = None,
-         show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30) -> DiffResult:
+         show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30,
+         past_length: int = 0) -> DiffResult:
     """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step)."""
     notes: list[str] = []
     model_a = load(original).model
@@ -319,7 +329,8 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
     label_b = str(rewritten) if isinstance(rewritten, (str, os.PathLike)) else "rewritten"
     runner_a = _Runner(model_a, provider, label_a, notes)
     runner_b = _Runner(model_b, provider, label_b, notes)
-    feeds = make_inputs(runner_a.model, _load_inputs(inputs), seed=seed, shapes=shapes, notes=notes)
+    feeds = make_inputs(runner_a.model, _load_inputs(inputs), seed=seed, shapes=shapes, notes=notes,
+                        past_length=past_length)
 
     pairs = [(n, n) for n in runner_a.output_names if n in runner_b.output_names]
     if not pairs and len(runner_a.output_names) == len(runner_b.output_names):
