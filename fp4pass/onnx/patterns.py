@@ -177,7 +177,7 @@ def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str |
 
 
 def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
-    """Like :func:`_constants_reason` for a DequantizeLinear, where sharing is allowed:
+    """Like :func:`_constants_reason` for a DequantizeLinear (patterns 1 and 4 alike), where sharing is allowed:
 
     - the weight may be read by other DequantizeLinear nodes (data input); they are converted together
       (``fp4pass.onnx.sharing``), so any other reader, or the weight being a graph output, declines it;
@@ -382,7 +382,7 @@ class FP4FloatScaleDequantize:
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1]
-        reason = _constants_reason(node, w, s)
+        reason = _dequantized_constants_reason(node, w, s)
         if reason:
             return reason
         reason = _dq_layout_reason(node, w)
