@@ -59,3 +59,65 @@ def test_float_scale_weight_read_by_something_else_is_still_declined():
     _, report = convert(model)
     assert report["tensors"] == [] and report["declined"]
     assert all("'peek' (Identity)" in d["reason"] for d in report["declined"])
+
+
+def _bf16_scale_dq(output_dtype: int | None) -> onnx.ModelProto:
+    """y = DequantizeLinear(W FP4 [8, 64], S BFLOAT16 [8, 2], block 32): arbitrary (not power-of-two) scales."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(4)
+    codes = rng.choice(np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1.5, -6], np.float32), size=(8, 64))
+    scales = (rng.uniform(0.01, 3.0, size=(8, 2))).astype(ml_dtypes.bfloat16)
+    attrs = {"axis": -1, "block_size": 32}
+    out_type = TensorProto.BFLOAT16
+    if output_dtype is not None:
+        attrs["output_dtype"] = output_dtype
+        out_type = output_dtype
+    node = helper.make_node("DequantizeLinear", ["W", "S"], ["y"], name="dq", **attrs)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", out_type, [8, 64])],
+                              initializer=[numpy_helper.from_array(codes.astype(ml_dtypes.float4_e2m1fn), "W"),
+                                           numpy_helper.from_array(scales, "S")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=11)
+
+
+@pytest.mark.parametrize("output_dtype", [None, TensorProto.FLOAT])
+def test_bf16_scales_lower_to_a_kernel_onnxruntime_cpu_has_exactly(output_dtype):
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from fp4pass.onnx.lower import lower
+
+    import ml_dtypes
+
+    model = _bf16_scale_dq(output_dtype)
+    onnx.checker.check_model(model, full_check=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    exact = inits["W"].astype(np.float32) * np.repeat(inits["S"].astype(np.float32), 32, axis=-1)
+    # DequantizeLinear: the exact product, rounded once to the output type (float32 holds it exactly)
+    expected = exact.astype(ml_dtypes.bfloat16 if output_dtype is None else np.float32)
+    lowered, report = lower(ir.serde.deserialize_model(model))
+    assert report.declined == [] and sum(report.lowered.values()) == 1
+    proto = ir.serde.serialize_model(lowered)
+    gather = next(n for n in proto.graph.node if n.op_type == "GatherBlockQuantized")
+    scale = next(t for t in proto.graph.initializer if t.name == gather.input[2])
+    assert scale.data_type == TensorProto.FLOAT
+    assert proto.graph.output[0].type.tensor_type.elem_type == (output_dtype or TensorProto.BFLOAT16)
+    # onnxruntime's Python API returns no bfloat16 arrays: widen y to float32 (exact) in the graph to read it
+    proto.graph.node.append(helper.make_node("Cast", ["y"], ["y_f32"], to=TensorProto.FLOAT))
+    proto.graph.output[0].CopyFrom(helper.make_tensor_value_info("y_f32", TensorProto.FLOAT, [8, 64]))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {})
+    assert got.tobytes() == expected.astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("provider", ["auto", "cpu"])
+def test_diff_falls_back_to_onnx_reference_where_onnxruntime_has_no_kernel(provider):
+    import fp4pass
+
+    import ml_dtypes
+
+    bf16 = _float_scaled(V.mlp(TensorProto.BFLOAT16), ml_dtypes.bfloat16)  # torch's bf16 form: bf16 scales
+    result = fp4pass.onnx.diff(bf16, bf16, provider=provider)
+    assert result.provider == "reference" and result.passed
+    assert result.notes[0].startswith("onnxruntime has no kernel for MatMul")
+    assert all(m.identical for m in result.outputs)

@@ -16,7 +16,8 @@ Signature::
 3. Sessions come from :func:`fp4pass.onnx.runtime.make_session` ("auto": CUDA EP if it loads, else CPU).
    ``provider="reference"`` runs both models with ``onnx.reference`` instead (numpy: slow, for small models),
    lowering only TensorRT's activation quantizer: what onnxruntime's CPU kernels cannot run (bfloat16
-   MatMul) still gets a diff.
+   MatMul) still gets a diff. Where onnxruntime has no kernel for a node (its NOT_IMPLEMENTED), the diff
+   falls back to ``reference`` by itself, and the first note says so.
 4. Outputs are matched by name (by position, with a note, when no name is shared); each gets the
    :mod:`fp4pass.metrics` figures, ``original`` being the reference ``a``.
 5. ``intermediates``: every tensor produced by a node in both graphs (as given, before lowering) under the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,7 +291,8 @@ class _Runner:
         try:
             session, self.provider, self.note = make_session(model, self.provider_arg)
         except ModelError as exc:
-            raise ModelError(f"{self.label}: {exc}") from None
+            kind = _NoKernel if "NOT_IMPLEMENTED" in str(exc) else ModelError
+            raise kind(f"{self.label}: {exc}") from None
         names = [o.name for o in session.get_outputs()]
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
@@ -317,11 +320,36 @@ class _Runner:
         return dict(zip(names, values))
 
 
+class _NoKernel(ModelError):
+    """onnxruntime has no kernel for a node of the model (bfloat16 MatMul on CPU, for one)."""
+
+
 def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermediates: bool = False,
          snr_min: float | None = None, seed: int = 0, shapes: dict | None = None,
          show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30,
          past_length: int = 0) -> DiffResult:
     """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step)."""
+    options = dict(intermediates=intermediates, snr_min=snr_min, seed=seed, shapes=shapes,
+                   show_progress=show_progress, intermediate_budget_bytes=intermediate_budget_bytes,
+                   past_length=past_length)
+    try:
+        return _diff(original, rewritten, inputs, provider, **options)
+    except _NoKernel as exc:
+        if provider == REFERENCE:
+            raise
+        reason = str(exc)
+        found = re.search(r"Could not find an implementation for (.*)", reason)
+        reason = found.group(1).strip() if found else reason
+    logger.debug("diff: onnxruntime cannot run it (%s); running onnx.reference instead", reason)
+    result = _diff(original, rewritten, inputs, REFERENCE, **options)
+    result.notes.insert(0, f"onnxruntime has no kernel for {reason}: both models ran under onnx.reference "
+                           "instead (as with --provider reference: numpy, slow on big models)")
+    return result
+
+
+def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, snr_min: float | None, seed: int,
+          shapes: dict | None, show_progress: bool | None, intermediate_budget_bytes: int,
+          past_length: int) -> DiffResult:
     notes: list[str] = []
     model_a = load(original).model
     model_b = load(rewritten).model
