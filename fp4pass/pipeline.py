@@ -23,6 +23,7 @@ from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx import pipeline as onnx_stages
 from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
+from fp4pass.onnx.initializer_inputs import unlist_initializer_inputs
 from fp4pass.onnx.numerics import REFERENCE, diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
@@ -139,6 +140,11 @@ def convert(
     if check:
         original_for_check = str(loaded.path) if loaded.path is not None else ir.serde.serialize_model(model)
 
+    # an initializer also listed as a graph input is an initializer (as onnxruntime takes it without a feed)
+    listed_inputs = unlist_initializer_inputs(model)
+    if listed_inputs:
+        log.info("%d initializers were also listed as graph inputs; converted as initializers and no longer "
+                 "listed as inputs", len(listed_inputs))
     records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
@@ -184,6 +190,12 @@ def convert(
         "tensors": tensors,
         "declined": declined_json,
     }
+    if listed_inputs:
+        report["initializer_inputs"] = {
+            "names": listed_inputs,
+            "note": "initializers also listed as graph inputs: taken as initializers, as onnxruntime does when "
+                    "no feed is given, and no longer listed as inputs in the output",
+        }
     if activations is not None:
         report["activations"] = jsonable(activations)
     if quark:

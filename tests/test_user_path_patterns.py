@@ -121,3 +121,45 @@ def test_diff_falls_back_to_onnx_reference_where_onnxruntime_has_no_kernel(provi
     assert result.provider == "reference" and result.passed
     assert result.notes[0].startswith("onnxruntime has no kernel for MatMul")
     assert all(m.identical for m in result.outputs)
+
+
+def _initializers_as_inputs() -> onnx.ModelProto:
+    """The linear MXFP4 model with every initializer also listed as a graph input (ModelOpt's exporter, the
+    TorchScript exporter with keep_initializers_as_inputs)."""
+    import onnx_builders as B
+
+    model = B.linear_model()
+    for t in model.graph.initializer:
+        model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_initializers_listed_as_inputs_convert_and_diff_as_initializers(tmp_path, capsys):
+    import json
+
+    from fp4pass.cli import main
+
+    src = tmp_path / "in.onnx"
+    onnx.save(_initializers_as_inputs(), src)
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    assert main(["convert", str(src), "-o", str(out), "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["declined"] == [] and [t["name"] for t in data["tensors"]] == ["W"]
+    assert data["initializer_inputs"]["names"] == ["W", "W_scale"]
+    written = onnx.load(out)
+    onnx.checker.check_model(written, full_check=True)
+    assert [i.name for i in written.graph.input] == ["x"]
+    capsys.readouterr()
+    assert main(["diff", str(src), str(out), "--json", str(tmp_path / "d.json")]) == 0
+    err = capsys.readouterr().err
+    assert "2 initializers also listed as graph inputs ('W', 'W_scale') and not fed" in err
+    assert json.loads((tmp_path / "d.json").read_text())["provider"] in ("cpu", "cuda")  # lowered, not a fallback
+    # inspect sees the weight too, and leaves an onnx_ir model it is given as it was
+    import onnx_ir as ir
+
+    from fp4pass.onnx.inspection import inspect
+
+    model = ir.load(src)
+    assert [t["name"] for t in inspect(model)["tensors"]] == ["W"]
+    assert [v.name for v in model.graph.inputs] == ["x", "W", "W_scale"]

@@ -29,6 +29,7 @@ from fp4pass.formats.constants import LOSSLESS_SPREAD
 from fp4pass.onnx import loading
 from fp4pass.onnx.patterns import node_label
 from fp4pass.onnx.report import group_stats, jsonable, layout_entry
+from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.sharing import find_weights
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_quark import activation_declines
@@ -79,6 +80,9 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
     ``measure``: forecast the error of lossy tensors by converting them (module docstring); False leaves the
     error keys out."""
     loaded = loading.load(model_or_path)
+    if loaded.kind == "ir" and initializer_inputs(loaded.model):
+        loaded = loading.Loaded(loaded.model.clone(), loaded.kind, loaded.path)  # the caller's model stays
+    unlist_initializer_inputs(loaded.model)  # an initializer also listed as an input converts as one
     records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else None)
     declined += activation_declines(loaded.model)
     tensors = []

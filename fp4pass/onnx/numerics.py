@@ -50,6 +50,7 @@ from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.alpha_scope import missing_global_scale
 from fp4pass.onnx.feeds import plan_feeds
+from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
@@ -268,9 +269,16 @@ class _Runner:
     """One model lowered once; runs it with extra outputs, creating a session per output set (or, for the
     ``reference`` provider, an ``onnx.reference.ReferenceEvaluator``)."""
 
-    def __init__(self, model: ir.Model, provider: str, label: str, notes: list[str]):
+    def __init__(self, model: ir.Model, provider: str, label: str, notes: list[str], fed=()):
         self.label = label
         self.reference = provider == REFERENCE
+        if initializer_inputs(model, fed):
+            model = model.clone()  # the caller's model stays as it is
+            listed = unlist_initializer_inputs(model, fed)
+            if listed:
+                shown = ", ".join(repr(n) for n in listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
+                notes.append(f"{label}: {len(listed)} initializers also listed as graph inputs ({shown}) and not fed: "
+                             "their stored values are used, as onnxruntime does")
         self.model, report = lower(model, for_reference=self.reference)
         runtime = "onnx.reference" if self.reference else "onnxruntime"
         if report.lowered or report.declined:
@@ -355,9 +363,10 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
     model_b = load(rewritten).model
     label_a = str(original) if isinstance(original, (str, os.PathLike)) else "original"
     label_b = str(rewritten) if isinstance(rewritten, (str, os.PathLike)) else "rewritten"
-    runner_a = _Runner(model_a, provider, label_a, notes)
-    runner_b = _Runner(model_b, provider, label_b, notes)
-    feeds = make_inputs(runner_a.model, _load_inputs(inputs), seed=seed, shapes=shapes, notes=notes,
+    given = _load_inputs(inputs)
+    runner_a = _Runner(model_a, provider, label_a, notes, fed=given or ())
+    runner_b = _Runner(model_b, provider, label_b, notes, fed=given or ())
+    feeds = make_inputs(runner_a.model, given, seed=seed, shapes=shapes, notes=notes,
                         past_length=past_length)
 
     pairs = [(n, n) for n in runner_a.output_names if n in runner_b.output_names]
