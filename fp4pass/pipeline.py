@@ -64,6 +64,7 @@ def _check(original, rewritten, provider: str, inputs=None, snr_min: float | Non
     data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
     data["snr_min"] = snr_min
     data["notes"] = list(result.notes)
+    data["provider_notes"] = list(result.provider_notes)
     return data
 
 

@@ -141,7 +141,7 @@ def run(args) -> int:
     print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
     check = report.get("check")
     if check is not None:
-        print_notes("convert", check.get("notes", ()), args)
+        print_notes("convert", check.get("notes", ()), args, check.get("provider_notes", ()))
     verdict = _check_verdict(check) if check is not None else None
     if verdict:
         kept = "kept (--keep-unchecked)" if args.keep_unchecked else "removed (--keep-unchecked keeps it)"

@@ -92,12 +92,15 @@ def register(sub, common) -> None:
     p.set_defaults(run=run)
 
 
-def print_notes(command: str, notes, args) -> None:
-    """The notes of a diff on stderr, one line each; none with --quiet."""
+def print_notes(command: str, notes, args, provider_notes=()) -> None:
+    """The notes of a diff on stderr, one line each; none with --quiet. With --provider cuda the runtime's own
+    words on the fallback (``provider_notes``) are left out: the command said so once, before any work."""
     if args.quiet:
         return
+    skip = set(provider_notes) if getattr(args, "provider", None) == "cuda" else set()
     for note in notes:
-        print(f"fp4pass {command}: note: {note}", file=sys.stderr)
+        if note not in skip:
+            print(f"fp4pass {command}: note: {note}", file=sys.stderr)
 
 
 def run(args) -> int:
@@ -116,7 +119,7 @@ def run(args) -> int:
         snr_min=args.snr_min, seed=args.seed, shapes=shapes, past_length=args.past_length,
         show_progress=False if args.quiet else None,
     )
-    print_notes("diff", result.notes, args)
+    print_notes("diff", result.notes, args, result.provider_notes)
     print(result.format_table())
     if args.json:
         write_json(args.json, result.to_json())

@@ -86,6 +86,7 @@ class DiffResult:
     snr_min: float | None = None
     order: list[str] = field(default_factory=list)  # compared tensors, topological order of the original
     worst_output_errors: np.ndarray | None = None  # sample of |a-b| of the worst output
+    provider_notes: list[str] = field(default_factory=list)  # the runtime's words on the provider (also in notes)
 
     def to_json(self) -> dict:
         return {
@@ -265,6 +266,28 @@ def _with_outputs(model: ir.Model, names: list[str]) -> ir.Model:
     return copy
 
 
+def _ort_log_severity() -> int:
+    """onnxruntime's own log lines (its C++ logger writes to stderr itself): errors (3) when INFO logging is on
+    (``-v``, ``--debug``), else only fatal ones (4); its failures reach the user as fp4pass errors anyway."""
+    return 3 if logging.getLogger().isEnabledFor(logging.INFO) else 4
+
+
+def _session_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = _ort_log_severity()
+    return options
+
+
+def _run_options():
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = _ort_log_severity()
+    return options
+
+
 class _Runner:
     """One model lowered once; runs it with extra outputs, creating a session per output set (or, for the
     ``reference`` provider, an ``onnx.reference.ReferenceEvaluator``)."""
@@ -297,7 +320,7 @@ class _Runner:
         if self.reference:
             return self._run_reference(model, feeds)
         try:
-            session, self.provider, self.note = make_session(model, self.provider_arg)
+            session, self.provider, self.note = make_session(model, self.provider_arg, options=_session_options())
         except ModelError as exc:
             kind = _NoKernel if "NOT_IMPLEMENTED" in str(exc) else ModelError
             raise kind(f"{self.label}: {exc}") from None
@@ -306,7 +329,7 @@ class _Runner:
         if missing:
             raise ModelError(f"{self.label}: needs inputs {missing} that the original model does not have")
         try:
-            values = session.run(names, {n: feeds[n] for n in self.input_names})
+            values = session.run(names, {n: feeds[n] for n in self.input_names}, _run_options())
         except Exception as exc:  # onnxruntime's own error types
             raise ModelError(f"{self.label}: onnxruntime failed to run it: {str(exc).strip().splitlines()[0]}") from None
         return dict(zip(names, values))
@@ -417,8 +440,8 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
             inter_metrics.append(compare(name, a, b))
         del values_a, values_b
     provider_used = runner_a.provider
-    for note in {runner_a.note, runner_b.note} - {None}:
-        notes.insert(0, note)
+    provider_notes = sorted({runner_a.note, runner_b.note} - {None})
+    notes[:0] = provider_notes
 
     by_name = {m.name: m for m in [*inter_metrics, *output_metrics]}
     first = _first_divergent(model_a, by_name, snr_min, any_difference=intermediates and snr_min is None)
@@ -426,7 +449,8 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
     order = [n for n in produced_a if n in by_name] + [m.name for m in output_metrics if m.name not in produced_a]
     for note in notes:
         logger.debug("diff: %s", note)
-    return DiffResult(provider_used, output_metrics, inter_metrics, first, passed, notes, snr_min, order, worst_errors)
+    return DiffResult(provider_used, output_metrics, inter_metrics, first, passed, notes, snr_min, order, worst_errors,
+                      provider_notes)
 
 
 def _comparable(model_a: ir.Model, model_b: ir.Model, runner_a: _Runner, runner_b: _Runner, label_a: str,
