@@ -163,3 +163,29 @@ def test_initializers_listed_as_inputs_convert_and_diff_as_initializers(tmp_path
     model = ir.load(src)
     assert [t["name"] for t in inspect(model)["tensors"]] == ["W"]
     assert [v.name for v in model.graph.inputs] == ["x", "W", "W_scale"]
+
+
+def test_declines_name_the_operator(tmp_path, capsys):
+    """An INT4 GatherBlockQuantized: the report, `inspect` and `convert` name the operator, not only the pattern."""
+    import json
+
+    from fp4pass.cli import main
+
+    data = numpy_helper.from_array(np.zeros((32, 32), np.uint8), "table")
+    scales = numpy_helper.from_array(np.ones((32, 2), np.float32), "scales")
+    node = helper.make_node("GatherBlockQuantized", ["table", "ids", "scales"], ["emb"], domain="com.microsoft",
+                            name="node_embedding_Q4", bits=4, block_size=32, quantize_axis=1, gather_axis=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [3, 64])],
+                              initializer=[data, scales])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    path = tmp_path / "gbq.onnx"
+    onnx.save(model, path)
+    report = tmp_path / "r.json"
+    assert main(["convert", str(path), "-o", str(tmp_path / "o.onnx"), "--report", str(report), "--allow-invalid"]) == 0
+    out = capsys.readouterr().out
+    assert "declined com.microsoft::GatherBlockQuantized node 'node_embedding_Q4' (tensor 'table')" in out
+    (entry,) = json.loads(report.read_text())["declined"]
+    assert entry["op_type"] == "com.microsoft::GatherBlockQuantized" and entry["pattern"] == "gbq_int4"
+    assert main(["inspect", str(path), "--allow-invalid"]) == 0
+    assert "declined com.microsoft::GatherBlockQuantized node 'node_embedding_Q4'" in capsys.readouterr().out

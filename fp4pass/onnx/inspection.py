@@ -27,7 +27,7 @@ import numpy as np
 
 from fp4pass.formats.constants import LOSSLESS_SPREAD
 from fp4pass.onnx import loading
-from fp4pass.onnx.patterns import node_label
+from fp4pass.onnx.patterns import declined_line, node_label
 from fp4pass.onnx.report import group_stats, jsonable, layout_entry
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.sharing import find_weights
@@ -174,5 +174,5 @@ def format_inspection(info: dict) -> str:
                             f"lossy{error}")
     lines += aligned(rows, right={4})
     for d in info["declined"]:
-        lines.append(f"declined {d['pattern']} node {d['node']!r} ({d['tensor']}): {d['reason']}")
+        lines.append(declined_line(d))
     return "\n".join(lines)

@@ -47,6 +47,8 @@ __all__ = [
     "Bnb4Decline",
     "GatherBlockQuantizedInt4Decline",
     "node_label",
+    "op_label",
+    "declined_line",
     "quark_constant",
     "PATTERNS",
     "find_mxfp4",
@@ -108,9 +110,27 @@ class Declined:
     node: str
     tensor: str | None
     reason: str
+    op_type: str | None = None  # the node's operator, ``domain::OpType`` outside the default domain
 
     def to_json(self) -> dict:
-        return {"pattern": self.pattern, "node": self.node, "tensor": self.tensor, "reason": self.reason}
+        return {"pattern": self.pattern, "node": self.node, "op_type": self.op_type, "tensor": self.tensor,
+                "reason": self.reason}
+
+    def describe(self) -> str:
+        """One line for a person (:func:`declined_line`)."""
+        return declined_line(self.to_json())
+
+
+def declined_line(entry: dict) -> str:
+    """A decline (``Declined.to_json()``) as one line: operator, node, tensor, reason, the pattern's short name last."""
+    op = f"{entry['op_type']} " if entry.get("op_type") else ""
+    tensor = f" (tensor {entry['tensor']!r})" if entry.get("tensor") else ""
+    return f"declined {op}node {entry.get('node')!r}{tensor}: {entry.get('reason')} [pattern {entry.get('pattern')}]"
+
+
+def op_label(node: ir.Node) -> str:
+    """``OpType``, or ``domain::OpType`` for a node outside the default ONNX domain."""
+    return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
 def _dtype(value: ir.Value | None) -> ir.DataType | None:
@@ -579,7 +599,7 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
                     tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
                 if hasattr(pattern, "tensor"):
                     tensor = pattern.tensor(node)
-                declined.append(Declined(pattern.name, node_label(node), tensor, reason))
+                declined.append(Declined(pattern.name, node_label(node), tensor, reason, op_label(node)))
             break
     return found, declined
 

@@ -10,7 +10,7 @@ JSON shape::
                                   "snr_db", "lossless"}],
                   QMoE only: "layout_read", "layout_read_shape", "layout_reason", "layout_written",
                   "layout_written_shape"}],
-     "declined": [{"pattern", "node", "tensor", "reason"}],
+     "declined": [{"pattern", "node", "op_type", "tensor", "reason"}],
      "model": {"before": {"ir_version", "opset"}, "after": {...}},
      "activations": [...] (when calibrated), "check": {...} (with --check),
      "summary": {"tensors_converted", "lossless", "declined", "worst_snr_db", "seconds"}}
@@ -43,6 +43,7 @@ import math
 import numpy as np
 
 from fp4pass.metrics import snr_db
+from fp4pass.onnx.patterns import declined_line
 from fp4pass.onnx.tables import aligned
 
 __all__ = ["jsonable", "tensor_entry", "group_stats", "layout_entry", "summarize", "summary_line", "format_report"]
@@ -202,7 +203,7 @@ def format_report(report: dict) -> str:
                             f"mse {p['mse']:.3g}, SNR {_num(p['snr_db'], '.2f')} dB")
     lines = aligned(rows, right={4, 5, 6})
     for d in report.get("declined", []):
-        lines.append(f"declined {d.get('pattern')} at {d.get('node')} ({d.get('tensor')}): {d.get('reason')}")
+        lines.append(declined_line(d))
     activations = report.get("activations")
     if activations:
         rows = [("activation", "g_amax", "input_scale", "form", "consumers")]
