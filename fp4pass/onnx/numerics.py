@@ -23,9 +23,9 @@ Signature::
 5. ``intermediates``: every tensor produced by a node in both graphs (as given, before lowering) under the
    same name is exposed as an extra output, except one that a model holds without its NVFP4 global scale
    (alpha form) while the other holds it with the scale: they differ by that scale by design, and a note
-   names them (:mod:`fp4pass.onnx.alpha_scope`). They are fetched in chunks whose estimated size stays under ``intermediate_budget_bytes``
-   per model, compared, and dropped: memory stays near the budget plus the largest tensor, whatever the
-   model. Each chunk is one run of each model.
+   names them (:mod:`fp4pass.onnx.alpha_scope`). They are fetched in chunks whose estimated size stays under
+   ``intermediate_budget_bytes`` per model, compared, and dropped: memory stays near the budget plus the
+   largest tensor, whatever the model. Each chunk is one run of each model.
 6. ``first_divergent``: the first node of ``original`` (as given) in topological order with a compared output
    under ``snr_min`` dB (or with NaN/Inf the original does not have); with ``intermediates`` and no
    ``snr_min``, the first whose output differs at all: ``{"node", "op_type", "tensor", "snr_db"}``.
@@ -56,7 +56,7 @@ from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
 from fp4pass.progress import progress
 
-__all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "REFERENCE"]
+__all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "plot_points", "PlotPoints", "PLOT_SNR_CAP", "REFERENCE"]
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,8 @@ class _Runner:
             model = model.clone()  # the caller's model stays as it is
             listed = unlist_initializer_inputs(model, fed)
             if listed:
-                shown = ", ".join(repr(n) for n in listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
+                more = f" and {len(listed) - 3} more" if len(listed) > 3 else ""
+                shown = ", ".join(repr(n) for n in listed[:3]) + more
                 notes.append(f"{label}: {len(listed)} initializers also listed as graph inputs ({shown}) and not fed: "
                              "their stored values are used, as onnxruntime does")
         self.model, report = lower(model, for_reference=self.reference)
@@ -494,8 +495,49 @@ def _first_divergent(model: ir.Model, by_name: dict[str, TensorMetrics], snr_min
     return None
 
 
+#: SNR shown at most on the plot: float32 rounding noise sits near 140 dB, so anything above is "exact up to
+#: rounding"; a few tensors at ~780 dB (errors of one ulp in huge values) would otherwise squash the rest
+PLOT_SNR_CAP = 160.0
+_NAMED_TICKS = 60  # tensors named on the x axis one by one up to this many; beyond, every k-th
+
+
+@dataclass
+class PlotPoints:
+    """What :func:`plot_diff` draws for the per-tensor panel: one point per compared tensor, graph order.
+
+    ``snr``: the value drawn, in dB (capped at ``cap``); ``kind``: "measured", "capped" (the SNR is above the
+    cap, drawn at it), "identical" (no error, drawn at the cap) or "nonfinite" (no finite SNR, drawn under the
+    lowest one)."""
+
+    names: list[str]
+    snr: list[float]
+    kind: list[str]
+    cap: float
+
+
+def plot_points(result: DiffResult, cap: float = PLOT_SNR_CAP) -> PlotPoints:
+    """The per-tensor SNR points of ``result`` (see :class:`PlotPoints`)."""
+    by_name = {m.name: m for m in [*result.intermediates, *result.outputs]}
+    names = [n for n in result.order if n in by_name]
+    finite = [by_name[n].snr_db for n in names if by_name[n].snr_db is not None and math.isfinite(by_name[n].snr_db)]
+    floor = min([*finite, cap]) - 10
+    snr, kind = [], []
+    for name in names:
+        value = by_name[name].snr_db
+        if value is None:
+            snr.append(cap), kind.append("identical")
+        elif not math.isfinite(value):
+            snr.append(floor), kind.append("nonfinite")
+        elif value > cap:
+            snr.append(cap), kind.append("capped")
+        else:
+            snr.append(value), kind.append("measured")
+    return PlotPoints(names, snr, kind, cap)
+
+
 def plot_diff(result: DiffResult, path) -> None:
-    """PNG: SNR (dB) of every compared tensor in graph order, and the |a-b| histogram of the worst output."""
+    """PNG: SNR (dB) of every compared tensor in graph order, named on the x axis, capped at
+    :data:`PLOT_SNR_CAP` (identical and capped tensors marked), and the |a-b| histogram of the worst output."""
     from fp4pass.extras import require
 
     matplotlib = require("matplotlib", "plot", "plotting a diff")
@@ -503,24 +545,29 @@ def plot_diff(result: DiffResult, path) -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
-    by_name = {m.name: m for m in [*result.intermediates, *result.outputs]}
-    names = [n for n in result.order if n in by_name]
-    snrs = [by_name[n].snr_db for n in names]
-    finite = [s for s in snrs if s is not None and math.isfinite(s)]
-    top = (max(finite) + 10) if finite else 100.0
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
-    xs = range(len(names))
-    ys = [top if s is None else (s if math.isfinite(s) else min(finite or [0]) - 10) for s in snrs]
-    ax1.plot(xs, ys, marker=".", linewidth=0.8)
-    ident = [i for i, s in enumerate(snrs) if s is None]
-    if ident:
-        ax1.scatter(ident, [top] * len(ident), marker="^", color="green", label="identical", zorder=3)
-        ax1.legend()
+    points = plot_points(result)
+    count = len(points.names)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10, min(40, 0.25 * count)), 8),
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    xs = list(range(count))
+    ax1.plot(xs, points.snr, color="0.6", linewidth=0.8, zorder=1)
+    styles = {"measured": (".", "C0", "SNR"), "capped": ("^", "C1", f"above {points.cap:g} dB (drawn at it)"),
+              "identical": ("^", "green", "identical"), "nonfinite": ("v", "red", "no finite SNR (NaN/Inf)")}
+    for kind, (marker, color, label) in styles.items():
+        idx = [i for i, k in enumerate(points.kind) if k == kind]
+        if idx:
+            ax1.scatter(idx, [points.snr[i] for i in idx], marker=marker, color=color, label=label, zorder=3, s=18)
     if result.snr_min is not None:
-        ax1.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8)
-    ax1.set_xlabel("tensor (topological order of the original)")
-    ax1.set_ylabel("SNR (dB)")
+        ax1.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8, label=f"--snr-min {result.snr_min:g}")
+    step = max(1, math.ceil(count / _NAMED_TICKS))
+    ax1.set_xticks(xs[::step])
+    ax1.set_xticklabels(points.names[::step], rotation=90, fontsize=6)
+    ax1.set_xlabel("tensor (topological order of the original)" + (f", every {step}th named" if step > 1 else ""))
+    ax1.set_ylabel(f"SNR (dB, capped at {points.cap:g})")
+    ax1.set_ylim(top=points.cap + 5)
     ax1.set_title(f"per-tensor SNR, provider {result.provider}")
+    if count:
+        ax1.legend(fontsize=7, loc="lower left")
     worst = sorted(result.outputs, key=_sort_key)[0] if result.outputs else None
     errors = result.worst_output_errors
     if worst is not None and errors is not None and errors.size and errors.max() > 0:
