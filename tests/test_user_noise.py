@@ -89,3 +89,16 @@ def test_bench_table_says_lower_is_better():
 
     table = format_table([BenchResult("x", 1.0, "clone", 2.0)])
     assert "lower is better" in table and "0.50x" in table
+
+
+def test_diff_table_keeps_long_names_whole():
+    from fp4pass.metrics import compare
+    from fp4pass.onnx.numerics import DiffResult
+
+    a = np.linspace(1, 2, 8)
+    names = ["model.layers.0.mlp.experts.gate_up_proj_dequantized_weight_a",
+             "model.layers.0.mlp.experts.gate_up_proj_dequantized_weight_b"]
+    metrics = [compare(n, a, a + i * 1e-3) for i, n in enumerate(names)]
+    table = DiffResult("cpu", metrics[:1], metrics[1:], None, True).format_table()
+    for name in names:
+        assert f"\n{name} " in table

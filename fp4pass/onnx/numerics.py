@@ -54,6 +54,7 @@ from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializ
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
+from fp4pass.onnx.tables import aligned
 from fp4pass.progress import progress
 
 __all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "plot_points", "PlotPoints", "PLOT_SNR_CAP", "REFERENCE"]
@@ -103,23 +104,20 @@ class DiffResult:
         def fmt(value, spec):
             return "-" if value is None else format(value, spec)
 
-        header = (f"{'tensor':<40} {'shape':<18} {'snr_db':>8} {'rel_l2':>10} {'cosine':>10} {'max_abs':>10} "
-                  f"{'mean_abs':>10} {'p99_abs':>10} {'nan':>5} {'inf':>5}")
+        header = ("tensor", "shape", "snr_db", "rel_l2", "cosine", "max_abs", "mean_abs", "p99_abs", "nan", "inf", "")
         lines = []
 
         def section(title, rows):
-            lines.append(title)
-            lines.append(header)
+            table = [header]
             for m in rows:
                 snr = ("identical" if m.identical else "NaN" if m.nan and m.snr_db is None
                        else fmt(m.snr_db, ".2f"))
                 cosine = "-" if m.nan and m.snr_db is None else fmt(m.cosine, ".6f")
-                mark = " <" if m.below(self.snr_min) else ""
-                lines.append(
-                    f"{m.name[-40:]:<40} {str(list(m.shape))[:18]:<18} {snr:>8} {fmt(m.rel_l2, '.3e'):>10} "
-                    f"{cosine:>10} {fmt(m.max_abs_err, '.3e'):>10} {fmt(m.mean_abs_err, '.3e'):>10} "
-                    f"{fmt(m.p99_abs_err, '.3e'):>10} {m.nan:>5} {m.inf:>5}{mark}"
-                )
+                table.append((m.name, str(list(m.shape)), snr, fmt(m.rel_l2, ".3e"), cosine,
+                              fmt(m.max_abs_err, ".3e"), fmt(m.mean_abs_err, ".3e"), fmt(m.p99_abs_err, ".3e"),
+                              m.nan, m.inf, "<" if m.below(self.snr_min) else ""))
+            lines.append(title)
+            lines.extend(aligned(table, right=set(range(2, 10))))  # names whole, columns sized to their cells
 
         section(f"outputs ({len(self.outputs)}), provider {self.provider}:", sorted(self.outputs, key=_sort_key))
         if self.intermediates:
