@@ -144,6 +144,7 @@ def test_initializers_listed_as_inputs_convert_and_diff_as_initializers(tmp_path
     onnx.save(_initializers_as_inputs(), src)
     out, report = tmp_path / "out.onnx", tmp_path / "report.json"
     assert main(["convert", str(src), "-o", str(out), "--report", str(report)]) == 0
+    assert "initializers also listed as graph inputs, taken as initializers: W, W_scale" in capsys.readouterr().out
     data = json.loads(report.read_text())
     assert data["declined"] == [] and [t["name"] for t in data["tensors"]] == ["W"]
     assert data["initializer_inputs"]["names"] == ["W", "W_scale"]

@@ -204,6 +204,9 @@ def format_report(report: dict) -> str:
     lines = aligned(rows, right={4, 5, 6})
     for d in report.get("declined", []):
         lines.append(declined_line(d))
+    listed = report.get("initializer_inputs")
+    if listed:
+        lines.append(f"initializers also listed as graph inputs, taken as initializers: {', '.join(listed['names'])}")
     activations = report.get("activations")
     if activations:
         rows = [("activation", "g_amax", "input_scale", "form", "consumers")]
