@@ -79,6 +79,10 @@ def format_row(r: BenchResult) -> str:
     return f"{r.name:<44} {value}  {r.ratio:7.2f}x {r.baseline}{goal}  {extra}"
 
 
+RATIO_NOTE = ("ratio = measured / baseline, both in the same process: lower is better (1.00x = the baseline's "
+              "time, or its memory for MiB rows); a goal is met at or below its ratio")
+
+
 def format_table(results: list[BenchResult]) -> str:
     header = f"{'benchmark':<44} {'time':>13}  {'ratio':>7} baseline"
-    return "\n".join([header, *(format_row(r) for r in results)])
+    return "\n".join([header, *(format_row(r) for r in results), RATIO_NOTE])
