@@ -11,7 +11,8 @@ lossy expert against its lossless neighbours.
   .convert_experts``) against that expert alone plus the 31 others alone (goal <= 1.2x); the engine's one call on
   the whole stack (``mxfp4_to_nvfp4`` with per-expert groups) is reported beside it.
 
-Both runs of a pair read the source from the page cache (each is run twice, the best kept). ``quick``: a
+Each figure is the median of three back-to-back pairs (``sync`` before each run; the conversion fsyncs its
+output, ``cp -r`` does not); ``ratios`` lists all three. ``quick``: a
 folder of a few MB (fixed costs dominate; no goals) and an [8, 576, 2880] stack. The folders live in a
 temporary folder that is removed afterwards.
 """
@@ -35,15 +36,21 @@ from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.examples.checkpoints import build_checkpoint
 from fp4pass.formats import MXFP4Tensor
 
+# VmHWM (this process's peak RSS), not getrusage's ru_maxrss, which Linux carries over from the parent at exec
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 import fp4pass.checkpoint
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+before = hwm()
 start = time.perf_counter()
 fp4pass.checkpoint.convert(sys.argv[1], sys.argv[2], format=sys.argv[3])
 seconds = time.perf_counter() - start
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": seconds, "rss_before_kib": before, "rss_after_kib": after}))
+print(json.dumps({"seconds": seconds, "rss_before_kib": before, "rss_after_kib": hwm()}))
 """
 
 
@@ -80,19 +87,24 @@ def _against_cp(label: str, form: str, fmt: str, quick: bool, goal: float, work:
         kwargs = {"layers": 4, "experts": 32, "hidden": 2880, "intermediate": 2880}
     src = build_checkpoint(work / f"src-{label}", form, seed=0, shard_bytes=500_000_000, tokenizer=True, **kwargs)
     size = _folder_bytes(src)
-    cp_times, runs = [], []
-    for i in range(2):
-        cp_times.append(_cp(src, work / f"cp-{label}-{i}"))
-        runs.append(_convert_child(src, work / f"out-{label}-{i}", fmt))
+    pairs, runs = [], []
+    for i in range(3):  # cp -r and the conversion back to back, each pair from the same starting state
+        os.sync()
+        cp_s = _cp(src, work / f"cp-{label}-{i}")
+        os.sync()
+        run = _convert_child(src, work / f"out-{label}-{i}", fmt)
+        os.sync()
+        pairs.append((run["seconds"], cp_s))
+        runs.append(run)
         shutil.rmtree(work / f"cp-{label}-{i}")
         shutil.rmtree(work / f"out-{label}-{i}")
-    cp_s = min(cp_times)
-    conv_s = min(r["seconds"] for r in runs)
+    conv_s, cp_s = sorted(pairs, key=lambda p: p[0] / p[1])[len(pairs) // 2]  # the pair of median ratio
     largest = _largest(src)
     growth = max(r["rss_after_kib"] - r["rss_before_kib"] for r in runs) * 1024
     shutil.rmtree(src)
     shape = "x".join(map(str, (kwargs["layers"], kwargs["experts"], kwargs["hidden"])))
-    extra = {"folder_MB": size / 1e6, "layers_x_experts_x_H": shape, "format": fmt}
+    extra = {"folder_MB": size / 1e6, "layers_x_experts_x_H": shape, "format": fmt,
+             "ratios": " ".join(f"{c / b:.2f}" for c, b in pairs)}
     return [
         BenchResult(f"checkpoint {label} convert", conv_s, "cp -r", cp_s, None if quick else goal, extra),
         BenchResult(f"checkpoint {label} peak RSS growth", growth / 2**20, "largest tensor", largest / 2**20,

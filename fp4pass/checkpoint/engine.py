@@ -31,6 +31,7 @@ from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
+from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPREAD
 from fp4pass.metrics import snr_db
 
 __all__ = ["Converted", "convert_linears", "convert_fused", "convert_experts", "measure", "stats_entry"]
@@ -39,10 +40,36 @@ MEASURE_ROWS_ELEMENTS = 1 << 21
 
 
 class Converted:
-    """The NVFP4 result of one unit: codes [n, N, K/2], E4M3 codes [n, N, K/16], S, and figures per part."""
+    """The NVFP4 result of one unit: codes [n, N, K/2], E4M3 codes [n, N, K/16], S, and figures per part.
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: float, parts: list[dict]):
+    ``codes`` is None when the unit took ``auto``'s lossless path, whose codes are the source's bytes: the
+    writer then copies them from the source file (:meth:`ShardWriter.copy_from`) without reading them here.
+    """
+
+    def __init__(self, codes: torch.Tensor | None, scales: torch.Tensor, global_scale: float, parts: list[dict]):
         self.codes, self.scales, self.global_scale, self.parts = codes, scales, global_scale, parts
+
+
+_PLACEHOLDER = {"buffer": torch.empty(0, dtype=torch.uint8)}
+
+
+def _placeholder(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` (grown as needed, never written): codes the lossless path
+    does not read. Its pages are never touched, so it costs no memory."""
+    if _PLACEHOLDER["buffer"].numel() < nbytes:
+        _PLACEHOLDER["buffer"] = torch.empty(nbytes, dtype=torch.uint8)
+    return _PLACEHOLDER["buffer"][:nbytes]
+
+
+def takes_lossless_path(scales: torch.Tensor, method: str) -> bool:
+    """Whether ``mxfp4_to_nvfp4(.., method, group_dims=0)`` takes its lossless path on these E8M0 codes, where it
+    reads the scales only: ``auto``, every code below 255, spread of the codes <= 17, and a top exponent whose
+    global scale 2^(k_max - 8) is a normal float32 (k_max - 8 >= -126)."""
+    if method != "auto" or scales.numel() == 0:
+        return False
+    flat = scales.reshape(-1).numpy()
+    lo, hi = int(flat.min()), int(flat.max())
+    return hi != 255 and hi - lo <= LOSSLESS_SPREAD and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
 
 
 def stats_entry(stats, experts: int = 1) -> dict:
@@ -108,17 +135,28 @@ def _convert(mx: MXFP4Tensor, method: str, where: list) -> tuple[NVFP4Tensor, ob
 
 
 def convert_linears(catalog, linears: list[Linear], method: str) -> Converted:
-    """Convert one Linear or a gate/up pair (one shared S) read from ``catalog``."""
+    """Convert one Linear or a gate/up pair (one shared S) read from ``catalog``.
+
+    On ``auto``'s lossless path (decided from the scales, :func:`takes_lossless_path`) the codes are not read:
+    the engine gets a placeholder it does not look at, and the result's ``codes`` is None (copy them).
+    """
     first = linears[0]
     n, rows, cols = len(linears), first.rows, first.cols
-    codes = torch.empty((n, rows, cols // 2), dtype=torch.uint8)
     scales = torch.empty((n, rows, cols // 32), dtype=torch.uint8)
     for i, lin in enumerate(linears):
-        catalog.read(lin.codes.name, out=codes[i])
         catalog.read(lin.scales.name, out=scales[i])
+    lossless = takes_lossless_path(scales, method)
+    if lossless:
+        codes = _placeholder(n * rows * cols // 2).reshape(n, rows, cols // 2)
+    else:
+        codes = torch.empty((n, rows, cols // 2), dtype=torch.uint8)
+        for i, lin in enumerate(linears):
+            catalog.read(lin.codes.name, out=codes[i])
     mx = MXFP4Tensor(codes.reshape(n * rows, cols // 2), scales.reshape(n * rows, cols // 32), 32,
                      name=first.codes.name)
     nv, stats = _convert(mx, method, [(lin.scales, scales[i]) for i, lin in enumerate(linears)])
+    if lossless and (nv.codes.data_ptr() != codes.data_ptr() or stats.blocks16_requantized):
+        raise RuntimeError(f"{first.codes.name}: the engine did not keep the codes on its lossless path")
     s = float(nv.global_scale.reshape(()))
     out_codes = nv.codes.reshape(n, rows, cols // 2)
     out_scales = nv.scales.reshape(n, rows, cols // 16)
@@ -129,7 +167,7 @@ def convert_linears(catalog, linears: list[Linear], method: str) -> Converted:
     else:
         parts = [measure(MXFP4Tensor(codes[i], scales[i], 32), NVFP4Tensor(out_codes[i], out_scales[i],
                  nv.global_scale.reshape(())), stats.method_used) for i in range(n)]
-    return Converted(out_codes, out_scales, s, parts)
+    return Converted(None if lossless else out_codes, out_scales, s, parts)
 
 
 def convert_fused(catalog, unit: FusedExperts, method: str) -> Converted:

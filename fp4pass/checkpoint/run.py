@@ -23,9 +23,11 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fp4pass.checkpoint import engine, output_forms
@@ -123,18 +125,25 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
-def _write_linears(writer: ShardWriter, item: Item, conv: engine.Converted, fmt: str, scales: InputScales) -> None:
+def _write_linears(catalog: Catalog, writer: ShardWriter, item: Item, conv: engine.Converted, fmt: str,
+                   scales: InputScales) -> None:
+    def write_codes(name: str, i: int, lin: Linear) -> None:
+        if conv.codes is not None:
+            writer.write(name, conv.codes[i])
+        else:  # lossless: the source's bytes, copied file to file
+            writer.copy_from(name, catalog.shards[lin.codes.shard].fd, lin.codes.begin, lin.codes.nbytes)
+
     for i, lin in enumerate(_members(item.unit)):
         m = lin.module
-        codes, block = conv.codes[i], conv.scales[i]
+        block = conv.scales[i]
         if fmt == MODELOPT:
-            writer.write(f"{m}.weight", codes)
+            write_codes(f"{m}.weight", i, lin)
             writer.write(f"{m}.weight_scale", block)
             writer.write(f"{m}.weight_scale_2", _f32(conv.global_scale))
             if scales.values:
                 writer.write(f"{m}.input_scale", _f32(scales.values[m]))
         else:
-            writer.write(f"{m}.weight_packed", codes)
+            write_codes(f"{m}.weight_packed", i, lin)
             writer.write(f"{m}.weight_scale", block)
             writer.write(f"{m}.weight_global_scale", _f32(engine.reciprocal(conv.global_scale)).reshape(1))
             if scales.values:
@@ -144,10 +153,15 @@ def _write_linears(writer: ShardWriter, item: Item, conv: engine.Converted, fmt:
 def _write_fused(writer: ShardWriter, unit: FusedExperts, conv: engine.Converted, scales: InputScales) -> None:
     """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert."""
     p = unit.name
-    for e in range(unit.experts):
-        writer.write_part(p, conv.codes[e].t().contiguous())
-    for e in range(unit.experts):
-        writer.write_part(f"{p}_weight_scale", conv.scales[e].t().contiguous())
+    with ThreadPoolExecutor(1) as pool:  # expert e is written while e + 1 is transposed (both release the GIL)
+        pending = None
+        for name, source in ((p, conv.codes), (f"{p}_weight_scale", conv.scales)):
+            for e in range(unit.experts):
+                block = np.ascontiguousarray(source[e].numpy().T)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(writer.write_part, name, block)
+        pending.result()
     writer.write(f"{p}_weight_scale_2", _f32(conv.global_scale))
     if scales.values:
         writer.write(f"{p}_input_scale", _f32(scales.values[p]))
@@ -292,7 +306,7 @@ def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scal
                 else:
                     members = _members(unit)
                     conv = engine.convert_linears(catalog, members, method)
-                    _write_linears(writer, item, conv, fmt, in_scales)
+                    _write_linears(catalog, writer, item, conv, fmt, in_scales)
                     for i, lin in enumerate(members):
                         partner = members[1 - i].module if len(members) == 2 else None
                         entries.append(_report_entry(unit, lin, [conv.parts[i]], conv, fmt, in_scales, partner))
