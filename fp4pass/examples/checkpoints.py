@@ -15,14 +15,15 @@ and a generation config to be copied) whose MXFP4 tensors are:
 Attention, norms, embeddings and lm_head are bf16 (copied by a conversion).
 
 The MXFP4 bytes are drawn directly (uniform random nibbles; E8M0 exponents around a per-expert base), which
-makes large checkpoints cheap to build: expert e of a layer sits ``expert_step * e`` octaves above expert 0,
-so that one global scale for all experts would not be lossless but one per expert is. ``lossy_expert=(L, e)``
-gives that expert a block 20 octaves below the rest (exponent spread > 17: converted lossily); with
-``wide_expert`` the whole stack of that layer spreads further. gpt-oss-20b's real shapes: ``hidden=2880,
+makes large checkpoints cheap to build: expert e of a layer sits ``expert_step * e`` octaves (modulo 12) above
+expert 0 (block exponents spread +-3 around that), so per-expert global scales differ. ``lossy_expert=(L, e)``
+gives that expert (its w1, or its rows of a gpt-oss stack) a block 20 octaves below the rest (exponent spread
+> 17: converted lossily). gpt-oss-20b's real shapes: ``hidden=2880,
 intermediate=2880, experts=32``.
 
 This module uses numpy, torch's dtypes and the safetensors package only, never fp4pass's conversion code.
-``python -m fp4pass.examples.checkpoints OUT_DIR --form deepseek --layers 2 --experts 4`` builds one.
+``python -m fp4pass.examples.checkpoints OUT_DIR --form deepseek --layers 2 --experts 4`` builds one;
+``python -m fp4pass.examples.checkpoints models/checkpoints --bundled`` rebuilds the committed tiny examples.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["build_checkpoint", "FORMS", "main", "TOKENIZER_FILES"]
+__all__ = ["build_checkpoint", "build_bundled", "BUNDLED", "FORMS", "main", "TOKENIZER_FILES"]
 
 FORMS = ("gpt-oss", "compressed-tensors", "deepseek")
 TOKENIZER_FILES = {
@@ -209,6 +210,21 @@ def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) ->
                                     "weight_block_size": [128, 128]}}
 
 
+#: the tiny examples committed under models/checkpoints/ (folder name -> form); each has one lossy expert
+#: (layer 1, expert 2) and, except gpt-oss, a dense MXFP4 Linear per layer; the DeepSeek one is sharded
+BUNDLED = {"gpt_oss": "gpt-oss", "kimi": "compressed-tensors", "deepseek": "deepseek"}
+
+
+def build_bundled(root) -> list[Path]:
+    """Write the committed tiny examples into ``root`` (``python -m fp4pass.examples.checkpoints --bundled DIR``
+    rebuilds models/checkpoints/ byte for byte)."""
+    root = Path(root)
+    return [build_checkpoint(root / name, form, layers=2, experts=3, hidden=64, intermediate=32, seed=0,
+                             dense=form != "gpt-oss", lossy_expert=(1, 2), vocab=16,
+                             shard_bytes=40_000 if form == "deepseek" else None)
+            for name, form in BUNDLED.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp4pass.examples.checkpoints", description=__doc__.split("\n")[0])
     p.add_argument("folder")
@@ -221,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense", action="store_true")
     p.add_argument("--shard-bytes", type=int)
     p.add_argument("--gpt-oss-20b-shapes", action="store_true", help="hidden = intermediate = 2880, 32 experts")
+    p.add_argument("--bundled", action="store_true", help="write the tiny examples of models/checkpoints/ into folder")
     args = p.parse_args(argv)
+    if args.bundled:
+        for path in build_bundled(args.folder):
+            print(path)
+        return 0
     hidden, inter, experts = args.hidden, args.intermediate, args.experts
     if args.gpt_oss_20b_shapes:
         hidden, inter, experts = 2880, 2880, 32
