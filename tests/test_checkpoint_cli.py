@@ -208,6 +208,14 @@ def test_full_disk(ckpt, tmp_path, capsys, monkeypatch, after):
     _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=("model.safetensors", "No space left", "tensor"))
 
 
+def test_full_disk_at_preallocation(ckpt, tmp_path, capsys, monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=("model.safetensors", "No space left", "tensor"))
+
+
 def test_failed_check_exits_1_and_writes_nothing(ckpt, tmp_path, capsys, monkeypatch):
     """A conversion that writes a wrong global scale is caught by --check: exit 1, no OUT_DIR, report kept."""
     pytest.importorskip("compressed_tensors")

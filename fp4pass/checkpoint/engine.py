@@ -173,19 +173,25 @@ def convert_linears(catalog, linears: list[Linear], method: str) -> Converted:
 def convert_fused(catalog, unit: FusedExperts, method: str) -> Converted:
     """Convert a gpt-oss stack [E, N, K] with one S for all experts; figures per expert."""
     e, rows, cols = unit.experts, unit.rows, unit.cols
-    codes = torch.empty((e, rows, cols // 2), dtype=torch.uint8)
     scales = torch.empty((e, rows, cols // 32), dtype=torch.uint8)
-    catalog.read(unit.codes.name, out=codes)
     catalog.read(unit.scales.name, out=scales)
+    lossless = takes_lossless_path(scales, method)
+    if lossless:  # the codes are only transposed: the writer streams them from the source, expert by expert
+        codes = _placeholder(e * rows * cols // 2).reshape(e, rows, cols // 2)
+    else:
+        codes = torch.empty((e, rows, cols // 2), dtype=torch.uint8)
+        catalog.read(unit.codes.name, out=codes)
     mx = MXFP4Tensor(codes, scales, 32, name=unit.codes.name)
     nv, stats = _convert(mx, method, [(unit.scales, scales)])
+    if lossless and (nv.codes.data_ptr() != codes.data_ptr() or stats.blocks16_requantized):
+        raise RuntimeError(f"{unit.codes.name}: the engine did not keep the codes on its lossless path")
     s = float(nv.global_scale.reshape(()))
     if stats.blocks16_requantized == 0:
         parts = [_lossless_part(rows * cols // 16, s, stats.method_used) for _ in range(e)]
     else:
         parts = [measure(MXFP4Tensor(codes[i], scales[i], 32), NVFP4Tensor(nv.codes[i], nv.scales[i],
                  nv.global_scale.reshape(())), stats.method_used) for i in range(e)]
-    return Converted(nv.codes, nv.scales, s, parts)
+    return Converted(None if lossless else nv.codes, nv.scales, s, parts)
 
 
 def convert_experts(mx: MXFP4Tensor, method: str = "auto") -> tuple[NVFP4Tensor, list[dict]]:

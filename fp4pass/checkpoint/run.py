@@ -150,18 +150,34 @@ def _write_linears(catalog: Catalog, writer: ShardWriter, item: Item, conv: engi
                 writer.write(f"{m}.input_global_scale", _f32(engine.reciprocal(scales.values[m])).reshape(1))
 
 
-def _write_fused(writer: ShardWriter, unit: FusedExperts, conv: engine.Converted, scales: InputScales) -> None:
-    """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert."""
-    p = unit.name
-    with ThreadPoolExecutor(1) as pool:  # expert e is written while e + 1 is transposed (both release the GIL)
+def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv: engine.Converted,
+                 scales: InputScales) -> None:
+    """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert.
+
+    Codes kept as they are (``conv.codes`` None) are read from the source one expert at a time into a reused
+    buffer; each expert is transposed into one of two reused buffers while the other is being written (numpy's
+    copy and the write both release the GIL), so memory stays at a few experts and no page is faulted twice.
+    """
+    p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
+    source = catalog.shards[unit.codes.shard]
+    staging = np.empty((n, k // 2), dtype=np.uint8) if conv.codes is None else None
+    with ThreadPoolExecutor(1) as pool:
         pending = None
-        for name, source in ((p, conv.codes), (f"{p}_weight_scale", conv.scales)):
-            for e in range(unit.experts):
-                block = np.ascontiguousarray(source[e].numpy().T)
+        for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
+            buffers = [np.empty((width, n), dtype=np.uint8) for _ in range(2)]
+            for i in range(e):
+                if stack is None:
+                    source.read_bytes(unit.codes.name, i * n * (k // 2), staging)
+                    block = staging
+                else:
+                    block = stack[i].numpy()
+                out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
+                np.copyto(out, block.T)
                 if pending is not None:
                     pending.result()
-                pending = pool.submit(writer.write_part, name, block)
-        pending.result()
+                pending = pool.submit(writer.write_part, name, out)
+            pending.result()
+            pending = None
     writer.write(f"{p}_weight_scale_2", _f32(conv.global_scale))
     if scales.values:
         writer.write(f"{p}_input_scale", _f32(scales.values[p]))
@@ -301,7 +317,7 @@ def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scal
                 unit = item.unit
                 if isinstance(unit, FusedExperts):
                     conv = engine.convert_fused(catalog, unit, method)
-                    _write_fused(writer, unit, conv, in_scales)
+                    _write_fused(catalog, writer, unit, conv, in_scales)
                     entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
                 else:
                     members = _members(unit)

@@ -171,18 +171,25 @@ class SafetensorsFile:
         elif out.numel() * out.element_size() != entry.nbytes or not out.is_contiguous():
             raise ValueError(f"{name}: buffer of {out.numel() * out.element_size()} bytes for {entry.nbytes}")
         if entry.nbytes:
-            view = memoryview(out.view(-1).view(torch.uint8).numpy())
-            done = 0
-            while done < entry.nbytes:
-                piece = view[done:done + READ_CHUNK]
-                try:
-                    got = os.preadv(self._fd, [piece], entry.begin + done)
-                except OSError as exc:
-                    raise self._fail(f"tensor {name!r}: read failed ({exc.strerror})") from None
-                if got == 0:
-                    raise self._fail(f"tensor {name!r}: truncated while reading (the file shrank)")
-                done += got
+            self.read_bytes(name, 0, memoryview(out.view(-1).view(torch.uint8).numpy()))
         return out.view(entry.torch_dtype).reshape(entry.shape) if entry.shape else out.view(entry.torch_dtype)
+
+    def read_bytes(self, name: str, start: int, view) -> None:
+        """Fill the writable buffer ``view`` with the bytes of tensor ``name`` from byte ``start`` of its data."""
+        entry = self.entries[name]
+        view = memoryview(view).cast("B")
+        if start < 0 or start + len(view) > entry.nbytes:
+            raise ValueError(f"{name}: bytes {start}..{start + len(view)} of {entry.nbytes}")
+        done = 0
+        while done < len(view):
+            piece = view[done:done + READ_CHUNK]
+            try:
+                got = os.preadv(self._fd, [piece], entry.begin + start + done)
+            except OSError as exc:
+                raise self._fail(f"tensor {name!r}: read failed ({exc.strerror})") from None
+            if got == 0:
+                raise self._fail(f"tensor {name!r}: truncated while reading (the file shrank)")
+            done += got
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -240,6 +247,17 @@ class ShardWriter:
         self._written = 0  # bytes of the current tensor
         self._position = self._flushed = 0  # bytes in the file; bytes whose writeback has been started
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        if hasattr(os, "posix_fallocate") and self.total:
+            # the whole shard's blocks at once: a full disk shows now, and each append need not allocate
+            try:
+                os.posix_fallocate(self._fd, 0, 8 + len(text) + self.total)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    first = self.specs[0].name
+                    self.abort()
+                    raise CheckpointError(f"{self.path.name}: tensor {first!r} and the {len(self.specs) - 1} after "
+                                          f"it: no room for {8 + len(text) + self.total} bytes "
+                                          f"({exc.strerror})") from None
         self._write_all(struct.pack("<Q", len(text)) + text, "(header)")
 
     def _write_all(self, data, what: str) -> None:
