@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_table", "AREAS"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint")
 
 
 @dataclass
