@@ -90,10 +90,24 @@ def _loop_experts(x, w1, b1, w2, b2, indices, weights, alpha=1.702, limit=7.0):
     return out
 
 
-def test_experts_match_the_gpt_oss_math_written_per_token():
+def _random_experts(e, h, i, routed, seed=1):
+    m = MXFP4Experts(e, h, i, routed=routed)
+    for proj, shape in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
+        codes, scales = mx_quantize_np(np.random.default_rng(seed).standard_normal(shape) * 0.5)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+        getattr(m, f"{proj}_blocks").copy_(torch.from_numpy(packed.reshape(*shape[:2], -1, 16)))
+        getattr(m, f"{proj}_scales").copy_(torch.from_numpy(scales))
+    with torch.no_grad():
+        m.gate_up_proj_bias.normal_()
+        m.down_proj_bias.normal_()
+    return m
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_experts_match_the_gpt_oss_math_written_per_token(routed):
     torch.manual_seed(0)
     e, h, i, t = 4, 64, 32, 6
-    m = MXFP4Experts(e, h, i)
+    m = MXFP4Experts(e, h, i, routed=routed)
     for proj, shape in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
         codes, scales = mx_quantize_np(np.random.default_rng(1).standard_normal(shape) * 0.5)
         packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
@@ -128,3 +142,38 @@ def test_experts_from_float_experts_keep_the_checkpoint_orientation():
     codes, scales = mx_quantize_np(float_experts.gate_up_proj.detach().transpose(1, 2).numpy())
     assert np.array_equal(unpack(m.gate_up_proj_blocks.numpy().reshape(2, 64, -1)), codes)
     assert np.array_equal(m.gate_up_proj_scales.numpy(), scales)
+
+
+def test_routed_forward_equals_dense_and_dequantizes_only_the_picked_experts(monkeypatch):
+    from fp4pass.fx import dequant
+
+    torch.manual_seed(0)
+    e, h, i = 8, 64, 32
+    dense = _random_experts(e, h, i, routed=False, seed=3)
+    routed = MXFP4Experts(e, h, i, routed=True)
+    routed.load_state_dict(dense.state_dict())
+    x = torch.randn(2, 3, h) * 2  # [batch, seq, H]: the output keeps the input's shape
+    indices = torch.tensor([[5, 0], [2, 5], [0, 3], [6, 2], [3, 0], [5, 6]])  # experts 1, 4, 7 unpicked
+    weights = torch.softmax(torch.randn(6, 2), -1)
+    calls = []
+    real = dequant.dequantize_mxfp4
+    monkeypatch.setattr(dequant, "dequantize_mxfp4", lambda c, s, **k: calls.append(tuple(c.shape)) or real(c, s, **k))
+    with torch.no_grad():
+        got = routed(x, indices, weights)
+        assert sorted(calls) == sorted([(2 * i, h // 2), (h, i // 2)] * 5)  # one [N, K/2] weight pair per expert
+        want = dense(x, indices, weights)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # float32 summation order only
+    assert not torch.equal(want, dense(x, indices.flip(-1), weights))  # the slots matter: not a vacuous compare
+
+
+def test_routed_experts_export_the_dense_graph():
+    """torch.export traces the dense forward of a routed module: one dequant per weight, same outputs."""
+    m = _random_experts(4, 64, 32, routed=True)
+    x, indices, weights = torch.randn(5, 64), torch.tensor([[0, 1], [1, 2], [0, 2], [2, 1], [1, 0]]), torch.rand(5, 2)
+    program = torch.export.export(m, (x, indices, weights))
+    targets = [n.target for n in program.graph.nodes]
+    assert targets.count(torch.ops.fp4pass.dequantize_mxfp4.default) == 2
+    assert torch.ops.aten.bmm.default in targets and torch.ops.aten.index_add.default not in targets
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x, indices, weights), m(x, indices, weights), rtol=1e-5, atol=1e-4)

@@ -22,6 +22,7 @@ import fnmatch
 import logging
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,7 +30,7 @@ from fp4pass.errors import ShapeError
 from fp4pass.formats import E8M0_BIAS, MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
 
 # Registers torch.ops.fp4pass.* before any forward runs.
-from fp4pass.fx import ops  # noqa: F401
+from fp4pass.fx import dequant, ops  # noqa: F401
 
 __all__ = ["MXFP4Linear", "MXFP4Experts", "quantize_linears", "gpt_oss_blocks"]
 
@@ -54,6 +55,17 @@ def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
     if isinstance(dtype, torch.dtype) and dtype == torch.float32:  # a Proxy under symbolic_trace
         return weight
     return weight.to(dtype)
+
+
+def _expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's float weight [N, K] from its blocks [N, K/32, 16] and scales [N, K/32] (eager, no graph node)."""
+    weight = dequant.dequantize_mxfp4(blocks.flatten(-2), scales)
+    return weight if dtype == torch.float32 else weight.to(dtype)
+
+
+def _tracing(x) -> bool:
+    """Whether the forward is being traced (torch.export, torch.compile, symbolic_trace) rather than run."""
+    return isinstance(x, torch.fx.Proxy) or torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def _check_k(name: str, k: int) -> None:
@@ -120,14 +132,24 @@ class MXFP4Experts(nn.Module):
         h       = (up + 1) * gate * sigmoid(alpha * gate)          # alpha 1.702, limit 7 in gpt-oss
         y_t    += r * (h @ W2[e]^T + b2[e])                        # summed in increasing expert order
 
-    Every expert runs on every token as one batched matmul (a routing weight of zero for tokens that did not
-    pick it): no data-dependent shapes, so the module exports with ``torch.export`` as two dequant nodes and
-    two ``bmm`` per layer, at E/k times the arithmetic of a routed kernel.
+    Two forwards compute this sum:
+
+    - dense (traced, and eager when ``routed`` is False): every expert runs on every token as one batched
+      matmul (a routing weight of zero for tokens that did not pick it). No data-dependent shapes, so the
+      module exports with ``torch.export`` as two dequant nodes and two ``bmm`` per layer, at E/k times the
+      arithmetic of a routed kernel. ``down_proj`` is dequantized after ``gate_up_proj``'s matmul, so that a
+      graph run frees the first float weight before it builds the second.
+    - routed (eager only, when ``routed`` is True): the experts stay packed; each expert that at least one
+      token picked is dequantized on its own ([2I, H] and [H, I], float32) and multiplies only its tokens,
+      the top-k work of a serving kernel. Results are added in increasing expert order; they equal the dense
+      forward's up to float summation order. Under ``torch.export`` / ``torch.compile`` / ``symbolic_trace``
+      the dense forward is traced whatever ``routed`` says, so the exported graph is the same.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float = 1.702,
-                 limit: float = 7.0, device=None, dtype: torch.dtype = torch.float32) -> None:
+                 limit: float = 7.0, device=None, dtype: torch.dtype = torch.float32, routed: bool = False) -> None:
         super().__init__()
+        self.routed = routed
         _check_k("MXFP4Experts gate_up_proj (hidden_size)", hidden_size)
         _check_k("MXFP4Experts down_proj (intermediate_size)", intermediate_size)
         e, h, i = num_experts, hidden_size, intermediate_size
@@ -148,11 +170,12 @@ class MXFP4Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dtype, device=device))
 
     @classmethod
-    def from_config(cls, config, *, device=None, dtype: torch.dtype = torch.float32) -> "MXFP4Experts":
+    def from_config(cls, config, *, device=None, dtype: torch.dtype = torch.float32,
+                    routed: bool = False) -> "MXFP4Experts":
         """Empty experts shaped by a transformers ``GptOssConfig``."""
         return cls(config.num_local_experts, config.hidden_size, config.intermediate_size,
                    alpha=getattr(config, "swiglu_alpha", 1.702), limit=config.swiglu_limit, device=device,
-                   dtype=dtype)
+                   dtype=dtype, routed=routed)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, scale_rule: ScaleRule | str = ScaleRule.FLOOR,
@@ -184,19 +207,45 @@ class MXFP4Experts(nn.Module):
         return (up + 1) * glu
 
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        if self.routed and not _tracing(hidden_states):
+            return self.routed_forward(hidden_states, router_indices, routing_weights)
+        return self.dense_forward(hidden_states, router_indices, routing_weights)
+
+    def dense_forward(self, hidden_states: torch.Tensor, router_indices, routing_weights) -> torch.Tensor:
+        """Every expert on every token (class docstring): the forward that torch.export traces."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         dtype = x.dtype
         w1 = _dequantize(self.gate_up_proj_blocks, self.gate_up_proj_scales, dtype)  # [E, 2I, H]
-        w2 = _dequantize(self.down_proj_blocks, self.down_proj_scales, dtype)  # [E, H, I]
         xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)  # [E, T, H]
         gate_up = torch.bmm(xe, w1.transpose(1, 2)) + self.gate_up_proj_bias.unsqueeze(1)  # [E, T, 2I]
+        del w1  # eager: free it before the second weight exists (a graph run frees it after its last use)
+        w2 = _dequantize(self.down_proj_blocks, self.down_proj_scales, dtype)  # [E, H, I]
         out = torch.bmm(self._apply_gate(gate_up), w2.transpose(1, 2)) + self.down_proj_bias.unsqueeze(1)
         # routing weight per (token, expert), zero where the token did not pick the expert
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=routing_weights.dtype, device=x.device)
         dense = dense.scatter(1, router_indices.reshape(x.shape[0], -1), routing_weights.reshape(x.shape[0], -1))
         weighted = out * dense.transpose(0, 1).unsqueeze(-1).to(out.dtype)  # [E, T, H]
         return weighted.sum(0).to(dtype).reshape(shape)
+
+    def routed_forward(self, hidden_states: torch.Tensor, router_indices, routing_weights) -> torch.Tensor:
+        """Each picked expert dequantized alone and run on its tokens only (class docstring); eager only."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        dtype, tokens = x.dtype, x.shape[0]
+        indices = router_indices.reshape(tokens, -1)
+        weights = routing_weights.reshape(tokens, -1)
+        out = torch.zeros(tokens, self.hidden_size, dtype=dtype, device=x.device)
+        for expert in torch.unique(indices).tolist():  # sorted: increasing expert order
+            token, slot = torch.where(indices == expert)
+            w1 = _expert_weight(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype)
+            gate_up = x[token] @ w1.t() + self.gate_up_proj_bias[expert]
+            del w1
+            w2 = _expert_weight(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
+            y = self._apply_gate(gate_up) @ w2.t() + self.down_proj_bias[expert]
+            del w2
+            out.index_add_(0, token, y * weights[token, slot].unsqueeze(-1).to(y.dtype))
+        return out.reshape(shape)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
