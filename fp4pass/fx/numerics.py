@@ -49,6 +49,7 @@ from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.numerics import DiffResult, plot_diff
 from fp4pass.onnx.numerics import _sort_key  # worst first, the ONNX diff's own order
+from fp4pass.fx.shapes import check_inputs, guard_error
 from fp4pass.progress import progress
 
 __all__ = ["diff", "DiffResult", "plot_diff"]
@@ -164,6 +165,9 @@ class _Runner:
             except FP4PassError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the model's own errors, reported with its label
+                shape = guard_error(exc, f"fx diff: {self.label}")
+                if shape is not None:
+                    raise shape from None
                 raise ModelError(f"fx diff: {self.label} failed to run: "
                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
                                  ) from exc
@@ -245,6 +249,8 @@ def diff(a, b, example_inputs, *, intermediates: bool = True, weights: bool = Fa
          show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30) -> DiffResult:
     """Compare ``b`` against ``a`` node by node, each model run once (module docstring for every step)."""
     args, kwargs = _split_inputs(example_inputs)
+    for label, model in (("a", a), ("b", b)):
+        check_inputs(model, args, kwargs, f"fx diff: {label}")  # before either model runs
     runner_a = _Runner(_graph_module(a, args, kwargs, "a"), args, kwargs, "a")
     runner_b = _Runner(_graph_module(b, args, kwargs, "b"), args, kwargs, "b")
     notes: list[str] = []
