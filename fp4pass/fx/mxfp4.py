@@ -13,7 +13,8 @@ NVFP4. Nothing is dequantized ahead of time; memory holds the packed bytes (a qu
 - :class:`MXFP4Experts`: gpt-oss's MoE experts, a drop-in for transformers' ``GptOssExperts`` (same call,
   same math), W1 = ``gate_up_proj`` [E, 2I, H] with gate/up rows interleaved (row 2j gate, 2j+1 up),
   W2 = ``down_proj`` [E, H, I].
-- :func:`quantize_linears`: put MXFP4Linear in place of a float model's ``nn.Linear`` modules.
+- :func:`quantize_linears`: put MXFP4Linear in place of a float model's linear layers (``nn.Linear``, its
+  subclasses, transformers' ``Conv1D``), listing those it skips with the reason.
 """
 
 from __future__ import annotations
@@ -106,9 +107,31 @@ class MXFP4Linear(nn.Module):
             module.bias.data.copy_(linear.bias.detach())
         return module
 
+    @classmethod
+    def from_conv1d(cls, conv, scale_rule: ScaleRule | str = ScaleRule.FLOOR, *, name: str = "conv1d") -> "MXFP4Linear":
+        """Quantize transformers' ``Conv1D`` (GPT-2 style: ``y = x @ W + b`` with W [in, out]): the weight is
+        transposed to [out, in], so that its blocks of 32 run along the contracted axis, as for a Linear."""
+        weight = conv.weight.detach().t()  # [out, in]
+        _check_k(f"{name}.weight", weight.shape[-1])
+        out_features, in_features = weight.shape
+        module = cls(in_features, out_features, conv.bias is not None, device=weight.device, dtype=weight.dtype)
+        blocks, scales = gpt_oss_blocks(MXFP4Tensor.quantize(weight, scale_rule=scale_rule, name=f"{name}.weight"))
+        module.weight_blocks.copy_(blocks)
+        module.weight_scales.copy_(scales)
+        if conv.bias is not None:
+            module.bias.data.copy_(conv.bias.detach())
+        return module
+
     def dequantized_weight(self) -> torch.Tensor:
         """float32 [out_features, in_features]."""
         return _dequantize(self.weight_blocks, self.weight_scales, torch.float32)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, float32 [out_features, in_features], computed on each read (one dequant node
+        when traced): for modules that read their child's ``.weight`` instead of calling it, such as
+        ``nn.MultiheadAttention`` with its ``out_proj``."""
+        return self.dequantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, _dequantize(self.weight_blocks, self.weight_scales, x.dtype), self.bias)
@@ -252,27 +275,75 @@ class MXFP4Experts(nn.Module):
                 f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}")
 
 
-def quantize_linears(model: nn.Module, scale_rule: ScaleRule | str = "floor", *,
-                     exclude: tuple[str, ...] = ()) -> nn.Module:
-    """Put an :class:`MXFP4Linear` in place of every ``nn.Linear`` of ``model`` (in place; returns ``model``).
+def _kind(module: nn.Module) -> str | None:
+    """"linear" for ``nn.Linear`` and its subclasses, "conv1d" for transformers' ``Conv1D`` (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    cls = type(module)
+    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(module, "nf"):
+        return "conv1d"
+    return None
 
-    The weights are quantized with ``scale_rule`` (floor | ceil | even | rceil, see :class:`fp4pass.ScaleRule`).
-    Skipped, with a log line: linears whose ``in_features`` is not a multiple of 32, and module names matching
-    a pattern of ``exclude`` (fnmatch, e.g. ``"lm_head"``, ``"*.router"``).
+
+def _skip_reason(name: str, module: nn.Module, kind: str, exclude: tuple[str, ...]) -> str | None:
+    pattern = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
+    if pattern is not None:
+        return f"excluded by pattern {pattern!r}"
+    if kind == "linear" and type(module).forward is not nn.Linear.forward:
+        return (f"{type(module).__name__} subclasses nn.Linear with its own forward; replacing it would drop what "
+                "that forward adds")
+    in_features = module.in_features if kind == "linear" else module.weight.shape[0]
+    if in_features % MX_BLOCK_SIZE:
+        return f"in_features {in_features} is not a multiple of {MX_BLOCK_SIZE} (the MXFP4 block)"
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
+        return "its weight is not a float tensor with data"
+    return None
+
+
+def _quantized(module: nn.Module, kind: str, rule: ScaleRule, name: str) -> MXFP4Linear:
+    if kind == "conv1d":
+        return MXFP4Linear.from_conv1d(module, rule, name=name)
+    return MXFP4Linear.from_linear(module, rule, name=name)
+
+
+def quantize_linears(model: nn.Module, scale_rule: ScaleRule | str = "floor", *, exclude: tuple[str, ...] = (),
+                     return_skipped: bool = False):
+    """Put an :class:`MXFP4Linear` in place of every linear layer of ``model`` (in place; returns ``model``).
+
+    Linear layers: ``nn.Linear`` and its subclasses that keep its forward (``nn.MultiheadAttention``'s
+    ``out_proj``, which its parent reads as ``.weight``: :attr:`MXFP4Linear.weight` gives the dequantized
+    weight), and transformers' ``Conv1D`` (GPT-2; ``y = x @ W + b`` with W [in, out], quantized as W^T so that
+    the blocks run along the contracted axis). The weights are quantized with ``scale_rule`` (floor | ceil |
+    even | rceil, see :class:`fp4pass.ScaleRule`).
+
+    Skipped, each with its reason: module names matching a pattern of ``exclude`` (fnmatch, e.g.
+    ``"lm_head"``, ``"*.router"``), ``in_features`` not a multiple of 32, subclasses of ``nn.Linear`` with a
+    forward of their own. Each is logged (INFO), and a summary line (WARNING) counts them;
+    ``return_skipped=True`` returns ``(model, skipped)`` with ``skipped`` a list of ``(name, reason)``.
     """
     rule = ScaleRule(scale_rule)
-    if type(model) is nn.Linear:
-        return MXFP4Linear.from_linear(model, rule)
-    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-    for name, linear in targets:
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
-            log.info("quantize_linears: %s excluded", name)
-            continue
-        if linear.in_features % MX_BLOCK_SIZE:
-            log.info("quantize_linears: %s skipped, in_features %d is not a multiple of 32", name,
-                     linear.in_features)
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXFP4Linear.from_linear(linear, rule, name=name))
-    return model
+    skipped: list[tuple[str, str]] = []
+    kind = _kind(model)
+    if kind is not None:
+        reason = _skip_reason("", model, kind, exclude)
+        if reason is None:
+            model = _quantized(model, kind, rule, "linear")
+        else:
+            skipped.append(("", reason))
+    else:
+        targets = [(name, module, k) for name, module in model.named_modules() if (k := _kind(module)) is not None]
+        for name, module, k in targets:
+            reason = _skip_reason(name, module, k, exclude)
+            if reason is not None:
+                skipped.append((name, reason))
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, _quantized(module, k, rule, name))
+    for name, reason in skipped:
+        log.info("quantize_linears: %s skipped: %s", name or "<model>", reason)
+    if skipped:
+        log.warning("quantize_linears: %d linear layer(s) left in float: %s", len(skipped),
+                    "; ".join(f"{n or '<model>'} ({r})" for n, r in skipped[:8]) + (" ..." if len(skipped) > 8 else ""))
+    return (model, skipped) if return_skipped else model
