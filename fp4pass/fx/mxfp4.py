@@ -267,7 +267,7 @@ class MXFP4Experts(nn.Module):
             w2 = _expert_weight(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
             y = self._apply_gate(gate_up) @ w2.t() + self.down_proj_bias[expert]
             del w2
-            out.index_add_(0, token, y * weights[token, slot].unsqueeze(-1).to(y.dtype))
+            out[token] += y * weights[token, slot].unsqueeze(-1).to(y.dtype)  # a token picks an expert once
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
