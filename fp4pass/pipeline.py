@@ -53,11 +53,11 @@ def _activations(model, calib, calibrator, scales, target, scale_form, alphas, p
     return insert_activation_quantizers(model, plain, target=act_target, scale_form=scale_form, alphas=alphas)
 
 
-def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None, *,
+def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None, base_dir=None, *,
            shapes: dict | None = None, past_length: int = 0) -> dict:
     try:
-        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min, shapes=shapes,
-                      past_length=past_length)
+        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min, base_dir=base_dir,
+                      shapes=shapes, past_length=past_length)
     except FP4PassError as exc:
         hint = "" if inputs is not None else " (give the model's inputs with --inputs DATA.npz, or dims with --shape)"
         raise CheckError(f"--check could not run: {exc}{hint}") from exc
@@ -91,6 +91,7 @@ def convert(
     calibrator_options: dict | None = None,
     snr_min: float | None = None,
     allow_invalid: bool | None = None,
+    base_dir: str | os.PathLike | None = None,
     check_inputs=None,
     check_shapes: dict | None = None,
     past_length: int = 0,
@@ -112,7 +113,9 @@ def convert(
     ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
     warning); False when it was checked (an output the checker refuses is a bug: nothing is written);
     None: the input is checked here when ``output`` is given (:func:`fp4pass.onnx.loading.save`).
-    A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
+    ``base_dir``: the folder external data resolves against when the model is not a path (a
+    ``ModelProto`` or graphsurgeon ``Graph`` with external data is refused without it; nothing is read from
+    outside that folder). A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
     """
     onnx_stages.check_choice("method", method, METHODS)
     onnx_stages.check_choice("scale_form", scale_form, SCALE_FORMS)
@@ -127,15 +130,16 @@ def convert(
     start = time.perf_counter()
     if output is not None and allow_invalid is None:
         allow_invalid = not loading.passes_checker(model_or_path)
-    loaded = loading.load(model_or_path)
+    loaded = loading.load(model_or_path, base_dir)
     model = loaded.model
-    input_files = ()
-    if loaded.path is not None:
-        input_files = (loaded.path, *loading.external_data_files(model))
-        if output is not None:
-            from fp4pass.io import refuse_overwrite
+    folder = loaded.path.parent if loaded.path is not None else base_dir
+    # the model file and every data file it reads (whatever kind it came as) are never written over
+    input_files = (*([loaded.path] if loaded.path is not None else []), *sorted(loading.external_data_files(model)))
+    if output is not None:
+        from fp4pass.io import refuse_overwrite
 
-            refuse_overwrite(output, *input_files)
+        refuse_overwrite(output, *input_files)
+        refuse_overwrite(Path(output).with_name(Path(output).name + ".data"), *input_files)
     had_external = loaded.had_external_data
     original_for_check = None
     if check:
@@ -146,7 +150,7 @@ def convert(
     if listed_inputs:
         log.info("%d initializers were also listed as graph inputs; converted as initializers and no longer "
                  "listed as inputs", len(listed_inputs))
-    records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
+    records, declined = find_weights(model, folder)
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
     rewrite, fold_quark, set_versions, group = onnx_stages.weight_passes(
@@ -207,7 +211,7 @@ def convert(
         # the calibration data are the most telling inputs; else diff draws seeded random ones
         if check_inputs is None and calib is not None and Path(calib).is_file():
             check_inputs = calib
-        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min,
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min, folder,
                                  shapes=check_shapes, past_length=past_length)
     log.debug("%s", summary_line(report))
     if output is not None and loaded.kind == "path":

@@ -120,7 +120,7 @@ def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeyp
 
     real = pipeline._check
 
-    def broken_check(original, rewritten, provider, inputs=None, snr_min=None, **options):
+    def broken_check(original, rewritten, provider, inputs=None, snr_min=None, base_dir=None, **options):
         model = onnx.load(rewritten)
         for t in model.graph.initializer:
             if t.name.endswith("_global_scale"):
@@ -129,7 +129,7 @@ def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeyp
         broken = Path(rewritten).with_name("broken.onnx")
         onnx.save(model, broken)
         try:
-            return real(original, str(broken), provider, inputs, snr_min, **options)
+            return real(original, str(broken), provider, inputs, snr_min, base_dir, **options)
         finally:
             broken.unlink()
 
@@ -199,7 +199,9 @@ def test_sigterm_is_handled_like_ctrl_c(work, capsys, monkeypatch):
 def test_clean_removes_what_a_killed_run_left(work, capsys):
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(proc.stdout)
-    stale = work / f"{TMP_PREFIX}{dead}-0000-o.onnx.d"
+    from fp4pass.io import host_token
+
+    stale = work / f"{TMP_PREFIX}{dead}-h{host_token()}-0000-o.onnx.d"
     stale.mkdir()
     (stale / "o.onnx.data").write_bytes(bytes(1000))
     code, err = cli(capsys, "clean", work)

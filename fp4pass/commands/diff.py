@@ -45,9 +45,9 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
         values = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
         if not values or any(v < 0 for v in values):
             raise ValueError
-        if math.prod(values) > MAX_INPUT_ELEMENTS:
+        if math.prod(max(v, 1) for v in values) > MAX_INPUT_ELEMENTS:  # 0 dims as 1: numpy refuses [0, 2^62]
             raise UsageError(f"--shape {text!r}: {math.prod(values)} elements; at most {MAX_INPUT_ELEMENTS} "
-                             "(2^30) per input")
+                             "(2^30) per input, counting a 0 dim as 1")
     except ValueError:
         raise UsageError(f"--shape {text!r}: expected NAME=D0,D1,... with non-negative integers") from None
     return name, values

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -33,12 +34,14 @@ import torch
 
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.extras import require
+from fp4pass.io import read_regular_file
 from fp4pass.fx.mxfp4 import MXFP4Experts
 
 __all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "CausalLMLogits"]
 
 log = logging.getLogger(__name__)
 
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is a few KB
 _OPENAI_CONFIG_KEYS = {
     "num_experts": "num_local_experts",
     "experts_per_token": "num_experts_per_tok",
@@ -89,12 +92,14 @@ def read_config(checkpoint_dir: str | Path, **config_overrides):
     from transformers import GptOssConfig
 
     path = Path(checkpoint_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelError(f"{checkpoint_dir}: no config.json (not a gpt-oss checkpoint folder)") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    if not os.path.lexists(path):
+        raise ModelError(f"{checkpoint_dir}: no config.json (not a gpt-oss checkpoint folder)")
+    try:  # a regular file only: a config.json linked to /dev/zero or a FIFO would be read forever
+        raw = json.loads(read_regular_file(path, CONFIG_MAX_BYTES, ModelError).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelError(f"{path}: cannot read ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     quant = raw.pop("quantization_config", None)
     if quant is not None and quant.get("quant_method") != "mxfp4":
         raise ModelError(f"{path}: quant_method is {quant.get('quant_method')!r}; load_gpt_oss reads mxfp4")

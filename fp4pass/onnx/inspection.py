@@ -71,7 +71,7 @@ def _error_forecast(mx, group_dims: int, lossless: bool) -> tuple[dict, list[dic
     return tensor, per_group
 
 
-def inspect(model_or_path, *, measure: bool = True) -> dict:
+def inspect(model_or_path, *, measure: bool = True, base_dir=None) -> dict:
     """``{"model", "tensors": [{"name", "node", "pattern", "slot", "shape", "experts", "k_min", "k_max",
     "spread", "lossless", "lossless_per_tensor_scale", "blocks16_total", "blocks16_verbatim", "mse",
     "max_abs_err", "snr_db", "per_expert": [{"expert", "k_min", "k_max", "spread", "lossless",
@@ -79,12 +79,13 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
     "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``.
 
     ``measure``: forecast the error of lossy tensors by converting them (module docstring); False leaves the
-    error keys out."""
-    loaded = loading.load(model_or_path)
+    error keys out. ``base_dir``: where the external data of a model that is not a path lies
+    (:func:`fp4pass.onnx.loading.load`)."""
+    loaded = loading.load(model_or_path, base_dir)
     if loaded.kind == "ir" and initializer_inputs(loaded.model):
         loaded = loading.Loaded(loaded.model.clone(), loaded.kind, loaded.path)  # the caller's model stays
     unlist_initializer_inputs(loaded.model)  # an initializer also listed as an input converts as one
-    records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else None)
+    records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else base_dir)
     declined += activation_declines(loaded.model)
     tensors = []
     for record in records:

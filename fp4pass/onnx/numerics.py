@@ -48,6 +48,7 @@ import onnx_ir as ir
 from fp4pass.choices import CheckProvider
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
+from fp4pass.npz import read_npz
 from fp4pass.onnx.alpha_scope import missing_global_scale
 from fp4pass.onnx.feeds import plan_feeds
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
@@ -66,6 +67,8 @@ logger = logging.getLogger(__name__)
 REFERENCE = CheckProvider.REFERENCE.value
 _ERROR_SAMPLE = 200_000  # |a-b| values kept from the worst output, for the histogram
 _DEFAULT_ELEMENTS = 1 << 20  # size assumed for a tensor whose shape is not known statically
+#: the most elements drawn for one random input (4 GiB of float32), static dims and --shape alike
+MAX_RANDOM_ELEMENTS = 2**30
 
 
 def _sort_key(m: TensorMetrics) -> tuple:
@@ -152,6 +155,19 @@ def _static_dims(value: ir.Value, shapes: dict, notes: list[str]) -> tuple[int, 
     return tuple(dims)
 
 
+def _random_dims(name: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """``dims`` of a random input, refused (one line) when negative or above :data:`MAX_RANDOM_ELEMENTS` (the
+    non-zero dims' product: an empty array of a dim above it is refused by numpy too)."""
+    if any(d < 0 for d in dims):
+        raise UsageError(f"input {name!r}: dims {list(dims)} are negative")
+    # counted with 0 dims as 1: numpy refuses [0, 2^62] as it refuses [2^62]
+    if math.prod(max(d, 1) for d in dims) > MAX_RANDOM_ELEMENTS:
+        raise UsageError(f"input {name!r}: dims {list(dims)} are {math.prod(dims)} elements; at most "
+                         f"{MAX_RANDOM_ELEMENTS} (2^30) are drawn at random per input (give it in --inputs, or "
+                         f"smaller dims with --shape {name}=...)")
+    return dims
+
+
 def _as_input_type(name: str, array: np.ndarray, dtype: np.dtype, notes: list[str]) -> np.ndarray:
     """A given array in the input's type. ``np.savez`` of an ml_dtypes array (bfloat16, float8) reads back as
     raw bytes ('V2', 'V1'): those are the input's values when the item sizes agree, and are viewed as such."""
@@ -193,14 +209,15 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
             continue
         if value.const_value is not None:
             continue  # an input with a default initializer (old IR)
-        dims = _static_dims(value, shapes, notes)
+        dims = _random_dims(value.name, _static_dims(value, shapes, notes))
         if np.issubdtype(dtype, np.floating) or (value.dtype is not None and value.dtype.is_floating_point()):
-            # float32 draws rounded once to the input's type (ml_dtypes' bfloat16 and float8 included)
-            feeds[value.name] = np.asarray(rng.standard_normal(dims), np.float32).astype(dtype)
+            # drawn in float32 (never a float64 array then a copy), rounded once to the input's type when it is
+            # another (ml_dtypes' bfloat16 and float8 included)
+            feeds[value.name] = rng.standard_normal(dims, dtype=np.float32).astype(dtype, copy=False)
         elif np.issubdtype(dtype, np.integer):
-            feeds[value.name] = np.asarray(rng.integers(0, 16, size=dims), dtype)
+            feeds[value.name] = rng.integers(0, 16, size=dims, dtype=dtype)
         elif dtype == np.bool_:
-            feeds[value.name] = np.asarray(rng.random(dims) < 0.5)
+            feeds[value.name] = rng.integers(0, 2, size=dims, dtype=np.bool_)
         else:
             raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; give it in --inputs")
     drawn = [n for n in feeds if n not in given]
@@ -210,17 +227,23 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
     return feeds
 
 
-def _load_inputs(inputs) -> dict | None:
+def _load_inputs(inputs, model: ir.Model) -> dict | None:
+    """The arrays of an .npz (:func:`fp4pass.npz.read_npz`), each checked from its header against ``model``'s
+    graph inputs (the name, the rank) before its data is inflated."""
     if inputs is None or isinstance(inputs, dict):
         return inputs
-    path = Path(inputs)
-    if not path.is_file():
-        raise UsageError(f"{path}: no such inputs file")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (ValueError, OSError) as exc:
-        raise UsageError(f"{path}: not a readable .npz file ({exc})") from None
+    graph_inputs = {v.name: v for v in model.graph.inputs}
+
+    def check(name: str, dims: tuple, dtype: np.dtype) -> None:
+        if name not in graph_inputs:
+            raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model "
+                             f"(inputs: {list(graph_inputs)})")
+        shape = graph_inputs[name].shape
+        if shape is not None and len(shape) != len(dims):
+            raise UsageError(f"{inputs}: array {name!r} has rank {len(dims)} {list(dims)}, the input wants rank "
+                             f"{len(shape)} {[str(d) for d in shape]}")
+
+    return read_npz(inputs, error=UsageError, check=check)[0]
 
 
 def _node_outputs(model: ir.Model) -> dict[str, tuple[ir.Node, ir.Value]]:
@@ -357,11 +380,15 @@ class _NoKernel(ModelError):
 def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermediates: bool = False,
          snr_min: float | None = None, seed: int = 0, shapes: dict | None = None,
          show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30,
-         past_length: int = 0) -> DiffResult:
-    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step)."""
+         past_length: int = 0, base_dir: str | os.PathLike | None = None) -> DiffResult:
+    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step).
+
+    ``base_dir``: the folder the external data of a model given as a proto or ``onnx_ir.Model`` resolves
+    against (:func:`fp4pass.onnx.loading.load`); a path's own folder always wins.
+    """
     options = dict(intermediates=intermediates, snr_min=snr_min, seed=seed, shapes=shapes,
                    show_progress=show_progress, intermediate_budget_bytes=intermediate_budget_bytes,
-                   past_length=past_length)
+                   past_length=past_length, base_dir=base_dir)
     try:
         return _diff(original, rewritten, inputs, provider, **options)
     except _NoKernel as exc:
@@ -379,17 +406,16 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
 
 def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, snr_min: float | None, seed: int,
           shapes: dict | None, show_progress: bool | None, intermediate_budget_bytes: int,
-          past_length: int) -> DiffResult:
+          past_length: int, base_dir: str | os.PathLike | None) -> DiffResult:
     notes: list[str] = []
-    model_a = load(original).model
-    model_b = load(rewritten).model
+    model_a = load(original, base_dir).model
+    model_b = load(rewritten, base_dir).model
     label_a = str(original) if isinstance(original, (str, os.PathLike)) else "original"
     label_b = str(rewritten) if isinstance(rewritten, (str, os.PathLike)) else "rewritten"
-    given = _load_inputs(inputs)
+    given = _load_inputs(inputs, model_a)
     runner_a = _Runner(model_a, provider, label_a, notes, fed=given or ())
     runner_b = _Runner(model_b, provider, label_b, notes, fed=given or ())
-    feeds = make_inputs(runner_a.model, given, seed=seed, shapes=shapes, notes=notes,
-                        past_length=past_length)
+    feeds = make_inputs(runner_a.model, given, seed=seed, shapes=shapes, notes=notes, past_length=past_length)
 
     pairs = [(n, n) for n in runner_a.output_names if n in runner_b.output_names]
     if not pairs and len(runner_a.output_names) == len(runner_b.output_names):
