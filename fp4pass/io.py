@@ -419,8 +419,6 @@ def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception
     The type is checked before the file is opened and again on the open descriptor, and at most ``limit + 1``
     bytes are read, so a file swapped or grown in between is refused too.
     """
-    import stat
-
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -453,3 +451,58 @@ def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception
     if size > limit:
         raise error(f"{path}: more than {limit} bytes; at most {limit} are read from such a file")
     return b"".join(chunks)
+
+
+# -- a whole output folder --------------------------------------------------------------------------------
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Give every file the umask's mode and fsync it, then every folder (the deepest first, the top last)."""
+    mode = 0o666 & ~_umask()
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            os.chmod(Path(root) / name, mode)
+            _fsync_path(Path(root) / name)
+        for name in dirs:
+            fsync_folder(Path(root) / name)
+    fsync_folder(folder)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside ``path``; on success fsync it whole and rename it onto ``path``.
+
+    ``path`` must not exist, or be an empty folder (replaced by the rename). A temporary folder carries
+    :data:`TMP_PREFIX` and the pid, so :func:`remove_stale` and ``fp4pass clean`` know it. On any exception
+    the temporary folder is removed and ``path`` stays as it was. ``inputs``: folders ``path`` must be neither
+    inside nor hold. The rename is not recorded in the :class:`OutputSession` (a folder is not a file).
+    """
+    target = Path(path)
+    if str(path) == "" or target.name in ("", ".", ".."):
+        raise UsageError(f"{path!r}: not a folder name")
+    if target.name.startswith(TMP_PREFIX):
+        raise UsageError(f"{path}: names starting with {TMP_PREFIX} are fp4pass's temporary files")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"{path}: folder {parent} does not exist")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise UsageError(f"{path}: exists and is not a folder")
+    if target.is_dir() and any(os.scandir(target)):
+        raise UsageError(f"{path}: exists and is not empty; give a new or an empty folder")
+    for given in inputs:
+        if same_file(target, given) or _inside(target, given) or _inside(given, target):
+            raise UsageError(f"{path}: is, is inside, or holds the input folder {given}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{path}: folder {parent} is not writable")
+    remove_stale(parent)
+    tmp = temp_name(target)
+    os.mkdir(tmp, 0o700)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        _fsync_tree(tmp)
+        os.replace(tmp, target)
+        fsync_folder(parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -53,11 +53,11 @@ def _activations(model, calib, calibrator, scales, target, scale_form, alphas, p
     return insert_activation_quantizers(model, plain, target=act_target, scale_form=scale_form, alphas=alphas)
 
 
-def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None, base_dir=None, *,
-           shapes: dict | None = None, past_length: int = 0) -> dict:
+def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None, *,
+           shapes: dict | None = None, past_length: int = 0, base_dir=None) -> dict:
     try:
-        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min, base_dir=base_dir,
-                      shapes=shapes, past_length=past_length)
+        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min, shapes=shapes,
+                      past_length=past_length, base_dir=base_dir)
     except FP4PassError as exc:
         hint = "" if inputs is not None else " (give the model's inputs with --inputs DATA.npz, or dims with --shape)"
         raise CheckError(f"--check could not run: {exc}{hint}") from exc
@@ -91,10 +91,10 @@ def convert(
     calibrator_options: dict | None = None,
     snr_min: float | None = None,
     allow_invalid: bool | None = None,
-    base_dir: str | os.PathLike | None = None,
     check_inputs=None,
     check_shapes: dict | None = None,
     past_length: int = 0,
+    base_dir: str | os.PathLike | None = None,
 ):
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
@@ -211,8 +211,8 @@ def convert(
         # the calibration data are the most telling inputs; else diff draws seeded random ones
         if check_inputs is None and calib is not None and Path(calib).is_file():
             check_inputs = calib
-        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min, folder,
-                                 shapes=check_shapes, past_length=past_length)
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min,
+                                 shapes=check_shapes, past_length=past_length, base_dir=folder)
     log.debug("%s", summary_line(report))
     if output is not None and loaded.kind == "path":
         return Path(output), report

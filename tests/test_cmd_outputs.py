@@ -120,7 +120,7 @@ def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeyp
 
     real = pipeline._check
 
-    def broken_check(original, rewritten, provider, inputs=None, snr_min=None, base_dir=None, **options):
+    def broken_check(original, rewritten, provider, inputs=None, snr_min=None, **options):
         model = onnx.load(rewritten)
         for t in model.graph.initializer:
             if t.name.endswith("_global_scale"):
@@ -129,7 +129,7 @@ def test_default_check_threshold_flags_a_broken_conversion(work, capsys, monkeyp
         broken = Path(rewritten).with_name("broken.onnx")
         onnx.save(model, broken)
         try:
-            return real(original, str(broken), provider, inputs, snr_min, base_dir, **options)
+            return real(original, str(broken), provider, inputs, snr_min, **options)
         finally:
             broken.unlink()
 

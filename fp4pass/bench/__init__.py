@@ -1,6 +1,6 @@
 """Benchmarks: every figure is a ratio to a baseline measured in the same process, on the same bytes.
 
-Each module here (one per area: formats, convert, onnx, diff, calib) defines ``BENCHMARKS``, a list of
+Each module here (one per area: formats, convert, onnx, diff, calib, fx) defines ``BENCHMARKS``, a list of
 functions ``bench(device: torch.device, quick: bool) -> list[BenchResult]``. ``fp4pass bench`` runs them all.
 A ratio is ``seconds / baseline_seconds``: lower is better, 1.0 means as fast as the baseline.
 """
@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_table", "AREAS"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx")
 
 
 @dataclass

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
-from fp4pass.commands import _safety
+from fp4pass.commands import _safety, checkpoint
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
 from fp4pass.commands.diff import add_input_arguments, parse_shape, print_notes
 from fp4pass.errors import UsageError
@@ -52,6 +52,7 @@ def register(sub, common) -> None:
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads for the weight conversion (default 1: fastest on 2 shared cores)")
     _add_safety_arguments(p)
+    checkpoint.add_convert_arguments(p)  # IN a folder: a safetensors checkpoint (fp4pass.commands.checkpoint)
     p.set_defaults(run=run)
 
 
@@ -119,6 +120,9 @@ def _check_verdict(check: dict) -> str | None:
 
 
 def run(args) -> int:
+    code = checkpoint.convert_if_folder(args)
+    if code is not None:
+        return code
     snr_min = _check_before_work(args)
     from fp4pass.io import write_json
     from fp4pass.pipeline import convert

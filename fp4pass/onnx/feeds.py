@@ -26,11 +26,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.formats.constants import MS_DOMAIN
+from fp4pass.formats.constants import MS_DOMAIN as _MS
 
 __all__ = ["plan_feeds"]
 
-_MS = MS_DOMAIN
 # input positions of the past key and value in onnxruntime's attention contrib ops
 _PAST_INPUTS = {"GroupQueryAttention": (3, 4), "MultiHeadAttention": (6, 7)}
 

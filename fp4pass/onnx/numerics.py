@@ -234,7 +234,7 @@ def _load_inputs(inputs, model: ir.Model) -> dict | None:
         return inputs
     graph_inputs = {v.name: v for v in model.graph.inputs}
 
-    def check(name: str, dims: tuple, dtype: np.dtype) -> None:
+    def check(name: str, dims: tuple, _dtype: np.dtype) -> None:  # the type is cast later, with its own message
         if name not in graph_inputs:
             raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model "
                              f"(inputs: {list(graph_inputs)})")
@@ -415,7 +415,8 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
     given = _load_inputs(inputs, model_a)
     runner_a = _Runner(model_a, provider, label_a, notes, fed=given or ())
     runner_b = _Runner(model_b, provider, label_b, notes, fed=given or ())
-    feeds = make_inputs(runner_a.model, given, seed=seed, shapes=shapes, notes=notes, past_length=past_length)
+    feeds = make_inputs(runner_a.model, given, seed=seed, shapes=shapes, notes=notes,
+                        past_length=past_length)
 
     pairs = [(n, n) for n in runner_a.output_names if n in runner_b.output_names]
     if not pairs and len(runner_a.output_names) == len(runner_b.output_names):
