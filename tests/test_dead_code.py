@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp4pass"
 
 # methods whose parameter is part of an interface the subclasses use (the base ignores it by design)
-INTERFACE_PARAMETERS = {("fp4pass/onnx/lower.py", "check_in", "function"), ("fp4pass/onnx/patterns.py", "records", "node"),
-                        ("fp4pass/onnx/numerics.py", "check", "dtype")}  # read_npz's check(name, dims, dtype)
+INTERFACE_PARAMETERS = {("fp4pass/onnx/lower.py", "check_in", "function"), ("fp4pass/onnx/patterns.py", "records", "node")}
 
 
 def _sources(folder: Path) -> dict[Path, str]:
