@@ -98,3 +98,36 @@ def test_intermediates_alone_name_the_first_node_that_differs(converted, capsys)
     assert "first divergent (differs at all; no --snr-min): node 'experts.w2_dq'" in out
     same = fp4pass.onnx.diff(MOE, MOE, intermediates=True)
     assert same.first_divergent is None
+
+
+def _nvfp4_graph(tail: list, outputs: list, scale_one: float = 1.0) -> "ir.Model":
+    """x @ DQ(W FP4, DQ(S E4M3, g))^T followed by ``tail`` nodes (built with onnx.helper)."""
+    import ml_dtypes
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    codes = np.ones((8, 32), np.float32).astype(ml_dtypes.float4_e2m1fn)
+    scales = np.ones((8, 2), np.float32).astype(ml_dtypes.float8_e4m3fn)
+    nodes = [helper.make_node("DequantizeLinear", ["S", "g"], ["s"], name="dq_s"),
+             helper.make_node("DequantizeLinear", ["W", "s"], ["W_dq"], name="dq_w", axis=-1, block_size=16),
+             helper.make_node("Transpose", ["W_dq"], ["W_t"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "W_t"], ["h"], name="mm"), *tail]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+                              initializer=[numpy_helper.from_array(codes, "W"), numpy_helper.from_array(scales, "S"),
+                                           numpy_helper.from_array(np.float32(scale_one), "g"),
+                                           numpy_helper.from_array(np.float32(3.0), "k")])
+    return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
+
+
+def test_a_dq_form_weight_whose_global_scale_is_one_is_compared():
+    """DQ(S, 1) is also what the dq form writes when G = 1: without the alpha multiply after the consumer, no
+    tensor is claimed, however far downstream a Mul by a constant sits."""
+    from onnx import helper
+
+    relu_then_scale = [helper.make_node("Relu", ["h"], ["r"], name="relu"),
+                       helper.make_node("Mul", ["r", "k"], ["y"], name="scale")]
+    assert missing_global_scale(_nvfp4_graph(relu_then_scale, ["y"])) == {}
+    alpha = [helper.make_node("Mul", ["h", "k"], ["y"], name="mm_alpha")]
+    assert set(missing_global_scale(_nvfp4_graph(alpha, ["y"]))) == {"W_dq", "W_t", "h"}
+    assert missing_global_scale(_nvfp4_graph(alpha, ["y"], scale_one=2.0)) == {}  # the scale is in the DQ

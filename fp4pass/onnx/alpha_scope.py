@@ -9,8 +9,11 @@ consumer's raw output) holds x / G per expert. Compared by name with a graph tha
 original, or the ``dq`` form) such a tensor is off by G, not wrong: :func:`missing_global_scale` names
 them, so that a diff compares like with like.
 
-Where the scale comes back: a ``Mul`` with a constant operand, or a ``Gemm`` whose ``alpha`` is not 1. The walk
-stops there and never crosses such a node, so it never claims a tensor that carries the scale.
+The walk follows the shape the alpha form has, and nothing else: from the FP4 dequantize through layout ops
+(Transpose, Reshape, Cast, ...) to a linear consumer (MatMul, Einsum, Gemm), then through Casts only to a
+``Mul`` by a constant (or the consumer is a Gemm whose ``alpha`` is not 1). A dequantize with any other path
+(a Relu after the MatMul, a graph output) is not in the alpha form, and none of its tensors is claimed: a
+``dq``-form weight whose global scale happens to be 1 is compared as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from fp4pass.onnx.passes import constant_tensor
 from fp4pass.onnx.patterns import node_label
 
 __all__ = ["missing_global_scale"]
+
+# between a dequantize and its consumer (a layout change of the weight); after the consumer only Cast
+_LAYOUT_OPS = ("Transpose", "Reshape", "Cast", "Squeeze", "Unsqueeze", "Identity", "Flatten")
+_LINEAR_OPS = ("MatMul", "Einsum", "Gemm")
 
 
 def _is_fp4(value: ir.Value | None) -> bool:
@@ -50,38 +57,58 @@ def _applies_scale(node: ir.Node, value: ir.Value) -> bool:
     """``node`` multiplies ``value`` by a constant: where an alpha-form global scale comes back."""
     if node.op_type == "Mul" and node.domain in ("", "ai.onnx"):
         return any(other is not value and constant_tensor(other) is not None for other in node.inputs)
-    if node.op_type == "Gemm" and node.domain in ("", "ai.onnx"):
-        alpha = node.attributes.get("alpha")
-        return alpha is not None and alpha.value != 1.0
     return False
+
+
+def _default(node: ir.Node, *ops: str) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in ops
+
+
+def _gemm_alpha(node: ir.Node) -> float:
+    alpha = node.attributes.get("alpha")
+    return 1.0 if alpha is None else float(alpha.value)
+
+
+def _walk(value: ir.Value, path: list[str], appliers: list[str], after_consumer: bool) -> bool:
+    """Follow ``value`` along the alpha form's shape (module docstring), adding the names it passes to ``path``
+    and the nodes that scale back to ``appliers``; False when some use leaves that shape."""
+    if value.name:
+        path.append(value.name)
+    if value.is_graph_output() or not value.uses():
+        return False
+    for usage in value.uses():
+        node = usage.node
+        out = node.outputs[0] if node.outputs else None
+        if after_consumer and _applies_scale(node, value):
+            appliers.append(node_label(node))
+        elif _default(node, "Cast") or (not after_consumer and _default(node, *_LAYOUT_OPS) and usage.idx == 0):
+            if out is None or not _walk(out, path, appliers, after_consumer):
+                return False
+        elif not after_consumer and _default(node, "Gemm") and _gemm_alpha(node) != 1.0:
+            appliers.append(node_label(node))  # alpha * A @ B + beta * C: the scale is in the Gemm itself
+        elif not after_consumer and _default(node, *_LINEAR_OPS):
+            if out is None or not _walk(out, path, appliers, True):
+                return False
+        else:
+            return False
+    return True
 
 
 def missing_global_scale(model: ir.Model) -> dict[str, str]:
     """``tensor name -> label of the node that multiplies the global scale back in`` for every tensor of the
-    main graph that holds an FP4 value dequantized without its global scale (module docstring)."""
-    seeds = [node for node in model.graph
-             if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx") and len(node.inputs) >= 2
-             and _is_fp4(node.inputs[0]) and _unit_scales(node.inputs[1])]
+    main graph that holds an FP4 value dequantized without its global scale (module docstring). A dequantize
+    counts only when every path from it has that shape; with a global scale of exactly 1 in the ``dq`` form
+    (the same DQ(s, 1) at the start) nothing downstream is claimed unless the scale is multiplied back in."""
     found: dict[str, str] = {}
-    for seed in seeds:
-        stack = [out for out in seed.outputs if out is not None]
+    for seed in model.graph:
+        if not (_default(seed, "DequantizeLinear") and len(seed.inputs) >= 2 and _is_fp4(seed.inputs[0])
+                and _unit_scales(seed.inputs[1])):
+            continue
         path: list[str] = []
         appliers: list[str] = []
-        seen: set[int] = set()
-        while stack:
-            value = stack.pop()
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            if value.name:
-                path.append(value.name)
-            for usage in value.uses():
-                node = usage.node
-                if _applies_scale(node, value):
-                    appliers.append(node_label(node))
-                    continue
-                stack.extend(out for out in node.outputs if out is not None)
-        label = ", ".join(dict.fromkeys(appliers)) or "none found"
+        if not _walk(seed.outputs[0], path, appliers, False):
+            continue
+        label = ", ".join(dict.fromkeys(appliers))
         for name in path:
             found.setdefault(name, label)
     return found
