@@ -235,7 +235,7 @@ def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # pragma: no mutate (a mutated signal number would signal a live process)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's live process

@@ -3,6 +3,7 @@ size cap, and strict JSON (no duplicate keys, no integers longer than any FP32 n
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -157,3 +158,77 @@ def test_genai_config_that_is_not_a_regular_file_is_no_hint(tmp_path, special):
     (tmp_path / "genai_config.json").write_text('{"model": {}}')
     assert Hints.of(None, tmp_path).genai_config is True
 
+
+
+def test_read_regular_file_names_what_it_found_instead(tmp_path):
+    """Each kind of special file is named as what it is, in the one line the user sees."""
+    import socket
+    import stat
+
+    from fp4pass.io import _file_kind
+
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "p")
+    sock = socket.socket(socket.AF_UNIX)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a short relative name: a socket's path is limited to about 100 bytes
+    try:
+        sock.bind("s")
+    finally:
+        os.chdir(cwd)
+    try:
+        for path, kind in ((tmp_path / "d", "a directory"), (tmp_path / "p", "a FIFO"),
+                           ("/dev/null", "a character device"), (tmp_path / "s", "a socket")):
+            with pytest.raises(UsageError) as raised:
+                read_regular_file(path, 10)
+            assert str(raised.value) == f"{path}: {kind}; only regular files are read"
+    finally:
+        sock.close()
+    # no block device or unknown kind can be made without privileges: their names from the mode bits
+    assert _file_kind(stat.S_IFBLK | 0o600) == "a block device"
+    assert _file_kind(0o600) == "not a regular file"
+
+
+def test_read_regular_file_reports_a_path_it_cannot_stat(tmp_path):
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop.name)  # a symlink to itself: ELOOP, not "no such file"
+    with pytest.raises(UsageError) as raised:
+        read_regular_file(loop, 10)
+    assert str(raised.value) == f"{loop}: cannot be read ({os.strerror(errno.ELOOP)})"
+
+
+def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting(tmp_path, monkeypatch):
+    """Between the type check and the open, the path may be replaced by a FIFO: opening it for reading
+    must not wait for a writer (O_NONBLOCK), and a terminal must never become the controlling one
+    (O_NOCTTY); the descriptor's own type is checked again."""
+    import signal
+
+    import fp4pass.io as fio
+
+    regular = tmp_path / "regular.json"
+    regular.write_text("{}")
+    fifo = tmp_path / "s.json"
+    os.mkfifo(fifo)
+    real_stat, real_open, flags = os.stat, os.open, []
+    monkeypatch.setattr(fio.os, "stat", lambda p, *a, **k: real_stat(regular if p == fifo else p, *a, **k))
+
+    def opened(path, how, *rest):
+        flags.append(how)
+        return real_open(path, how, *rest)
+
+    monkeypatch.setattr(fio.os, "open", opened)
+
+    def too_late(*_):
+        raise TimeoutError("the open waited for a writer")
+
+    previous = signal.signal(signal.SIGALRM, too_late)
+    signal.setitimer(signal.ITIMER_REAL, 5)
+    try:
+        with pytest.raises(UsageError) as raised:
+            read_regular_file(fifo, 10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert str(raised.value) == f"{fifo}: a FIFO; only regular files are read"
+    assert len(flags) == 1 and flags[0] & os.O_NONBLOCK and flags[0] & os.O_NOCTTY
+    assert flags[0] & (os.O_WRONLY | os.O_RDWR) == 0

@@ -281,3 +281,23 @@ def test_fsync_comes_before_the_rename_and_the_folder_after(tmp_path, monkeypatc
     assert kinds == ["fsync", "replace", "fsync"], events
     assert events[0][1].startswith(fio.TMP_PREFIX) and events[0][1].endswith("r.json")
     assert events[2][1] == tmp_path.name  # the folder, after the rename
+
+
+def test_temporaries_of_this_process_and_of_other_users_live_processes_are_kept(tmp_path, monkeypatch):
+    """A temporary named with this process's pid is one it is writing now; a pid that may not be signalled
+    (PermissionError) is another user's live process: neither is stale."""
+    here = f"h{fio.host_token()}"
+    ours = tmp_path / f"{fio.TMP_PREFIX}{os.getpid()}-{here}-abcd-m.onnx"
+    ours.write_bytes(b"x")
+    assert fio.remove_stale(tmp_path) == [] and ours.exists()
+    theirs = tmp_path / f"{fio.TMP_PREFIX}{_dead_pid()}-{here}-abcd-m.onnx"
+    theirs.write_bytes(b"x")
+
+    def kill(pid, sig):
+        assert sig == 0  # only asked, never signalled
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(fio.os, "kill", kill)
+    assert fio.remove_stale(tmp_path) == [] and theirs.exists() and ours.exists()
+    monkeypatch.undo()
+    assert fio.remove_stale(tmp_path) == [theirs] and ours.exists()
