@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fp4pass.calib import ActivationScales
@@ -232,3 +233,52 @@ def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting(tmp_path, 
     assert str(raised.value) == f"{fifo}: a FIFO; only regular files are read"
     assert len(flags) == 1 and flags[0] & os.O_NONBLOCK and flags[0] & os.O_NOCTTY
     assert flags[0] & (os.O_WRONLY | os.O_RDWR) == 0
+
+
+def _stat_as(monkeypatch, path, stand_in):
+    """os.stat of ``path`` answers for ``stand_in``: the file changed between the check and the open."""
+    import fp4pass.io as fio
+
+    real_stat = os.stat
+    monkeypatch.setattr(fio.os, "stat", lambda p, *a, **k: real_stat(stand_in if p == path else p, *a, **k))
+
+
+@pytest.mark.parametrize("limit", [2 << 20, (1 << 20) + 10])
+def test_a_file_grown_past_the_cap_after_the_check_is_refused(tmp_path, monkeypatch, limit):
+    """The size is checked again while reading (several 1 MiB reads here), at most limit + 1 bytes read."""
+    small = tmp_path / "small.json"
+    small.write_bytes(b"{}")
+    grown = tmp_path / "grown.json"
+    grown.write_bytes(bytes(range(256)) * ((limit + 1) // 256) + b"x" * ((limit + 1) % 256))
+    _stat_as(monkeypatch, grown, small)
+    with pytest.raises(UsageError) as raised:
+        read_regular_file(grown, limit)
+    assert str(raised.value) == f"{grown}: more than {limit} bytes; at most {limit} are read from such a file"
+
+
+def test_a_file_of_several_reads_comes_back_whole(tmp_path):
+    path = tmp_path / "big.json"
+    data = np.random.default_rng(3).integers(0, 256, (2 << 20) + 3, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    assert read_regular_file(path, len(data)) == data
+
+
+def test_a_file_removed_or_failing_after_the_check_is_one_line(tmp_path, monkeypatch):
+    import fp4pass.io as fio
+
+    small = tmp_path / "small.json"
+    small.write_bytes(b"{}")
+    gone = tmp_path / "gone.json"
+    _stat_as(monkeypatch, gone, small)
+    with pytest.raises(UsageError) as raised:
+        read_regular_file(gone, 10)
+    assert str(raised.value) == f"{gone}: cannot be read ({os.strerror(errno.ENOENT)})"
+    monkeypatch.undo()
+
+    def failing_read(fd, n):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(fio.os, "read", failing_read)
+    with pytest.raises(UsageError) as raised:
+        read_regular_file(small, 10)
+    assert str(raised.value) == f"{small}: cannot be read ({os.strerror(errno.EIO)})"
