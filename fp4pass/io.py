@@ -236,7 +236,7 @@ def _pid_alive(pid: int) -> bool:
         return True
     try:
         os.kill(pid, 0)  # pragma: no mutate (a mutated signal number would signal a live process)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
         return False
     except PermissionError:  # someone else's live process
         return True

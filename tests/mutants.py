@@ -214,6 +214,28 @@ MUTANTS = [
         ("fp4pass/calib/scales.py", "return json.loads(text, object_pairs_hook=pairs, parse_int=integer)",
          "return json.loads(text, parse_int=integer)"),
     ], ["tests/test_input_files.py"]),
+    # -- writing outputs (fp4pass.io's context managers are decorated: mutmut leaves them alone) ------------
+    Mutant("atomic-output-renames-a-failed-writer", "atomic_output renames the temporary in even when the "
+           "block raised", [
+        ("fp4pass/io.py", "        yield tmp\n        if tmp.exists():\n            finish(tmp, target, kind)\n",
+         "        try:\n            yield tmp\n        finally:\n            if tmp.exists():\n"
+         "                finish(tmp, target, kind)\n"),
+    ], ["tests/test_io.py"]),
+    Mutant("atomic-output-leaves-stale-temporaries", "atomic_output no longer removes dead runs' temporaries", [
+        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)\n",
+         "    target = output_target(path)\n"),
+    ], ["tests/test_io.py"]),
+    Mutant("finish-trusts-the-first-look", "the rename does not ask again what stands at the output's name (the "
+           "API's save has no earlier check)", [
+        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)\n", "    _fsync_path(tmp)\n"),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("save-model-before-data", "save renames the model in before the data file it names", [
+        ("fp4pass/onnx/loading.py", "        if use_external:\n            # The data lands first; the model that "
+         "names it is renamed in last.\n            fio.finish(staging / data_name, path.parent / data_name)\n"
+         "        fio.finish(staged, path)\n",
+         "        fio.finish(staged, path)\n        if use_external:\n"
+         "            fio.finish(staging / data_name, path.parent / data_name)\n"),
+    ], ["tests/test_loading_external.py"]),
     Mutant("random-inputs-float64", "random float inputs are drawn in float64 and then copied", [
         ("fp4pass/onnx/numerics.py", "rng.standard_normal(dims, dtype=np.float32).astype(dtype, copy=False)",
          "rng.standard_normal(dims).astype(np.float32).astype(dtype)"),

@@ -301,3 +301,13 @@ def test_temporaries_of_this_process_and_of_other_users_live_processes_are_kept(
     assert fio.remove_stale(tmp_path) == [] and theirs.exists() and ours.exists()
     monkeypatch.undo()
     assert fio.remove_stale(tmp_path) == [theirs] and ours.exists()
+
+
+def test_a_temporary_named_with_a_number_no_pid_can_be_is_stale_not_a_crash(tmp_path):
+    """A pid too large for the kernel's pid type is no process: the temporary goes like a dead run's, and
+    the writes in that folder go on (they used to fail with an OverflowError, exit 3)."""
+    here = f"h{fio.host_token()}"
+    huge = tmp_path / f"{fio.TMP_PREFIX}{10**20}-{here}-abcd-m.onnx"
+    huge.write_bytes(b"x")
+    fio.write_json(tmp_path / "r.json", {"a": 3})
+    assert os.listdir(tmp_path) == ["r.json"] and json.loads((tmp_path / "r.json").read_text()) == {"a": 3}

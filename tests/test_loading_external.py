@@ -284,3 +284,40 @@ def test_save_refuses_to_write_over_the_data_its_model_reads(tmp_path, given_inp
     with pytest.raises(UsageError, match="refusing to write over the input's external data"):
         loading.save(model, tmp_path / "b.onnx", external_data="always", inputs=inputs)
     assert _sha(tmp_path) == before
+
+
+def test_save_renames_the_data_in_before_the_model_that_names_it(tmp_path, monkeypatch):
+    """A crash between the two renames must never leave a model whose data file is missing or stale: each
+    file is fsynced before its rename into the output folder, the data file lands first, the model last, each
+    rename followed by the folder's fsync. (What onnx_ir does inside its staging folder is not counted.)"""
+    from fp4pass import io as fio
+
+    out = tmp_path / "out"
+    out.mkdir()
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(fio.os, "fsync", fsync)
+    monkeypatch.setattr(fio.os, "replace", replace)
+    assert loading.save(ir.serde.deserialize_model(B.linear_model()), out / "m.onnx", external_data="always")
+    staged = [e for e in events if e[0] == "fsync" and Path(e[1]).name.startswith("m.onnx")]
+    assert [Path(e[1]).name for e in staged] == ["m.onnx.data", "m.onnx"], events
+    assert all(Path(e[1]).parent.name.startswith(fio.TMP_PREFIX) for e in staged), events
+    into_out = [(kind, Path(p).name if Path(p).parent == out else p) for kind, p in events
+                if Path(p).parent == out or Path(p) == out]
+    assert into_out == [("replace", "m.onnx.data"), ("fsync", str(out)), ("replace", "m.onnx"),
+                        ("fsync", str(out))], events
+    # each staged file's fsync comes before its own rename
+    assert events.index(staged[0]) < events.index(("replace", str(out / "m.onnx.data")))
+    assert events.index(staged[1]) < events.index(("replace", str(out / "m.onnx")))
+    assert sorted(os.listdir(out)) == ["m.onnx", "m.onnx.data"]
+    reread = onnx.load(str(out / "m.onnx"))
+    assert {t.name for t in reread.graph.initializer} == {t.name for t in B.linear_model().graph.initializer}
