@@ -16,6 +16,7 @@ from fp4pass.calib import ActivationScales
 from fp4pass.calib.scales import ScalesFileError
 from fp4pass.cli import main
 from fp4pass.errors import ModelError, UsageError
+from fp4pass import io as fio
 from fp4pass.io import read_regular_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,8 +205,6 @@ def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting(tmp_path, 
     (O_NOCTTY); the descriptor's own type is checked again."""
     import signal
 
-    import fp4pass.io as fio
-
     regular = tmp_path / "regular.json"
     regular.write_text("{}")
     fifo = tmp_path / "s.json"
@@ -237,23 +236,31 @@ def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting(tmp_path, 
 
 def _stat_as(monkeypatch, path, stand_in):
     """os.stat of ``path`` answers for ``stand_in``: the file changed between the check and the open."""
-    import fp4pass.io as fio
-
     real_stat = os.stat
     monkeypatch.setattr(fio.os, "stat", lambda p, *a, **k: real_stat(stand_in if p == path else p, *a, **k))
 
 
-@pytest.mark.parametrize("limit", [2 << 20, (1 << 20) + 10])
-def test_a_file_grown_past_the_cap_after_the_check_is_refused(tmp_path, monkeypatch, limit):
-    """The size is checked again while reading (several 1 MiB reads here), at most limit + 1 bytes read."""
+@pytest.mark.parametrize("limit, extra", [(2 << 20, 1), ((1 << 20) + 10, 1), ((1 << 20) + 10, 3 << 20)])
+def test_a_file_grown_past_the_cap_after_the_check_is_refused(tmp_path, monkeypatch, limit, extra):
+    """The size is checked again while reading (several 1 MiB reads here), and at most limit + 1 bytes are
+    read however large the file has grown."""
     small = tmp_path / "small.json"
     small.write_bytes(b"{}")
     grown = tmp_path / "grown.json"
-    grown.write_bytes(bytes(range(256)) * ((limit + 1) // 256) + b"x" * ((limit + 1) % 256))
+    grown.write_bytes(b"y" * (limit + extra))
     _stat_as(monkeypatch, grown, small)
+    real_read, sizes = os.read, []
+
+    def read(fd, n):
+        chunk = real_read(fd, n)
+        sizes.append(len(chunk))
+        return chunk
+
+    monkeypatch.setattr(fio.os, "read", read)
     with pytest.raises(UsageError) as raised:
         read_regular_file(grown, limit)
     assert str(raised.value) == f"{grown}: more than {limit} bytes; at most {limit} are read from such a file"
+    assert sum(sizes) == limit + 1, sizes
 
 
 def test_a_file_of_several_reads_comes_back_whole(tmp_path):
@@ -264,8 +271,6 @@ def test_a_file_of_several_reads_comes_back_whole(tmp_path):
 
 
 def test_a_file_removed_or_failing_after_the_check_is_one_line(tmp_path, monkeypatch):
-    import fp4pass.io as fio
-
     small = tmp_path / "small.json"
     small.write_bytes(b"{}")
     gone = tmp_path / "gone.json"
