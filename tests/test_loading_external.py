@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import fp4pass
 import onnx_builders as B
 from fp4pass.cli import main
-from fp4pass.errors import UnsafeExternalDataError, UsageError
+from fp4pass.errors import ModelError, UnsafeExternalDataError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx.runtime import make_session
 
@@ -321,3 +321,27 @@ def test_save_renames_the_data_in_before_the_model_that_names_it(tmp_path, monke
     assert sorted(os.listdir(out)) == ["m.onnx", "m.onnx.data"]
     reread = onnx.load(str(out / "m.onnx"))
     assert {t.name for t in reread.graph.initializer} == {t.name for t in B.linear_model().graph.initializer}
+
+
+def test_each_kind_of_model_is_named_in_its_messages_and_given_back_as_it_came(tmp_path):
+    """A model that is not a file is named by its kind (``<proto>``, ``<ir>``, ``<gs>``) where a path would
+    be, and :func:`~fp4pass.onnx.loading.to_kind` gives the rewritten model back as the kind it came in."""
+    gs = pytest.importorskip("onnx_graphsurgeon")
+    model_dir = tmp_path / "model"
+    proto = _fp4_model_with_external_weight(model_dir, "w.bin")
+    made = {"proto": lambda: proto, "ir": lambda: ir.serde.deserialize_model(proto),
+            "gs": lambda: gs.import_onnx(proto)}
+    back = {"proto": onnx.ModelProto, "ir": ir.Model, "gs": gs.Graph}
+    for kind, make in made.items():
+        with pytest.raises(UnsafeExternalDataError) as raised:
+            loading.load(make())
+        assert str(raised.value).startswith(f"<{kind}>: initializer 'W' is stored in external data 'w.bin', "
+                                            "but the model has no folder"), (kind, raised.value)
+        loaded = loading.load(make(), base_dir=model_dir)
+        assert loaded.kind == kind and loaded.path is None
+        assert isinstance(loading.to_kind(loaded.model, loaded.kind), back[kind])
+    bad = B.linear_model()
+    bad.graph.initializer[0].dims[0] = -1
+    with pytest.raises(ModelError) as raised:
+        loading.load(bad)
+    assert str(raised.value).startswith(f"model: graph: initializer {bad.graph.initializer[0].name!r}: negative dim")
