@@ -345,3 +345,13 @@ def test_each_kind_of_model_is_named_in_its_messages_and_given_back_as_it_came(t
     with pytest.raises(ModelError) as raised:
         loading.load(bad)
     assert str(raised.value).startswith(f"model: graph: initializer {bad.graph.initializer[0].name!r}: negative dim")
+
+
+def test_a_model_proto_onnx_ir_cannot_read_is_one_line_naming_it(tmp_path):
+    proto = B.linear_model()
+    attr = proto.graph.node[0].attribute.add()
+    attr.name, attr.type = "sparse", onnx.AttributeProto.SPARSE_TENSOR  # no sparse tensor in it
+    with pytest.raises(ModelError) as raised:
+        loading.load(proto)
+    assert str(raised.value).startswith("model: malformed model (SerdeError: ")
+    assert "\n" not in str(raised.value)
