@@ -355,3 +355,15 @@ def test_a_model_proto_onnx_ir_cannot_read_is_one_line_naming_it(tmp_path):
         loading.load(proto)
     assert str(raised.value).startswith("model: malformed model (SerdeError: ")
     assert "\n" not in str(raised.value)
+
+
+def test_what_is_not_a_model_or_a_folder_is_named(tmp_path):
+    with pytest.raises(UsageError) as raised:
+        loading.load(b"model bytes")
+    assert str(raised.value) == ("cannot read a model from bytes; give a path, onnx.ModelProto, onnx_ir.Model or "
+                                 "onnx_graphsurgeon.Graph")
+    (tmp_path / "f").write_bytes(b"")
+    for not_a_folder in (tmp_path / "f", tmp_path / "missing"):
+        with pytest.raises(UsageError) as raised:
+            loading.load(B.linear_model(), base_dir=not_a_folder)
+        assert str(raised.value) == f"base_dir {str(not_a_folder)!r}: not a folder"
