@@ -367,3 +367,28 @@ def test_what_is_not_a_model_or_a_folder_is_named(tmp_path):
         with pytest.raises(UsageError) as raised:
             loading.load(B.linear_model(), base_dir=not_a_folder)
         assert str(raised.value) == f"base_dir {str(not_a_folder)!r}: not a folder"
+
+
+def test_an_ir_model_whose_tensors_live_in_different_folders_reads_each_from_its_own(tmp_path):
+    """onnx_ir keeps a folder per tensor: each external tensor is checked against its own folder, and a
+    refusal names the model's kind, the tensor and its location."""
+    proto = B.linear_model()
+    names = [t.name for t in proto.graph.initializer][:2]
+    for name, folder in zip(names, ("one", "two")):
+        tensor = next(t for t in proto.graph.initializer if t.name == name)
+        _externalize(tensor, tmp_path / folder, f"{name}.bin")
+    model = ir.serde.deserialize_model(proto)
+    for name, folder in zip(names, ("one", "two")):
+        model.graph.initializers[name].const_value.base_dir = str(tmp_path / folder)
+    assert loading.load(model).kind == "ir"
+    model.graph.initializers[names[1]].const_value.base_dir = str(tmp_path / "one")
+    with pytest.raises(UnsafeExternalDataError) as raised:
+        loading.load(model)
+    assert str(raised.value) == f"<ir>: tensor {names[1]!r} external data '{names[1]}.bin': data file not found"
+    secret = _secret(tmp_path)
+    (tmp_path / "model").mkdir()
+    escaping = _fp4_model_with_external_weight(tmp_path / "model", "../secret.bin", data_file=secret)
+    with pytest.raises(UnsafeExternalDataError) as raised:
+        loading.load(escaping, base_dir=tmp_path / "model")
+    assert str(raised.value) == ("<proto>: tensor 'W' external data '../secret.bin' leaves the model's folder; "
+                                 "refusing to read it")
