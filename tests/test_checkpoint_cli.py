@@ -204,7 +204,10 @@ def test_full_disk(ckpt, tmp_path, capsys, monkeypatch, after):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full)
-    monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    def no_room(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "copy_file_range", no_room)
     _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=("model.safetensors", "No space left", "tensor"))
 
 

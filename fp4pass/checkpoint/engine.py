@@ -31,7 +31,7 @@ from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
-from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPREAD
+from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, E8M0_NAN, LOSSLESS_SPREAD
 from fp4pass.metrics import snr_db
 
 __all__ = ["Converted", "convert_linears", "convert_fused", "convert_experts", "measure", "stats_entry"]
@@ -69,10 +69,10 @@ def takes_lossless_path(scales: torch.Tensor, method: str) -> bool:
         return False
     flat = scales.reshape(-1).numpy()
     lo, hi = int(flat.min()), int(flat.max())
-    return hi != 255 and hi - lo <= LOSSLESS_SPREAD and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
+    return hi != E8M0_NAN and hi - lo <= LOSSLESS_SPREAD and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
 
 
-def stats_entry(stats, experts: int = 1) -> dict:
+def stats_entry(stats) -> dict:
     """The report's keys of a :class:`fp4pass.convert.ConversionStats` (or a dict of them)."""
     d = stats.to_json() if hasattr(stats, "to_json") else dict(stats)
     d["lossless"] = d["blocks16_requantized"] == 0
@@ -126,7 +126,7 @@ def _convert(mx: MXFP4Tensor, method: str, where: list) -> tuple[NVFP4Tensor, ob
         return mxfp4_to_nvfp4(mx, method, group_dims=0)
     except FP4PassError as exc:
         for entry, buffer in where:
-            bad = (buffer == 255).nonzero()
+            bad = (buffer == E8M0_NAN).nonzero()
             if bad.numel():
                 index = tuple(int(i) for i in bad[0].tolist())
                 raise CheckpointError(f"{entry.shard}: tensor {entry.name!r}: E8M0 code 255 (NaN) at index "

@@ -38,6 +38,7 @@ from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, 
 from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec, ShardWriter
 from fp4pass.choices import Method, values
 from fp4pass.errors import UsageError
+from fp4pass.formats.constants import E8M0_BIAS
 from fp4pass.io import atomic_folder
 
 __all__ = ["convert", "inspect", "CheckFailed", "DEFAULT_SHARD_BYTES"]
@@ -189,8 +190,9 @@ def _report_entry(unit, lin_or_unit, part_list: list[dict], conv: engine.Convert
         totals = _totals(part_list)
         entry = {"name": unit.name, "form": unit.form, "source": [unit.codes.name, unit.scales.name],
                  "shard": unit.codes.shard, "shape": [unit.experts, unit.rows, unit.cols], "experts": unit.experts,
-                 **totals, "global_scale": [conv.global_scale], "experts_lossless": sum(p["lossless"] for p in part_list),
-                 "per_expert": part_list, "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
+                 **totals, "global_scale": [conv.global_scale],
+                 "experts_lossless": sum(p["lossless"] for p in part_list), "per_expert": part_list,
+                 "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
         if scales.values:
             entry["input_scale"] = scales.values[unit.name]
         return entry
@@ -394,7 +396,7 @@ def inspect(src_dir) -> dict:
 
 def _spread(scales: torch.Tensor) -> tuple[int, int]:
     arr = scales.numpy()
-    return int(arr.min()) - 127, int(arr.max()) - 127
+    return int(arr.min()) - E8M0_BIAS, int(arr.max()) - E8M0_BIAS
 
 
 def _inspect_group(catalog: Catalog, group) -> list[dict]:

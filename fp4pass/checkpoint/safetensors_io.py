@@ -289,7 +289,10 @@ class ShardWriter:
         spec = self.specs[self._index] if self._index < len(self.specs) else None
         if spec is None or spec.name != name:
             raise RuntimeError(f"{self.path.name}: wrote {name!r} where the plan has {spec and spec.name!r}")
-        view = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(np.ascontiguousarray(data)).cast("B")
+        if isinstance(data, torch.Tensor):
+            view = tensor_bytes(data)
+        else:
+            view = memoryview(np.ascontiguousarray(data)).cast("B")
         if self._written + len(view) > spec.nbytes:
             raise RuntimeError(f"{self.path.name}: {name!r} got more than its {spec.nbytes} bytes")
         self._write_all(view, repr(name))
