@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fp4pass {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
-    common.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    common.add_argument("--quiet", action="store_true", help="no progress bar, no notes, warnings only")
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="also show the log lines of the libraries fp4pass runs (onnx_ir, onnxruntime)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"fp4pass.commands.{name}").register(sub, common)
@@ -227,11 +229,12 @@ def _main(parser, args) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else (logging.WARNING if args.quiet else logging.INFO),
-        format="fp4pass: %(message)s",
-        stream=sys.stderr,
-    )
+    # fp4pass's own lines at INFO; the libraries' (onnx_ir's pass manager, ...) only with -v or --debug
+    own = logging.DEBUG if args.debug else (logging.WARNING if args.quiet else logging.INFO)
+    libraries = logging.DEBUG if args.debug else (logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=libraries, format="fp4pass: %(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(libraries)
+    logging.getLogger("fp4pass").setLevel(own)
     stdout = sys.stdout
     sys.stdout = guard = _QuietPipe(stdout)
     try:

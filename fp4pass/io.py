@@ -419,8 +419,6 @@ def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception
     The type is checked before the file is opened and again on the open descriptor, and at most ``limit + 1``
     bytes are read, so a file swapped or grown in between is refused too.
     """
-    import stat
-
     try:
         info = os.stat(path)
     except FileNotFoundError:

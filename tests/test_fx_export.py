@@ -12,12 +12,13 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
+from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import fp4pass.fx
 from calib_builders import nv_fake_quant_np
 from fp4pass.errors import FormatError, ModelError, UsageError
-from fp4pass.formats import MXFP4Tensor
+from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
 from fx_builders import MXFP4MLP, NVFP4Experts, mxfp4_weight, nvfp4_weight
 
 FAKE_QUANT = torch.ops.fp4pass.fake_quantize_nvfp4.default
@@ -246,3 +247,46 @@ def test_reshaped_constant_codes_are_followed_and_keep_the_weight_name():
     assert not _nodes(proto, "Reshape")
     results = ReferenceEvaluator(proto).run(None, {"x": x.numpy()}, intermediate=True)
     np.testing.assert_array_equal(results["dequantize_mxfp4"], mxfp4_weight(model.w_blocks.flatten(-2), model.w_scales))
+
+
+class _EqualScales(torch.nn.Module):
+    """Three NVFP4 weights: w0 and w1 have equal global scales (w1 is w0's rows reversed, same amax), w2 its
+    own; all 2-D, one scalar global scale each."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        w0 = torch.randn(64, 64, generator=g)
+        for i, w in enumerate((w0, w0.flip(0), torch.randn(32, 64, generator=g) * 3)):
+            nv = NVFP4Tensor.quantize(w)
+            self.register_buffer(f"codes{i}", nv.codes)
+            self.register_buffer(f"scales{i}", nv.scales)
+            self.register_buffer(f"global_scale{i}", nv.global_scale)
+
+    def forward(self, x):
+        for i in range(3):
+            w = torch.ops.fp4pass.dequantize_nvfp4(getattr(self, f"codes{i}"), getattr(self, f"scales{i}"),
+                                                   getattr(self, f"global_scale{i}"))
+            x = torch.relu(x @ w.T)
+        return x
+
+
+def test_each_weight_keeps_its_own_named_global_scale():
+    """torch.onnx merges initializers of equal value; the export gives each weight back its own global scale,
+    named after the weight's, holding that weight's value, read by that weight's DequantizeLinear only."""
+    model = _EqualScales()
+    assert torch.equal(model.global_scale0, model.global_scale1)
+    assert not torch.equal(model.global_scale0, model.global_scale2)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    proto = ir.serde.serialize_model(fp4pass.fx.export(model, (x,)))
+    onnx.checker.check_model(proto, full_check=True)
+    scale_dqs = {n.input[0]: n for n in _nodes(proto, "DequantizeLinear") if n.input[0].startswith("scales")}
+    for i in range(3):
+        name = f"global_scale{i}"
+        assert list(scale_dqs[f"scales{i}"].input[1:]) == [name]
+        np.testing.assert_array_equal(numpy_helper.to_array(_initializer(proto, name)),
+                                      getattr(model, name).numpy())
+    readers = [i for n in proto.graph.node for i in n.input if i.startswith("global_scale")]
+    assert sorted(readers) == ["global_scale0", "global_scale1", "global_scale2"]  # one reader each
+    results = ReferenceEvaluator(proto).run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(results[0], model(x).numpy(), rtol=1e-4, atol=1e-3)
