@@ -301,3 +301,13 @@ def test_inspect(examples):
     names = {w["name"] for w in info["weights"]}
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.o_proj" in names
     assert "lm_head.weight" in info["copied"]
+
+
+@pytest.mark.parametrize("method", ["requant", "hybrid"])
+def test_other_methods_pass_the_check(tmp_path, method):
+    src_dir = build_checkpoint(tmp_path / "src", "compressed-tensors", layers=1, experts=2, hidden=64,
+                               intermediate=64, seed=4, lossy_expert=(0, 1))
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", method=method, check=True)
+    assert report["check"]["passed"]
+    lossless = report["summary"]["experts_lossless"]
+    assert lossless == (0 if method == "requant" else report["summary"]["experts_total"] - 1)

@@ -295,7 +295,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             if check:
                 from fp4pass.checkpoint.check import check_checkpoint
 
-                report["check"] = check_checkpoint(catalog, found, tmp, fmt)
+                report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
                 if not report["check"]["passed"]:
                     raise CheckFailed(report)
         report["summary"]["seconds"] = time.perf_counter() - start
