@@ -146,7 +146,7 @@ class SafetensorsFile:
         if not isinstance(info, dict):
             raise self._fail(f"tensor {name!r}: header entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise self._fail(f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise self._fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
