@@ -311,3 +311,20 @@ def test_other_methods_pass_the_check(tmp_path, method):
     assert report["check"]["passed"]
     lossless = report["summary"]["experts_lossless"]
     assert lossless == (0 if method == "requant" else report["summary"]["experts_total"] - 1)
+
+
+def test_exclude_list_never_covers_a_converted_module():
+    import fnmatch
+
+    from fp4pass.checkpoint.output_forms import exclude_list
+
+    converted = [f"model.layers.{i}.mlp.experts.{e}.w{p}" for i in range(3) for e in range(4) for p in (1, 2, 3)]
+    converted.append("model.layers.0.self_attn.o_proj")  # layer 0's o_proj is MXFP4, layer 1's and 2's are not
+    kept = [f"model.layers.{i}.{m}" for i in range(3) for m in ("self_attn.q_proj", "mlp.gate", "input_layernorm")]
+    kept += ["model.layers.1.self_attn.o_proj", "model.layers.2.self_attn.o_proj", "lm_head", "model.embed_tokens"]
+    patterns = exclude_list(kept, converted)
+    assert "model.layers.*.self_attn.q_proj" in patterns and "model.layers.1.self_attn.o_proj" in patterns
+    for module in kept:
+        assert any(fnmatch.fnmatchcase(module, p) for p in patterns), module
+    for module in converted:
+        assert not any(fnmatch.fnmatchcase(module, p) for p in patterns), module
