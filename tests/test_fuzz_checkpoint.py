@@ -104,7 +104,7 @@ def m_lying_header(rng, folder):
     entry = header[name]
     choice = rng.randrange(6)
     if choice == 0:
-        entry["dtype"] = rng.choice(["F8_E8M0", "U8", "I8", "BF16", "F32", "F64", "XYZ", "", 7])
+        entry["dtype"] = rng.choice(["F8_E8M0", "U8", "I8", "BF16", "F32", "F64", "XYZ", "", 7, ["U8"], None])
     elif choice == 1:
         entry["shape"] = [d * rng.choice([2, 3]) if d else 1 for d in entry["shape"]] or [2]
     elif choice == 2:
@@ -275,3 +275,16 @@ def test_checkpoint_fuzz_default(seed, tmp_path, capsys):
 @pytest.mark.parametrize("seed", range(DEFAULT_CASES, DEFAULT_CASES + SLOW_CASES))
 def test_checkpoint_fuzz_slow(seed, tmp_path, capsys):
     _case(seed, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("dtype", [["U8"], None, 7, {"U8": 1}, "u8", ""])
+def test_a_header_dtype_of_any_json_kind_is_exit_2(dtype, tmp_path, capsys):
+    """A regression the campaign found: a dtype that is a JSON list (unhashable) was exit 3."""
+    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=1, hidden=64, intermediate=32)
+    path = _shards(src)[0]
+    header, _ = _header(path)
+    header[next(k for k in _tensor_names(header) if k.endswith(".scale"))]["dtype"] = dtype
+    _write_header(path, header)
+    code, err = _run(["convert", str(src), "-o", str(tmp_path / "out"), "--format", "modelopt"], capsys)
+    assert code == 2 and "unknown dtype" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
