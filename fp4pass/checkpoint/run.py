@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fp4pass.checkpoint import engine, output_forms
+from fp4pass.checkpoint.byte_transpose import transpose_bytes
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
@@ -156,7 +157,7 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
     """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert.
 
     Codes kept as they are (``conv.codes`` None) are read from the source one expert at a time into a reused
-    buffer; each expert is transposed into one of two reused buffers while the other is being written (numpy's
+    buffer; each expert is transposed (cache-blocked, :func:`transpose_bytes`) into one of two reused buffers while the other is being written (numpy's
     copy and the write both release the GIL), so memory stays at a few experts and no page is faulted twice.
     """
     p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
@@ -173,7 +174,7 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
                 else:
                     block = stack[i].numpy()
                 out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
-                np.copyto(out, block.T)
+                transpose_bytes(block, out)
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(writer.write_part, name, out)

@@ -1,0 +1,35 @@
+"""Transposing a uint8 matrix [R, C] -> [C, R] into a preallocated output, cache-blocked.
+
+ModelOpt's gpt-oss layout stores each expert's packed codes [N, K/2] as [K/2, N] and its E4M3 block scales
+[N, K/16] as [K/16, N]: out[c, r] = src[r, c] byte for byte. The transposition moves whole bytes, so the two
+E2M1 codes inside a byte stay as they are (even element in the low nibble).
+
+numpy's plain ``np.copyto(out, src.T)`` walks the output row by row and reads the source with a stride of C
+bytes; for a matrix of megabytes every read then touches a new cache line, and it runs at well under 1 GB/s.
+Copying strips of :data:`STRIP_ROWS` source rows (out[:, i:i+b] = src[i:i+b].T) keeps the b source lines
+that one output row reads in L1/L2 while the C output rows are filled, a few times faster on the shapes of
+gpt-oss (N = 5760, K/2 = 1440). numpy releases the GIL in the copy, so :func:`transpose_bytes` can run in a
+worker thread beside the file writes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["transpose_bytes", "STRIP_ROWS"]
+
+STRIP_ROWS = 256  # 256 source lines of 64 bytes: 16 KiB, inside L1 beside the output's lines
+
+
+def transpose_bytes(src: np.ndarray, out: np.ndarray, strip: int = STRIP_ROWS) -> np.ndarray:
+    """``out[c, r] = src[r, c]`` for a 2-D uint8 ``src`` [R, C] and a C-contiguous uint8 ``out`` [C, R]; ``out``."""
+    if src.ndim != 2 or out.shape != (src.shape[1], src.shape[0]):
+        raise ValueError(f"transpose_bytes: source {src.shape} into {out.shape}")
+    if src.dtype != np.uint8 or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError("transpose_bytes: uint8 arrays and a C-contiguous output expected")
+    rows = src.shape[0]
+    if strip < 1:
+        raise ValueError(f"transpose_bytes: strip {strip} < 1")
+    for i in range(0, rows, strip):
+        np.copyto(out[:, i:i + strip], src[i:i + strip].T)
+    return out
