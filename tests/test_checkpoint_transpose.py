@@ -3,6 +3,8 @@ byte (nibbles inside a byte unchanged), for every strip size, ragged last strips
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -41,3 +43,13 @@ def test_strided_source():
 def test_refuses_wrong_shapes_and_dtypes(src_shape, out_shape, dtype):
     with pytest.raises(ValueError):
         transpose_bytes(np.zeros(src_shape, dtype=dtype), np.zeros(out_shape, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("rows,strip", [(1000, 64), (513, STRIP_ROWS), (100, STRIP_ROWS), (3, 1), (9, 2)])
+def test_split_between_two_threads(rows, strip):
+    rng = np.random.default_rng(rows)
+    src = rng.integers(0, 256, (rows, 37), dtype=np.uint8)
+    out = np.zeros((37, rows), dtype=np.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        transpose_bytes(src, out, strip, pool=pool)
+    np.testing.assert_array_equal(out, np.ascontiguousarray(src.T))

@@ -9,10 +9,13 @@ bytes; for a matrix of megabytes every read then touches a new cache line, and i
 Copying strips of :data:`STRIP_ROWS` source rows (out[:, i:i+b] = src[i:i+b].T) keeps the b source lines
 that one output row reads in L1/L2 while the C output rows are filled, a few times faster on the shapes of
 gpt-oss (N = 5760, K/2 = 1440). numpy releases the GIL in the copy, so :func:`transpose_bytes` can run in a
-worker thread beside the file writes.
+worker thread beside the file writes, and
+split between two threads (``pool``).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Executor
 
 import numpy as np
 
@@ -21,8 +24,19 @@ __all__ = ["transpose_bytes", "STRIP_ROWS"]
 STRIP_ROWS = 256  # 256 source lines of 64 bytes: 16 KiB, inside L1 beside the output's lines
 
 
-def transpose_bytes(src: np.ndarray, out: np.ndarray, strip: int = STRIP_ROWS) -> np.ndarray:
-    """``out[c, r] = src[r, c]`` for a 2-D uint8 ``src`` [R, C] and a C-contiguous uint8 ``out`` [C, R]; ``out``."""
+def _strips(src: np.ndarray, out: np.ndarray, begin: int, end: int, strip: int) -> None:
+    for i in range(begin, end, strip):
+        stop = min(i + strip, end)
+        np.copyto(out[:, i:stop], src[i:stop].T)
+
+
+def transpose_bytes(src: np.ndarray, out: np.ndarray, strip: int = STRIP_ROWS, pool: Executor | None = None
+                    ) -> np.ndarray:
+    """``out[c, r] = src[r, c]`` for a 2-D uint8 ``src`` [R, C] and a C-contiguous uint8 ``out`` [C, R]; ``out``.
+
+    With ``pool``, the first half of the source rows (whole strips) is transposed there while this thread does
+    the second: the two write disjoint column ranges of ``out``.
+    """
     if src.ndim != 2 or out.shape != (src.shape[1], src.shape[0]):
         raise ValueError(f"transpose_bytes: source {src.shape} into {out.shape}")
     if src.dtype != np.uint8 or out.dtype != np.uint8 or not out.flags.c_contiguous:
@@ -30,6 +44,13 @@ def transpose_bytes(src: np.ndarray, out: np.ndarray, strip: int = STRIP_ROWS) -
     rows = src.shape[0]
     if strip < 1:
         raise ValueError(f"transpose_bytes: strip {strip} < 1")
-    for i in range(0, rows, strip):
-        np.copyto(out[:, i:i + strip], src[i:i + strip].T)
+    half = (rows // strip + 1) // 2 * strip if pool is not None else 0
+    if 0 < half < rows:
+        first = pool.submit(_strips, src, out, 0, half, strip)
+        try:
+            _strips(src, out, half, rows, strip)
+        finally:
+            first.result()
+    else:
+        _strips(src, out, 0, rows, strip)
     return out

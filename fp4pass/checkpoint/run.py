@@ -157,13 +157,15 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
     """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert.
 
     Codes kept as they are (``conv.codes`` None) are read from the source one expert at a time into a reused
-    buffer; each expert is transposed (cache-blocked, :func:`transpose_bytes`) into one of two reused buffers while the other is being written (numpy's
+    buffer; each expert is transposed (cache-blocked, :func:`transpose_bytes`; in two halves on two threads
+    where the machine has two cores) into one of two reused buffers while the other is being written (numpy's
     copy and the write both release the GIL), so memory stays at a few experts and no page is faulted twice.
     """
     p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
     source = catalog.shards[unit.codes.shard]
     staging = np.empty((n, k // 2), dtype=np.uint8) if conv.codes is None else None
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as helper:
+        halves = helper if (os.cpu_count() or 1) > 1 else None
         pending = None
         for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
             buffers = [np.empty((width, n), dtype=np.uint8) for _ in range(2)]
@@ -174,7 +176,7 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
                 else:
                     block = stack[i].numpy()
                 out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
-                transpose_bytes(block, out)
+                transpose_bytes(block, out, pool=halves)
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(writer.write_part, name, out)
