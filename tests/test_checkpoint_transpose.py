@@ -3,12 +3,13 @@ byte (nibbles inside a byte unchanged), for every strip size, ragged last strips
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from fp4pass.checkpoint.byte_transpose import STRIP_ROWS, transpose_bytes
+from fp4pass.checkpoint.byte_transpose import STRIP_ROWS, transpose_bytes, transpose_read
 
 
 @pytest.mark.parametrize("rows,cols,strip", [(5, 3, 1), (7, 9, 2), (300, 45, 64), (257, 180, STRIP_ROWS),
@@ -53,3 +54,26 @@ def test_split_between_two_threads(rows, strip):
     with ThreadPoolExecutor(1) as pool:
         transpose_bytes(src, out, strip, pool=pool)
     np.testing.assert_array_equal(out, np.ascontiguousarray(src.T))
+
+
+@pytest.mark.parametrize("rows,cols,strip,threads", [(300, 45, 64, 1), (300, 45, 64, 2), (513, 19, STRIP_ROWS, 2),
+                                                     (7, 3, 1, 2), (40, 33, 1000, 2), (5, 8, 2, 1)])
+def test_transpose_read_from_a_file(tmp_path, rows, cols, strip, threads):
+    """The source read strip by strip from a file (at an offset, as a tensor inside a shard)."""
+    rng = np.random.default_rng(rows + cols)
+    src = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    path = tmp_path / "src.bin"
+    path.write_bytes(b"\x5a" * 13 + src.tobytes() + b"\xc3" * 7)
+    calls = []
+    with open(path, "rb") as f:
+        def read(begin, stop, buffer):
+            calls.append((begin, stop))
+            assert buffer.shape == (stop - begin, cols)
+            f_data = os.pread(f.fileno(), (stop - begin) * cols, 13 + begin * cols)
+            buffer[...] = np.frombuffer(f_data, dtype=np.uint8).reshape(stop - begin, cols)
+
+        out = np.full((cols, rows), 0xEE, dtype=np.uint8)
+        with ThreadPoolExecutor(1) as pool:
+            transpose_read(read, out, strip, pool=pool if threads == 2 else None)
+    np.testing.assert_array_equal(out, np.ascontiguousarray(src.T))
+    assert sorted(calls)[0][0] == 0 and sum(b - a for a, b in calls) == rows  # every row read once

@@ -15,11 +15,12 @@ split between two threads (``pool``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import numpy as np
 
-__all__ = ["transpose_bytes", "STRIP_ROWS"]
+__all__ = ["transpose_bytes", "transpose_read", "STRIP_ROWS"]
 
 STRIP_ROWS = 256  # 256 source lines of 64 bytes: 16 KiB, inside L1 beside the output's lines
 
@@ -53,4 +54,42 @@ def transpose_bytes(src: np.ndarray, out: np.ndarray, strip: int = STRIP_ROWS, p
             first.result()
     else:
         _strips(src, out, 0, rows, strip)
+    return out
+
+
+def _read_strips(read: Callable[[int, int, np.ndarray], None], out: np.ndarray, begin: int, end: int,
+                 strip: int) -> None:
+    staging = np.empty((min(strip, end - begin), out.shape[0]), dtype=np.uint8)
+    for i in range(begin, end, strip):
+        stop = min(i + strip, end)
+        rows = staging[:stop - i]
+        read(i, stop, rows)
+        np.copyto(out[:, i:stop], rows.T)
+
+
+def transpose_read(read: Callable[[int, int, np.ndarray], None], out: np.ndarray, strip: int = STRIP_ROWS,
+                   pool: Executor | None = None) -> np.ndarray:
+    """:func:`transpose_bytes` of a source [R, C] that is not in memory: ``read(begin, stop, rows)`` fills the
+    C-contiguous uint8 ``rows`` [stop - begin, C] with source rows begin..stop-1 (a file read).
+
+    Each strip is read into a small buffer of its own (one per thread, a few hundred KiB) and transposed while
+    it is still in the cache, so the source crosses main memory once instead of three times (read into a whole
+    buffer, then read back strided). With ``pool``, the first half of the rows is read and transposed there.
+    """
+    if out.ndim != 2 or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError("transpose_read: a C-contiguous 2-D uint8 output expected")
+    if strip < 1:
+        raise ValueError(f"transpose_read: strip {strip} < 1")
+    rows = out.shape[1]
+    if rows == 0:
+        return out
+    half = (rows // strip + 1) // 2 * strip if pool is not None else 0
+    if 0 < half < rows:
+        first = pool.submit(_read_strips, read, out, 0, half, strip)
+        try:
+            _read_strips(read, out, half, rows, strip)
+        finally:
+            first.result()
+    else:
+        _read_strips(read, out, 0, rows, strip)
     return out

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fp4pass.checkpoint import engine, output_forms
-from fp4pass.checkpoint.byte_transpose import transpose_bytes
+from fp4pass.checkpoint.byte_transpose import transpose_bytes, transpose_read
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
@@ -156,27 +156,32 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
                  scales: InputScales) -> None:
     """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert.
 
-    Codes kept as they are (``conv.codes`` None) are read from the source one expert at a time into a reused
-    buffer; each expert is transposed (cache-blocked, :func:`transpose_bytes`; in two halves on two threads
-    where the machine has two cores) into one of two reused buffers while the other is being written (numpy's
-    copy and the write both release the GIL), so memory stays at a few experts and no page is faulted twice.
+    Each expert is transposed (cache-blocked; in two halves on two threads where the machine has two cores) into
+    one of two reused buffers while the other is being written (numpy's copy and the write both release the
+    GIL), so memory stays at a few experts and no page is faulted twice. Codes kept as they are (``conv.codes``
+    None) are read from the source a strip of rows at a time and transposed while in the cache
+    (:func:`transpose_read`); converted ones and the scales from memory (:func:`transpose_bytes`).
     """
     p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
     source = catalog.shards[unit.codes.shard]
-    staging = np.empty((n, k // 2), dtype=np.uint8) if conv.codes is None else None
+    row_bytes = k // 2
+
+    def reader(expert: int):
+        def read(begin: int, stop: int, rows: np.ndarray) -> None:
+            source.read_bytes(unit.codes.name, (expert * n + begin) * row_bytes, rows)
+        return read
+
     with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as helper:
         halves = helper if (os.cpu_count() or 1) > 1 else None
         pending = None
         for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
             buffers = [np.empty((width, n), dtype=np.uint8) for _ in range(2)]
             for i in range(e):
-                if stack is None:
-                    source.read_bytes(unit.codes.name, i * n * (k // 2), staging)
-                    block = staging
-                else:
-                    block = stack[i].numpy()
                 out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
-                transpose_bytes(block, out, pool=halves)
+                if stack is None:
+                    transpose_read(reader(i), out, pool=halves)
+                else:
+                    transpose_bytes(stack[i].numpy(), out, pool=halves)
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(writer.write_part, name, out)
