@@ -328,3 +328,21 @@ def test_exclude_list_never_covers_a_converted_module():
         assert any(fnmatch.fnmatchcase(module, p) for p in patterns), module
     for module in converted:
         assert not any(fnmatch.fnmatchcase(module, p) for p in patterns), module
+
+
+def test_gpt_oss_stack_taller_than_two_strips(tmp_path):
+    """N = 2I = 576 rows: the transposition runs in strips of 256 rows split between two threads, the last strip
+    ragged; every expert's bytes are the source's transposed, byte for byte, and its scales decode alike."""
+    src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", seed=7, layers=1, experts=3, hidden=64, intermediate=288)
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format="modelopt")
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    _, stacks = _sources(src, "gpt-oss")
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    codes, e8m0 = stacks[stack]
+    assert codes.shape == (3, 576, 32)
+    w, s = as_bytes(out.get(stack)), as_bytes(out.get(f"{stack}_weight_scale"))
+    x = mx_decode(codes, e8m0)
+    s2 = float(out.get(f"{stack}_weight_scale_2"))
+    for i in range(3):
+        np.testing.assert_array_equal(w[i], np.ascontiguousarray(codes[i].T), err_msg=f"{stack}[{i}]")
+        np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i], err_msg=f"{stack}[{i}]")
