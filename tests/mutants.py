@@ -185,6 +185,77 @@ MUTANTS = [
     Mutant("headroom-rho-ignored", "the headroom calibrator uses its default rho whatever it is given", [
         ("fp4pass/calib/calibrators.py", 'return self.rho * b_min, "rho*B_min"', 'return 16384.0 * b_min, "rho*B_min"'),
     ], ["tests/test_calib_calibrators.py"]),
+    Mutant("distributed-amax-sum", "the distributed reduction adds the ranks' amax instead of taking their max", [
+        ("fp4pass/calib/distributed.py", "for s in stats]), dist.ReduceOp.MAX, device, group)",
+         "for s in stats]), dist.ReduceOp.SUM, device, group)"),
+    ], ["tests/test_calib_distributed.py"]),
+    # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
+    Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
+        ("fp4pass/onnx/rewrite_qmoe.py", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),
+    ], ["tests/test_node_declines.py"]),
+    Mutant("gbq-any-float-scale", "GatherBlockQuantized float scales are not checked for powers of two", [
+        ("fp4pass/onnx/patterns.py", "        return _power_of_two_reason(s)\n", "        return None\n"),
+        ("fp4pass/onnx/rewrite_common.py", "if not (np.all(mantissa == 0.5) and np.all((codes >= 0) & (codes < E8M0_NAN))):",
+         "if not np.all((codes >= 0) & (codes < E8M0_NAN)):"),
+    ], ["tests/test_node_declines.py"]),
+    Mutant("qmoe-model-metadata-first", "the model's layout metadata overrides the node's", [
+        ("fp4pass/onnx/qmoe_layout.py", "    value = node.metadata_props.get(LAYOUT_KEY)\n    if value in LAYOUT_SHAPES:\n"
+         "        return value, f\"node metadata {LAYOUT_KEY}={value}\"\n    value = hints.metadata.get(LAYOUT_KEY)\n",
+         "    value = hints.metadata.get(LAYOUT_KEY)\n    if value in LAYOUT_SHAPES:\n"
+         "        return value, f\"model metadata {LAYOUT_KEY}={value}\"\n    value = node.metadata_props.get(LAYOUT_KEY)\n"),
+    ], ["tests/test_qmoe_layout.py"]),
+    Mutant("qmoe-global-scale-unchecked", "QMoE fc*_global_scale inputs are not validated", [
+        ("fp4pass/onnx/patterns.py", "        reason = _qmoe_global_scales_reason(node)\n", "        reason = None\n"),
+    ], ["tests/test_node_declines.py"]),
+    Mutant("npz-header-unchecked", "calibration arrays are read whole before their rank is checked", [
+        ("fp4pass/npz.py", "        if check is not None:\n            check(name, shape, dtype)\n", ""),
+    ], ["tests/test_calib_data_files.py"]),
+    Mutant("scales-json-duplicates-kept", "SCALES.json keeps the last of two equal keys", [
+        ("fp4pass/calib/scales.py", "return json.loads(text, object_pairs_hook=pairs, parse_int=integer)",
+         "return json.loads(text, parse_int=integer)"),
+    ], ["tests/test_input_files.py"]),
+    Mutant("random-inputs-float64", "random float inputs are drawn in float64 and then copied", [
+        ("fp4pass/onnx/numerics.py", "rng.standard_normal(dims, dtype=np.float32).astype(dtype, copy=False)",
+         "rng.standard_normal(dims).astype(np.float32).astype(dtype)"),
+    ], ["tests/test_random_inputs.py"]),
+    # -- reading only inside a model's folder, writing only what is ours ----------------------------------
+    Mutant("external-data-prefix-check", "external data is inside the folder when its path starts with it", [
+        ("fp4pass/onnx/loading.py", "    return os.path.commonpath([real, base_real]) == base_real",
+         "    return real.startswith(base_real)"),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("proto-external-data-unchecked", "a ModelProto's external data is read without a location check", [
+        ("fp4pass/onnx/loading.py", "        check_external_data(loaded.model, tensor.base_dir, where, only=tensor)",
+         "        pass"),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("function-constants-unwalked", "Constant values in local functions are not among the external tensors", [
+        ("fp4pass/onnx/loading.py",
+         '    scopes = [("", model.graph)] + [(f"function {f.name!r} ", f) for f in model.functions.values()]',
+         '    scopes = [("", model.graph)]'),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("output-data-file-not-an-input-check", "the output's .data file is not checked against the input's", [
+        ("fp4pass/pipeline.py",
+         '        refuse_overwrite(Path(output).with_name(Path(output).name + ".data"), *input_files)', ""),
+        ("fp4pass/onnx/loading.py", "        if os.path.realpath(data_path) in external_data_files(model) or any(",
+         "        if False and any("),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("rename-over-symlink", "an output that is a symlink out of its folder is renamed over", [
+        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
+        ("fp4pass/io.py", "        output_target(out, label)\n", ""),
+        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
+    ], ["tests/test_io.py", "tests/test_loading_external.py"]),
+    Mutant("rollback-by-name", "a failed run removes whatever file now has its output's name", [
+        ("fp4pass/io.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
+    ], ["tests/test_io.py"]),
+    Mutant("stale-by-pid-only", "temporaries of another host or pid namespace are judged by their pid here", [
+        ("fp4pass/io.py", "    if match.group(2) == token and not _pid_alive", "    if not _pid_alive"),
+    ], ["tests/test_io.py"]),
+    Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
+        ("fp4pass/io.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n    os.replace(tmp, target)",
+         "    os.chmod(tmp, 0o666 & ~_umask())\n    os.replace(tmp, target)\n    _fsync_path(target)"),
+    ], ["tests/test_io.py"]),
+    Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
+        ("fp4pass/io.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
+    ], ["tests/test_io.py"]),
 ]
 
 

@@ -79,14 +79,16 @@ def expert_model(e=3, n=32, k=64, exponents=(0, -7, 9), spread_expert=None) -> o
     return make(nodes, [vi("x", [e, "t", k])], [vi("y", [e, "t", n])], mx_inits("W", w))
 
 
-def qmoe_model(e=2, hidden=64, inner=32, global_scale=None) -> onnx.ModelProto:
-    """com.microsoft::QMoE quant_type='fp4' with uint8 [E, N, K/2] weights and E8M0 scales."""
+def qmoe_model(e=2, hidden=64, inner=32, global_scale=None, fc2_global_scale=None) -> onnx.ModelProto:
+    """com.microsoft::QMoE quant_type='fp4' with uint8 [E, N, K/2] weights and E8M0 scales; ``global_scale``
+    is fc1's fc*_global_scale and fc2's too unless ``fc2_global_scale`` gives fc2 its own."""
     inits = []
     for name, shape in (("fc1", (e, 2 * inner, hidden)), ("fc2", (e, hidden, inner))):
         codes, scales = mxfp4_quantize(weight(shape, 2 if name == "fc1" else 3))
         packed = _pack(codes)
         inits += [numpy_helper.from_array(packed, f"{name}.weight"), numpy_helper.from_array(scales, f"{name}.scales")]
-        g = np.ones(e, np.float32) if global_scale is None else np.asarray(global_scale, np.float32)
+        given = fc2_global_scale if name == "fc2" and fc2_global_scale is not None else global_scale
+        g = np.ones(e, np.float32) if given is None else np.asarray(given, np.float32)
         inits.append(numpy_helper.from_array(g, f"{name}.global_scale"))
     ins = ["x", "router", "fc1.weight", "fc1.scales", "", "fc2.weight", "fc2.scales", "", "", "", "",
            "", "", "", "", "fc1.global_scale", "fc2.global_scale"]

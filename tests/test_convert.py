@@ -240,7 +240,7 @@ def test_pattern_encoder_matches_halfwise_encoder(seed, spread_, neighbours, ver
     """patterns.choose + encode == halves.encode_halves (the per-half float code path) at random global scales."""
     from fp4pass.convert import layout as layout_mod
     from fp4pass.convert import patterns
-    from fp4pass.convert.halves import encode_halves
+    from halves_reference import encode_halves
 
     rng = np.random.default_rng(seed)
     codes, e8m0 = oracle.random_mx(rng, (3, 4, 64), spread_, zero_block_rate=0.2, k_low=int(rng.integers(-60, 40)))

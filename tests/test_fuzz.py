@@ -14,6 +14,12 @@ Some cases run with ``--allow-invalid``: the mutated model then reaches the conv
 
 Default run: ``FP4PASS_FUZZ_CASES`` cases (300). ``-m slow``: ``FP4PASS_FUZZ_SLOW_CASES`` (5000), seeds after
 the default ones. A failing seed becomes a case in ``REGRESSION_SEEDS``.
+
+The files around a model (tests/fuzz_files.py: .npz calibration data and diff inputs, SCALES.json, special
+files in their place, static dims of random inputs, QMoE attributes and global scales) get a campaign of their
+own with the same invariants, plus: no command blocks (a FIFO is opened for writing after a minute, so a
+reader stuck on it fails the case instead of hanging the suite). ``FP4PASS_FUZZ_FILE_CASES`` (24) by
+default, ``FP4PASS_FUZZ_FILE_SLOW_CASES`` (600) under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -21,18 +27,24 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import stat
+import threading
 import time
 import traceback
 
 import onnx
 import pytest
 
+from fuzz_files import make_file_case
 from fuzz_mutator import make_case, snapshot
 from fp4pass.cli import main
 
 DEFAULT_CASES = int(os.environ.get("FP4PASS_FUZZ_CASES", "300"))
 SLOW_CASES = int(os.environ.get("FP4PASS_FUZZ_SLOW_CASES", "5000"))
 CHUNK = 50
+FILE_CASES = int(os.environ.get("FP4PASS_FUZZ_FILE_CASES", "24"))
+FILE_SLOW_CASES = int(os.environ.get("FP4PASS_FUZZ_FILE_SLOW_CASES", "600"))
+FIFO_PATIENCE_S = 60.0
 # Seeds that broke an invariant before the loading checks existed (each ran into a traceback, or gave exit 0
 # with an output the ONNX checker refuses); kept so that they stay fixed whatever the default count.
 REGRESSION_SEEDS = [
@@ -151,4 +163,82 @@ def test_fuzz_campaign_slow(tmp_path):
     seeds = range(DEFAULT_CASES, DEFAULT_CASES + SLOW_CASES)
     problems, seconds = _campaign(seeds, tmp_path)
     print(f"\nfuzz campaign: {len(seeds)} cases in {seconds:.1f} s, {len(problems)} problems")
+    assert not problems, "\n".join(problems[:30])
+
+
+# -- the files around a model ------------------------------------------------------------------------------
+
+
+def _unblock_fifos(folder) -> None:
+    """Open every FIFO under ``folder`` for writing and close it: a reader blocked in open() gets EOF."""
+    for base, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(base, name)
+            if stat.S_ISFIFO(os.lstat(path).st_mode):
+                with contextlib.suppress(OSError):
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def run_file_case(seed: int, root) -> list[str]:
+    """One case of tests/fuzz_files.py under ``root``; returns the broken invariants."""
+    src, out = root / "in", root / "out"
+    src.mkdir()
+    out.mkdir()
+    commands, outputs, what = make_file_case(seed, src)
+    before_src = snapshot(src)
+    problems = []
+    for argv in commands:
+        argv = [a.replace("{out}", str(out)) for a in argv]
+        label = argv[0]
+        watchdog = threading.Timer(FIFO_PATIENCE_S, _unblock_fifos, args=(src,))
+        watchdog.start()
+        started = time.perf_counter()
+        try:
+            code, err = _run(argv)
+        finally:
+            watchdog.cancel()
+        if time.perf_counter() - started >= FIFO_PATIENCE_S:
+            problems.append(f"seed {seed} {what}: {label} blocked (a FIFO had to be opened to end it)")
+        if code not in (0, 1, 2):
+            problems.append(f"seed {seed} {what}: {label} exit {code}: {err.strip()[-300:]}")
+        if "Traceback" in err:
+            problems.append(f"seed {seed} {what}: {label} printed a traceback: {err.strip()[-300:]}")
+        if code == 2 and not err.strip().splitlines()[-1].startswith("fp4pass"):
+            problems.append(f"seed {seed} {what}: {label} exit 2 without its one line: {err.strip()[-300:]}")
+        if snapshot(src) != before_src:
+            problems.append(f"seed {seed} {what}: {label} changed the input folder")
+        listing = sorted(os.listdir(out))
+        allowed = sorted(n for n in outputs if n in listing) if code == 0 else []
+        if [n for n in listing if n != "o.onnx.data"] != allowed:
+            problems.append(f"seed {seed} {what}: {label} exit {code} left {listing}")
+        if code == 0 and "o.onnx" in listing:
+            try:
+                onnx.checker.check_model(str(out / "o.onnx"), full_check=True)
+            except Exception as exc:  # noqa: BLE001 - any failure to check is the finding
+                problems.append(f"seed {seed} {what}: {label} output fails the ONNX checker: {exc}")
+        for name in os.listdir(out):
+            os.remove(out / name)
+    return problems
+
+
+def _file_campaign(seeds, tmp_path) -> list[str]:
+    problems = []
+    for seed in seeds:
+        root = tmp_path / f"file{seed}"
+        root.mkdir()
+        problems += run_file_case(seed, root)
+    return problems
+
+
+def test_fuzz_files_default(tmp_path):
+    problems = _file_campaign(range(FILE_CASES), tmp_path)
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.slow
+def test_fuzz_files_slow(tmp_path):
+    start = time.perf_counter()
+    problems = _file_campaign(range(FILE_CASES, FILE_CASES + FILE_SLOW_CASES), tmp_path)
+    print(f"\nfile fuzz campaign: {FILE_SLOW_CASES} cases in {time.perf_counter() - start:.1f} s, "
+          f"{len(problems)} problems")
     assert not problems, "\n".join(problems[:30])

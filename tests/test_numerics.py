@@ -113,7 +113,7 @@ def test_random_inputs_are_seeded_and_symbolic_dims_noted(pair):
 
 
 def test_bfloat16_inputs_drawn_or_given_as_npz_raw_bytes(tmp_path):
-    """A bfloat16 input: drawn at random (float32 draws rounded once), or given in an .npz, which stores an
+    """A bfloat16 input: drawn at random (drawn in float32, rounded once), or given in an .npz, which stores an
     ml_dtypes array as raw 2-byte items ('V2'): read back as the same bfloat16 values. An array that cannot be
     cast is one UsageError naming the input."""
     from onnx import TensorProto, helper
@@ -123,7 +123,7 @@ def test_bfloat16_inputs_drawn_or_given_as_npz_raw_bytes(tmp_path):
                               [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 8])])
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
     drawn = make_inputs(model, seed=1)["x"]
-    expected = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    expected = np.random.default_rng(1).standard_normal((2, 8), dtype=np.float32).astype(ml_dtypes.bfloat16)
     assert drawn.dtype == ml_dtypes.bfloat16 and np.array_equal(drawn.view(np.uint16), expected.view(np.uint16))
     np.savez(tmp_path / "x.npz", x=expected)
     raw = np.load(tmp_path / "x.npz")["x"]

@@ -153,3 +153,31 @@ def test_lossless_conversion_writes_the_same_codes_in_the_kernel_layout(layout, 
         np.testing.assert_array_equal(qmoe_kernel_codes(written), logical[fc])
         if layout == KERNEL:
             np.testing.assert_array_equal(written, _node(model).inputs[wi].const_value.numpy())
+
+
+# the hint sources in their documented order, highest first; the producer and genai_config.json only say kernel
+_HINT_SOURCES = ["node", "model_metadata", "producer", "genai_config"]
+_ONLY_KERNEL = ("producer", "genai_config")
+_PRECEDENCE_CASES = [(high, low, says) for i, high in enumerate(_HINT_SOURCES) for low in _HINT_SOURCES[i + 1:]
+                     if high not in _ONLY_KERNEL for says in ((SCHEMA, KERNEL) if low not in _ONLY_KERNEL else (SCHEMA,))]
+
+
+@pytest.mark.parametrize("high, low, high_says", _PRECEDENCE_CASES)
+def test_a_higher_hint_wins_over_a_lower_one_that_contradicts_it(high, low, high_says, tmp_path):
+    """Each pair of hint sources saying different layouts: the higher one in the documented order decides
+    (node metadata, then the model's, then the producer, then genai_config.json), both ways where both can say
+    either layout. The weights are written in the layout the higher one names."""
+    low_says = KERNEL if high_says == SCHEMA else SCHEMA
+    says = {high: high_says, low: low_says}
+    model, _ = _qmoe(64, 64, high_says, fused=False, node_layout=says.get("node"),
+                     producer="onnxruntime-genai" if "producer" in says else "")
+    model_dir = None
+    if "model_metadata" in says:
+        model.metadata_props[LAYOUT_KEY] = says["model_metadata"]
+    if "genai_config" in says:
+        (tmp_path / "genai_config.json").write_text(json.dumps({"model": {"type": "gpt_oss"}}))
+        model_dir = tmp_path
+    found = detect(_node(model), 32, Hints.of(model, model_dir))
+    assert found.layout == high_says, found.reason
+    records, declined = find_mxfp4(model, model_dir)
+    assert not declined and [r.layout for r in records] == [high_says, high_says]

@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_table", "AREAS"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib", "fx")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx")
 
 
 @dataclass
@@ -79,6 +79,10 @@ def format_row(r: BenchResult) -> str:
     return f"{r.name:<44} {value}  {r.ratio:7.2f}x {r.baseline}{goal}  {extra}"
 
 
+RATIO_NOTE = ("ratio = measured / baseline, both in the same process: lower is better (1.00x = the baseline's "
+              "time, or its memory for MiB rows); a goal is met at or below its ratio")
+
+
 def format_table(results: list[BenchResult]) -> str:
     header = f"{'benchmark':<44} {'time':>13}  {'ratio':>7} baseline"
-    return "\n".join([header, *(format_row(r) for r in results)])
+    return "\n".join([header, *(format_row(r) for r in results), RATIO_NOTE])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from fp4pass.calib.stats import ActivationStats
 from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
 from fp4pass.formats.constants import E4M3_NORMAL_WINDOW
 from fp4pass.metrics import snr_db
+from fp4pass.npz import npz_files, read_npz
 from fp4pass.onnx.activations import activation_axis_reason, einsum_contracts_last
 from fp4pass.progress import progress
 
@@ -102,17 +104,22 @@ def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[
 
 def _check_dims(array: np.ndarray, value: ir.Value, where: str, name: str) -> None:
     """The array's rank and static dims against the graph input, and at least one row, before onnxruntime."""
-    if array.dtype.kind not in "biufc":
-        raise CalibrationDataError(f"{where}: array {name!r} is {array.dtype}, not numbers")
-    if array.size == 0:
-        raise CalibrationDataError(f"{where}: array {name!r} has shape {list(array.shape)}: no rows to calibrate on")
+    _check_layout(tuple(array.shape), array.dtype, value, where, name)
+
+
+def _check_layout(dims: tuple, dtype: np.dtype, value: ir.Value, where: str, name: str) -> None:
+    """:func:`_check_dims` from an array's shape and dtype alone (an .npy header, before its data is read)."""
+    if dtype.kind not in "biufc":
+        raise CalibrationDataError(f"{where}: array {name!r} is {dtype}, not numbers")
+    if math.prod(dims) == 0:
+        raise CalibrationDataError(f"{where}: array {name!r} has shape {list(dims)}: no rows to calibrate on")
     shape = value.shape
     if shape is None:
         return
-    if array.ndim != len(shape):
-        raise CalibrationDataError(f"{where}: array {name!r} has rank {array.ndim} {list(array.shape)}, graph "
+    if len(dims) != len(shape):
+        raise CalibrationDataError(f"{where}: array {name!r} has rank {len(dims)} {list(dims)}, graph "
                                    f"input wants rank {len(shape)} {[str(d) for d in shape]}")
-    for axis, (got, want) in enumerate(zip(array.shape, shape)):
+    for axis, (got, want) in enumerate(zip(dims, shape)):
         if isinstance(want, int) and got != want:
             raise CalibrationDataError(f"{where}: array {name!r} dim {axis} is {got}, graph input wants {want} "
                                        f"(shape {[str(d) for d in shape]})")
@@ -158,23 +165,25 @@ def iter_feeds(data, inputs: dict[str, ir.Value], batch_size: int | None = None)
             yield f"{where}[{start}:{start + batch_size}]", {k: v[start:start + batch_size] for k, v in feed.items()}
 
     def npz(path: Path) -> Iterator[tuple[str, dict]]:
-        try:
-            with np.load(path, allow_pickle=False) as arrays:
-                feed = {name: arrays[name] for name in arrays.files}
-        except (OSError, ValueError) as exc:
-            raise CalibrationDataError(f"{path}: not a readable .npz ({exc})") from None
+        # each array checked from its .npy header before it is inflated (fp4pass.npz); extras never read
+        def check(name: str, dims: tuple, dtype: np.dtype) -> None:
+            _check_layout(dims, dtype, inputs[name], str(path), name)
+
+        feed, extra = read_npz(path, error=CalibrationDataError, names=set(inputs), check=check)
+        if extra:
+            log.warning("%s: arrays %s are not graph inputs; ignored", path, ", ".join(sorted(extra)))
         yield from split(str(path), feed)
 
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if path.is_dir():
-            files = sorted(path.glob("*.npz"))
+            files = npz_files(path, CalibrationDataError)  # regular files only: a FIFO would block forever
             if not files:
                 raise CalibrationDataError(f"{path}: folder holds no .npz files")
             for file in files:
                 yield from npz(file)
-        elif path.is_file():
-            yield from npz(path)
+        elif os.path.lexists(path):
+            yield from npz(path)  # read_npz refuses what is not a regular file
         else:
             raise CalibrationDataError(f"{path}: no such file or folder")
         return
@@ -345,7 +354,13 @@ def _collect(outputs, stats, names, graph_inputs, feeds, show_progress) -> int:
     """Run every feed and add each target's batch to its statistics; returns the number of feeds."""
     batches = 0
     for where, feed in progress(feeds, desc="calibrate", enabled=show_progress, unit="batch"):
-        results = outputs.run(feed) if outputs.names else {}
+        try:
+            results = outputs.run(feed) if outputs.names else {}
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's own types (InvalidArgument: an id out of range)
+            if not type(exc).__module__.startswith("onnxruntime"):
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CalibrationDataError(f"{where}: onnxruntime refused the feed: {first}") from None
         for name in names:
             value = feed[name] if name in graph_inputs else results[name]
             try:

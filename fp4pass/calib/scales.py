@@ -21,12 +21,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import global_scale_from_amax
 from fp4pass.formats.constants import E4M3_MAX, FP32_MAX, GLOBAL_SCALE_MIN
-from fp4pass.io import write_json
+from fp4pass.io import read_regular_file, write_json
 
 __all__ = ["ActivationScale", "ActivationScales", "ScalesFileError", "input_scale_from_g_amax"]
 
@@ -41,6 +40,37 @@ class ScalesFileError(FP4PassError):
 # so s >= 2^-140, the floor NVFP4Tensor's global scale uses) and finite (s <= FP32 max / 448).
 INPUT_SCALE_MIN = GLOBAL_SCALE_MIN
 INPUT_SCALE_MAX = FP32_MAX / E4M3_MAX
+
+
+#: the largest SCALES.json read (a calibration of ~100k activations at ~200 bytes each is 20 MB)
+SCALES_MAX_BYTES = 256 << 20
+#: the most digits a JSON integer may have: FP32's largest value, 3.4e38, needs 39
+JSON_INT_MAX_DIGITS = 40
+
+
+def parse_strict_json(text: str, where: str):
+    """``json.loads`` that refuses, with :class:`ScalesFileError` naming ``where``, what plain JSON lets through:
+
+    - an object with a key twice (``{"amax": NaN, "amax": 1}`` would keep the last and hide the first);
+    - an integer of more than :data:`JSON_INT_MAX_DIGITS` digits (no FP32 number needs them; Python would
+      spend quadratic time on thousands of digits, or refuse past 4300 with a ValueError).
+    """
+
+    def pairs(items: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for key, value in items:
+            if key in out:
+                raise ScalesFileError(f"{where}: key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+
+    def integer(digits: str) -> int:
+        if len(digits.lstrip("-")) > JSON_INT_MAX_DIGITS:
+            raise ScalesFileError(f"{where}: an integer of {len(digits.lstrip('-'))} digits; at most "
+                                  f"{JSON_INT_MAX_DIGITS}")
+        return int(digits)
+
+    return json.loads(text, object_pairs_hook=pairs, parse_int=integer)
 
 
 def input_scale_from_g_amax(g_amax: float) -> float:
@@ -131,8 +161,10 @@ class ActivationScales:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ActivationScales":
+        """Read SCALES.json: a regular file of at most :data:`SCALES_MAX_BYTES`, strict JSON (module rules)."""
+        raw = read_regular_file(path, SCALES_MAX_BYTES, ScalesFileError)
         try:
-            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+            data = parse_strict_json(raw.decode("utf-8"), str(path))
         except UnicodeDecodeError as exc:
             raise ScalesFileError(f"{path}: not a SCALES.json (not UTF-8 text at byte {exc.start})") from None
         except (json.JSONDecodeError, RecursionError) as exc:

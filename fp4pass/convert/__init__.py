@@ -1,8 +1,9 @@
 """MXFP4 -> NVFP4 conversion: ``mxfp4_to_nvfp4(mx, method, group_dims, reference) -> (NVFP4Tensor, stats)``.
 
 The methods and their math are in :mod:`fp4pass.convert.methods`; how tensors are cut into groups (one FP32
-global scale each, per expert by default for 3-D weights) in :mod:`fp4pass.convert.layout`; the per-16-half
-encoding in :mod:`fp4pass.convert.halves`; the statistics in :mod:`fp4pass.convert.stats`.
+global scale each, per expert by default for 3-D weights) in :mod:`fp4pass.convert.layout`; the encoding of
+16-halves, grouped by their pattern, in :mod:`fp4pass.convert.patterns`; the statistics in
+:mod:`fp4pass.convert.stats`.
 
 Everything runs in torch on the tensor's own device, chunked over rows (about 4M elements per chunk) so that
 memory stays bounded on large expert tensors. Groups whose exponent spread is <= 17 (all of them, in most

@@ -29,13 +29,13 @@ import logging
 import math
 import os
 import re
-import stat
 from pathlib import Path
 
 import torch
 
 from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.extras import require
+from fp4pass.io import read_regular_file
 from fp4pass.fx.mxfp4 import MXFP4Experts
 
 __all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "checkpoint_layers", "CausalLMLogits",
@@ -43,6 +43,7 @@ __all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "checkpoint_laye
 
 log = logging.getLogger(__name__)
 
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is a few KB
 _OPENAI_CONFIG_KEYS = {
     "num_experts": "num_local_experts",
     "experts_per_token": "num_experts_per_tok",
@@ -69,27 +70,6 @@ _OPENAI_QKV = re.compile(r"block\.(\d+)\.attn\.qkv\.(weight|bias)")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _OPENAI_LAYER = re.compile(r"block\.(\d+)\.")
 _PACKED = ("_blocks", "_scales")
-
-
-#: config.json larger than this is not a model config (released ones are a few KB)
-_CONFIG_MAX_BYTES = 16 << 20
-
-
-def read_small_file(path: Path, what: str) -> bytes:
-    """The bytes of ``path``, a regular file of at most 16 MiB; OSError otherwise (a FIFO, a device such as
-    /dev/zero behind a link, a folder, or a file too large are refused without reading them whole)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(f"{what} is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(_CONFIG_MAX_BYTES + 1)
-        if len(data) > _CONFIG_MAX_BYTES:
-            raise OSError(f"{what} is over {_CONFIG_MAX_BYTES >> 20} MiB")
-        return data
-    finally:
-        os.close(fd)
 
 
 def _openai_config(raw: dict) -> dict:
@@ -155,14 +135,14 @@ def read_config(checkpoint_dir: str | Path, **config_overrides):
     from transformers import GptOssConfig
 
     path = Path(checkpoint_dir) / "config.json"
-    try:
-        raw = json.loads(read_small_file(path, "config.json"))
-    except FileNotFoundError:
-        raise ModelError(f"{checkpoint_dir}: no config.json (not a gpt-oss checkpoint folder)") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    if not os.path.lexists(path):
+        raise ModelError(f"{checkpoint_dir}: no config.json (not a gpt-oss checkpoint folder)")
+    try:  # a regular file only: a config.json linked to /dev/zero or a FIFO would be read forever
+        raw = json.loads(read_regular_file(path, CONFIG_MAX_BYTES, ModelError).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelError(f"{path}: cannot read ({exc})") from None
     if not isinstance(raw, dict):
-        raise ModelError(f"{path}: holds a JSON {type(raw).__name__}, not an object")
+        raise ModelError(f"{path}: holds a JSON {type(raw).__name__}; expected a JSON object")
     quant = raw.pop("quantization_config", None)
     if quant is not None and not isinstance(quant, dict):
         raise ModelError(f"{path}: quantization_config is {type(quant).__name__}, not a JSON object")

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
-from fp4pass.formats.constants import MS_DOMAIN, QUARK_DOMAIN
+from fp4pass.formats.constants import E8M0_MAX_EXP, E8M0_MIN_EXP, MS_DOMAIN, QUARK_DOMAIN
 from fp4pass.onnx import qmoe_layout
 from fp4pass.onnx.passes import all_nodes, constant_tensor, function_graphs, function_label, function_of
 
@@ -47,6 +48,8 @@ __all__ = [
     "Bnb4Decline",
     "GatherBlockQuantizedInt4Decline",
     "node_label",
+    "op_label",
+    "declined_line",
     "quark_constant",
     "PATTERNS",
     "find_mxfp4",
@@ -108,9 +111,27 @@ class Declined:
     node: str
     tensor: str | None
     reason: str
+    op_type: str | None = None  # the node's operator, ``domain::OpType`` outside the default domain
 
     def to_json(self) -> dict:
-        return {"pattern": self.pattern, "node": self.node, "tensor": self.tensor, "reason": self.reason}
+        return {"pattern": self.pattern, "node": self.node, "op_type": self.op_type, "tensor": self.tensor,
+                "reason": self.reason}
+
+    def describe(self) -> str:
+        """One line for a person (:func:`declined_line`)."""
+        return declined_line(self.to_json())
+
+
+def declined_line(entry: dict) -> str:
+    """A decline (``Declined.to_json()``) as one line: operator, node, tensor, reason, the pattern's short name last."""
+    op = f"{entry['op_type']} " if entry.get("op_type") else ""
+    tensor = f" (tensor {entry['tensor']!r})" if entry.get("tensor") else ""
+    return f"declined {op}node {entry.get('node')!r}{tensor}: {entry.get('reason')} [pattern {entry.get('pattern')}]"
+
+
+def op_label(node: ir.Node) -> str:
+    """``OpType``, or ``domain::OpType`` for a node outside the default ONNX domain."""
+    return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
 def _dtype(value: ir.Value | None) -> ir.DataType | None:
@@ -177,7 +198,7 @@ def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str |
 
 
 def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
-    """Like :func:`_constants_reason` for a DequantizeLinear, where sharing is allowed:
+    """Like :func:`_constants_reason` for a DequantizeLinear (patterns 1 and 4 alike), where sharing is allowed:
 
     - the weight may be read by other DequantizeLinear nodes (data input); they are converted together
       (``fp4pass.onnx.sharing``), so any other reader, or the weight being a graph output, declines it;
@@ -298,6 +319,9 @@ class QMoEFp4:
                     return reason
             if w.const_value.shape.rank() != 3 or s.const_value.shape.rank() != 3:
                 return f"{slot} weights and scales must be 3-D ([E, N, K/2] or [E, K, N/2], scales [E, N, K/32])"
+        reason = _qmoe_global_scales_reason(node)
+        if reason:
+            return reason
         detected = qmoe_layout.detect(node, 32, self.hints)
         return None if detected.layout else detected.reason
 
@@ -313,11 +337,58 @@ class QMoEFp4:
         return out
 
 
+def _qmoe_global_scales_reason(node: ir.Node) -> str | None:
+    """Why the ``fc*_global_scale`` inputs (15, 16) of a QMoE 'fp4' node cannot be the per-expert FP32
+    multipliers that the rewrite reads (as the prior scale) and replaces (with prior * G), or None.
+
+    Each present one must be FLOAT [E] (E the experts of both weights, at least one), finite, and a value of
+    its own: not another input of the node (a weight, its scales, the other global scale).
+    """
+    experts = {slot: int(node.inputs[wi].const_value.shape[0]) for slot, (wi, _, _) in QMOE_WEIGHTS.items()}
+    if experts["fc1"] != experts["fc2"]:
+        return f"fc1 has {experts['fc1']} experts, fc2 {experts['fc2']}"
+    if experts["fc1"] == 0:
+        return "the weights hold zero experts"
+    e = experts["fc1"]
+    for slot, (_, _, gi) in QMOE_WEIGHTS.items():
+        g = node.inputs[gi] if len(node.inputs) > gi else None
+        if g is None:
+            continue
+        role = f"{slot} global scale {g.name!r} (input {gi})"
+        also = [i for i, v in enumerate(node.inputs) if v is g and i != gi]
+        if also:
+            return f"{role} is also input {also[0]} of the node; the global scale must be a tensor of its own"
+        if _dtype(g) != ir.DataType.FLOAT:
+            return f"{role} is {_dtype(g)}, not FLOAT"
+        shape = [int(d) for d in g.const_value.shape]
+        if shape != [e]:
+            return f"{role} has shape {shape}; one FP32 scale per expert, [{e}], is expected"
+        values = np.asarray(g.const_value.numpy(), np.float32)
+        if not np.isfinite(values).all():
+            return f"{role} holds {values[~np.isfinite(values)][0]}; it must be finite"
+    return None
+
+
+def _power_of_two_reason(scale: ir.Value) -> str | None:
+    """Why float block scales are not MXFP4 by value, or None when every one is 2^k with k in E8M0's range
+    [-127, 127] (the E8M0 code is then k + 127, exactly)."""
+    values = np.asarray(scale.const_value.numpy(), np.float32)
+    mantissa, exponent = np.frexp(values)
+    k = exponent.astype(np.int64) - 1
+    bad = ~((mantissa == 0.5) & (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP))
+    if not bad.any():
+        return None
+    where = [int(i) for i in np.argwhere(bad)[0]]
+    return (f"scale {scale.name!r} holds {float(values[tuple(where)])!r} at {where}, not a power of two in E8M0's "
+            "range 2^-127..2^127, so the table is not MXFP4 (requantize it with power-of-two block scales to "
+            "convert it)")
+
+
 class GatherBlockQuantizedFp4:
     """Pattern 3: ``com.microsoft::GatherBlockQuantized(W FLOAT4E2M1, idx, S float32)``, block 32, last axis.
 
-    Math: x_hat = e2m1(W) * S, with every S a power of two 2^k (k = E8M0 code - 127) or the scale of an
-    all-zero block.
+    Math: x_hat = e2m1(W) * S, with every S a power of two 2^k (k = E8M0 code - 127, k in [-127, 127]); a
+    node with any other scale is declined, naming the scale, and the rest of the model converts.
     """
 
     name = "gbq"
@@ -343,7 +414,7 @@ class GatherBlockQuantizedFp4:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
         if tuple(s.const_value.shape.numpy())[:-1] != tuple(w.const_value.shape.numpy())[:-1]:
             return f"scale {s.name!r} broadcasts; one scale per block is supported"
-        return None
+        return _power_of_two_reason(s)
 
     def records(self, node: ir.Node) -> list[FP4Weight]:
         w, s = node.inputs[0], node.inputs[2]
@@ -382,7 +453,7 @@ class FP4FloatScaleDequantize:
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1]
-        reason = _constants_reason(node, w, s)
+        reason = _dequantized_constants_reason(node, w, s)
         if reason:
             return reason
         reason = _dq_layout_reason(node, w)
@@ -579,7 +650,7 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
                     tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
                 if hasattr(pattern, "tensor"):
                     tensor = pattern.tensor(node)
-                declined.append(Declined(pattern.name, node_label(node), tensor, reason))
+                declined.append(Declined(pattern.name, node_label(node), tensor, reason, op_label(node)))
             break
     return found, declined
 

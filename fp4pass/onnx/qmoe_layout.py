@@ -28,11 +28,14 @@ that contradicts the shapes is declined too.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+
+from fp4pass.io import read_regular_file
 
 __all__ = [
     "SCHEMA",
@@ -54,6 +57,7 @@ LAYOUT_SHAPES = {SCHEMA: "[E, N, K/2]", KERNEL: "[E, K, N/2]"}
 #: the byte layout every 'nvfp4' QMoE weight is written in (onnxruntime's CUDA kernel reads it)
 WRITTEN_LAYOUT = KERNEL
 KERNEL_PRODUCERS = ("onnxruntime-genai",)
+GENAI_CONFIG_MAX_BYTES = 16 << 20  # onnxruntime-genai's config is a few KB
 _FC = {"fc1": (2, 3, 4), "fc2": (5, 6, 7)}  # weights, scales, bias input indices
 
 
@@ -70,9 +74,10 @@ class Hints:
         genai = False
         if model_dir is not None:
             path = Path(model_dir) / "genai_config.json"
-            try:
-                genai = path.is_file() and "model" in json.loads(path.read_text())
-            except (OSError, ValueError):
+            try:  # a regular file only (never a FIFO or /dev/zero), and a few MB at most
+                genai = (os.path.lexists(path)
+                         and "model" in json.loads(read_regular_file(path, GENAI_CONFIG_MAX_BYTES, ValueError)))
+            except (ValueError, TypeError, RecursionError):
                 genai = False
         if model is None:
             return cls(genai_config=genai)

@@ -402,7 +402,7 @@ class WeightConversion:
 
         return ir.LazyTensor(make, ir.DataType.FLOAT8E4M3FN, ir.Shape([*lead, k // 16]), name=name)
 
-    def global_tensor(self, name: str, reciprocal_of: np.ndarray | None = None) -> ir.LazyTensor:
+    def global_tensor(self, name: str) -> ir.LazyTensor:
         """FP32 global scale: shape [] per tensor, [E] per expert."""
         shape = [self.record.shape[0]] if self.group_dims else []
 
