@@ -32,7 +32,7 @@ import torch
 from fp4pass.errors import FormatError, ShapeError
 from fp4pass.formats import MX_BLOCK_SIZE, NV_BLOCK_SIZE
 from fp4pass.formats.codecs import check_e8m0
-from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS
+from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS, E8M0_MAX_EXP
 
 __all__ = ["dequantize_mxfp4", "dequantize_nvfp4", "CHUNK_ELEMENTS"]
 
@@ -64,7 +64,7 @@ def _scaled_table(multipliers: torch.Tensor) -> torch.Tensor:
 
 def _mx_table(device: torch.device) -> torch.Tensor:
     if device not in _MX_TABLES:  # 2^(s - 127); s = 255 (NaN) is refused before any lookup
-        exponents = (torch.arange(256) - E8M0_BIAS).clamp(max=127).float()
+        exponents = (torch.arange(256) - E8M0_BIAS).clamp(max=E8M0_MAX_EXP).float()
         _MX_TABLES[device] = _scaled_table(torch.ldexp(torch.ones(256), exponents).to(device))
     return _MX_TABLES[device]
 
