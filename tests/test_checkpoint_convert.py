@@ -346,3 +346,25 @@ def test_gpt_oss_stack_taller_than_two_strips(tmp_path):
     for i in range(3):
         np.testing.assert_array_equal(w[i], np.ascontiguousarray(codes[i].T), err_msg=f"{stack}[{i}]")
         np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i], err_msg=f"{stack}[{i}]")
+
+
+def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):
+    """``fp4pass.checkpoint.convert(effort=, threads=)`` names both to each unit's conversion; a later call
+    that names neither gets the defaults (no process-wide setting)."""
+    import fp4pass.checkpoint.engine as engine
+    from fp4pass.examples.checkpoints import build_checkpoint
+
+    seen = []
+    real = engine.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((kwargs.get("effort"), kwargs.get("threads")))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
+    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=2, hidden=64, intermediate=32)
+    fp4pass.checkpoint.convert(src, tmp_path / "a", effort="fast", threads=2)
+    assert seen and set(seen) == {("fast", 2)}
+    seen.clear()
+    fp4pass.checkpoint.convert(src, tmp_path / "b")
+    assert seen and set(seen) == {("best", 1)}

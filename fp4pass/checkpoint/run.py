@@ -38,6 +38,7 @@ from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
 from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
 from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec, ShardWriter
 from fp4pass.choices import Method, values
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import UsageError
 from fp4pass.formats.constants import E8M0_BIAS
 from fp4pass.io import atomic_folder
@@ -267,7 +268,8 @@ def _open(src_dir, fmt: str, method: str):
 
 
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
-            method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False) -> dict:
+            method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
+            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``format``: "modelopt" or "compressed-tensors". ``input_scale``: one activation input_scale (a multiplier,
@@ -275,7 +277,8 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     module names (``fp4pass.checkpoint.input_scales``). Neither: weight-only. ``method``: the conversion
     method of ``fp4pass.convert`` (auto: lossless where the exponent spread allows, else the searched best).
     ``check``: read the result back with compressed-tensors and compare (``fp4pass.checkpoint.check``); a
-    failure raises :class:`CheckFailed` and nothing is written.
+    failure raises :class:`CheckFailed` and nothing is written. ``effort``, ``threads``: of every unit's
+    conversion (:func:`fp4pass.convert.mxfp4_to_nvfp4`).
     """
     fmt = format
     start = time.perf_counter()
@@ -297,7 +300,8 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
         exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found))
         entries: list[dict] = []
         with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
-            weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries)
+            weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
+                                       {"effort": effort, "threads": threads})
             _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
             report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start)
             if check:
@@ -311,7 +315,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
 
 
 def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scales: InputScales,
-                  entries: list[dict]) -> dict[str, str]:
+                  entries: list[dict], options: dict) -> dict[str, str]:
     weight_map: dict[str, str] = {}
     for shard_name, items in zip(plan.shard_names(), plan.shards):
         writer = ShardWriter(tmp / shard_name, [s for item in items for s in item.specs],
@@ -326,12 +330,12 @@ def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scal
                     continue
                 unit = item.unit
                 if isinstance(unit, FusedExperts):
-                    conv = engine.convert_fused(catalog, unit, method)
+                    conv = engine.convert_fused(catalog, unit, method, **options)
                     _write_fused(catalog, writer, unit, conv, in_scales)
                     entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
                 else:
                     members = _members(unit)
-                    conv = engine.convert_linears(catalog, members, method)
+                    conv = engine.convert_linears(catalog, members, method, **options)
                     _write_linears(catalog, writer, item, conv, fmt, in_scales)
                     for i, lin in enumerate(members):
                         partner = members[1 - i].module if len(members) == 2 else None

@@ -100,14 +100,13 @@ def _convert(args) -> int:
     _check_flags(args)
     from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
     from fp4pass.checkpoint.run import DEFAULT_SHARD_BYTES
-    from fp4pass.convert import set_defaults
     from fp4pass.io import write_json
 
-    set_defaults(effort=args.effort, threads=args.threads)
     try:
         report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
                          scales=args.scales, method=args.method, check=args.check,
-                         max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES)
+                         max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
+                         threads=args.threads)
     except CheckFailed as failed:
         if args.report:
             write_json(args.report, failed.report)
