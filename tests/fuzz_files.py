@@ -16,8 +16,8 @@ a description. Every mutation is a pure function of the seed. Families (``seed %
   ``--shape``); what is drawn stays at most 2^24 elements, so that each case stays fast: ``diff`` draws random inputs for it.
 - ``qmoe``: a QMoE 'fp4' model (tests/onnx_builders.py) with its attributes (quant_type, block_size,
   swiglu_fusion, activation_type, k, expert_weight_bits, hidden_size, inter_size) changed, or its
-  fc*_global_scale inputs (length, type, values, pointing at another input). Run through ``inspect`` and
-  ``convert --target ort`` (whose output, on exit 0, must pass the full ONNX checker: tests/test_fuzz.py).
+  fc*_global_scale inputs (length, type, values, pointing at another input). Run through ``inspect``,
+  ``diff`` (the lowering) and ``convert --target ort`` (whose output, on exit 0, must pass the full ONNX checker: tests/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -255,5 +255,6 @@ def _qmoe_case(rng: np.random.Generator, folder: Path):
     onnx.save(model, folder / "m.onnx")
     model_path = str(folder / "m.onnx")
     argv = [["inspect", model_path, "--quiet"],
-            ["convert", model_path, "-o", "{out}/o.onnx", "--target", "ort", "--quiet"]]
+            ["convert", model_path, "-o", "{out}/o.onnx", "--target", "ort", "--quiet"],
+            ["diff", model_path, model_path, "--quiet", "--provider", "cpu"]]
     return argv, ["o.onnx"], "qmoe " + "; ".join(changes)

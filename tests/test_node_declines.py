@@ -25,6 +25,12 @@ def cli(capsys, *argv):
     return code, capsys.readouterr().err
 
 
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 def replace_init(model: onnx.ModelProto, name: str, array: np.ndarray) -> None:
     tensor = B.init(model, name)
     tensor.CopyFrom(numpy_helper.from_array(array, name))
@@ -102,6 +108,17 @@ def test_a_qmoe_with_bad_global_scale_inputs_is_declined_with_its_reason(case):
     assert declined["pattern"] == "qmoe" and declined["node"] == "moe"
     assert reason in declined["reason"], declined["reason"]
     assert [a.s for a in out.graph.node[0].attribute if a.name == "quant_type"] == [b"fp4"]
+
+
+@pytest.mark.parametrize("case", ["wrong_length", "names_own_weight"])
+def test_diff_leaves_such_a_qmoe_unlowered_and_exits_2(tmp_path, capsys, caplog, case):
+    """diff lowers QMoE 'fp4' for onnxruntime; a global scale of the wrong size was an exit 3 there (a reshape
+    error). It is left unlowered with the reason, and onnxruntime's refusal is the one error line."""
+    onnx.save(qmoe_with(CASES[case][0]), tmp_path / "m.onnx")
+    code, err = cli(capsys, "diff", tmp_path / "m.onnx", tmp_path / "m.onnx", "--quiet")
+    assert code == 2 and "Traceback" not in err, err
+    assert "onnxruntime could not load the model" in one_line(err)
+    assert "values for 2 experts" in caplog.text  # the lowering's warning names the reason
 
 
 def test_zero_experts_is_declined(tmp_path, capsys):
