@@ -49,7 +49,7 @@ def qmoe_dequant_in(model: onnx.ModelProto, name: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fc1_prior, fc2_prior", [([1.0, 0.5], [4.0, 0.125]), ([2.0, 1.0], [1.0, 1.0]),
-                                                  ([1.0, 1.0], [0.25, 8.0])])
+                                                  ([1.0, 1.0], [0.25, 8.0]), ([2.0, 2.0], [0.5, 0.5])])
 def test_each_qmoe_projection_keeps_its_own_prior_global_scale(fc1_prior, fc2_prior):
     """Every dequantized value after the rewrite equals the input's, per projection, with priors that differ
     between fc1 and fc2 (and one of them all ones, which the rewrite treats as absent): reading fc2's prior
@@ -64,6 +64,31 @@ def test_each_qmoe_projection_keeps_its_own_prior_global_scale(fc1_prior, fc2_pr
         g_out = numpy_helper.to_array(B.init(out, f"{name}.global_scale"))
         assert np.array_equal(before, qmoe_nvfp4_kernel_dequant(w_out, s_out, g_out)), name
     assert [t["name"] for t in report["tensors"]] == ["fc1.weight", "fc2.weight"]
+
+
+@pytest.mark.parametrize("inputs", [15, 16, 8])
+def test_a_qmoe_without_trailing_global_scale_inputs_gets_them(inputs):
+    """The node's input list may end before fc1_global_scale (15 inputs or fewer) or before fc2's (16): the
+    rewrite appends the missing ones, and every value dequantizes as before (priors of 1 where absent)."""
+    original = B.qmoe_model(global_scale=[1.0, 0.5], fc2_global_scale=[2.0, 0.25])
+    node = original.graph.node[0]
+    del node.input[inputs:]
+    kept = {name for name in node.input}
+    for tensor in list(original.graph.initializer):
+        if tensor.name.endswith("global_scale") and tensor.name not in kept:
+            original.graph.initializer.remove(tensor)
+            original.graph.initializer.append(numpy_helper.from_array(np.ones(2, np.float32), tensor.name))
+    out, report = convert(original, target="ort")
+    onnx.checker.check_model(out, full_check=True)
+    assert len(out.graph.node[0].input) == 17
+    for name in ("fc1", "fc2"):
+        before = qmoe_dequant_in(original, name)  # absent inputs read as the ones written above
+        names = list(out.graph.node[0].input)
+        g_name = names[15 if name == "fc1" else 16]
+        w_out = numpy_helper.to_array(B.init(out, f"{name}.weight"))
+        s_out = numpy_helper.to_array(B.init(out, f"{name}.weight_scale_e4m3"))
+        g_out = numpy_helper.to_array(B.init(out, g_name))
+        assert np.array_equal(before, qmoe_nvfp4_kernel_dequant(w_out, s_out, g_out)), name
 
 
 # -- QMoE: the global scale inputs are validated, the node declined with the reason ---------------------------
