@@ -29,8 +29,9 @@ class FakeGroup:
 
     ReduceOp = real_dist.ReduceOp
 
-    def __init__(self, world: int = 2, group=None, backend: str = "gloo"):
+    def __init__(self, world: int = 2, group=None, backend: str = "gloo", collective_device: str | None = None):
         self.world = world
+        self.collective_device = collective_device  # where every reduced tensor must be (cpu for gloo)
         self.group = group  # the group object every collective must be given
         self.backend = backend
         self.barrier = threading.Barrier(world, timeout=30)
@@ -67,6 +68,8 @@ class FakeGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op=None, group=None) -> None:
         self._same_group(group)
+        if self.collective_device is not None:
+            assert tensor.device.type == self.collective_device, f"reduced on {tensor.device}"
         parts = self._exchange(tensor.clone())
         if op == self.ReduceOp.MAX:
             result = torch.stack(parts).amax(0)
@@ -102,16 +105,17 @@ NO_ABS_HISTOGRAM = {"b"}  # a statistic without the |x| histogram between others
 GROUP = object()  # a group of the caller's own: every collective must run on it
 
 
-def stats_of(name: str, batches, abs_histogram: bool | None = None) -> ActivationStats:
+def stats_of(name: str, batches, abs_histogram: bool | None = None, device: str = "cpu") -> ActivationStats:
     abs_histogram = name not in NO_ABS_HISTOGRAM if abs_histogram is None else abs_histogram
-    s = ActivationStats(name, abs_histogram=abs_histogram, reservoir=64, top_k=8)
+    s = ActivationStats(name, abs_histogram=abs_histogram, reservoir=64, top_k=8, device=device)
     for batch in batches:
         s.update(batch)
     return s
 
 
-def run_two_ranks(monkeypatch) -> tuple[list[list[ActivationStats]], FakeGroup]:
-    group = FakeGroup(group=GROUP)
+def run_two_ranks(monkeypatch, device: str = "cpu", backend: str = "gloo",
+                  collective_device: str | None = None) -> tuple[list[list[ActivationStats]], FakeGroup]:
+    group = FakeGroup(group=GROUP, backend=backend, collective_device=collective_device)
     monkeypatch.setattr(distributed, "dist", group)
     results: list = [None, None]
     errors: list = []
@@ -119,7 +123,7 @@ def run_two_ranks(monkeypatch) -> tuple[list[list[ActivationStats]], FakeGroup]:
     def rank_main(rank: int) -> None:
         group.local.rank = rank
         try:
-            stats = [stats_of(name, [batches[rank]]) for name, batches in DATA.items()]
+            stats = [stats_of(name, [batches[rank].to(device)], device=device) for name, batches in DATA.items()]
             distributed.all_reduce_stats(stats, group=GROUP)
             results[rank] = stats
         except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
@@ -230,3 +234,18 @@ def test_each_rank_contributes_in_proportion_to_what_it_saw(seen_a, seen_b):
         assert len(ids) == 400 and len(set(ids)) == 400
         from_a += sum(1 for i in ids if i < 1000)
     assert abs(from_a / (20 * 400) - 0.75) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, collective", [("gloo", "cpu"), ("nccl", "cuda")])
+def test_statistics_on_cuda_reduce_on_the_backends_device_and_come_back(monkeypatch, backend, collective):
+    """Statistics kept on CUDA: gloo reduces CPU tensors, NCCL CUDA ones; every reduced statistic is back on
+    the statistics' device afterwards, with the values of all the data."""
+    results, _ = run_two_ranks(monkeypatch, device="cuda", backend=backend, collective_device=collective)
+    for rank_stats in results:
+        for s, (name, batches) in zip(rank_stats, DATA.items()):
+            for tensor in (s.amax, s.zero_blocks, s.zero_values, s.block_histogram.counts, s.sample.blocks):
+                assert tensor.device.type == "cuda", name
+            if s.abs_histogram is not None:
+                assert s.abs_histogram.counts.device.type == "cuda", name
+            assert s.amax_value == float(torch.cat(batches).abs().max()), name
