@@ -64,6 +64,27 @@ def test_each_qmoe_projection_keeps_its_own_prior_global_scale(fc1_prior, fc2_pr
         g_out = numpy_helper.to_array(B.init(out, f"{name}.global_scale"))
         assert np.array_equal(before, qmoe_nvfp4_kernel_dequant(w_out, s_out, g_out)), name
     assert [t["name"] for t in report["tensors"]] == ["fc1.weight", "fc2.weight"]
+    assert not {"fc1.scales", "fc2.scales"} & {t.name for t in out.graph.initializer}  # E8M0 scales dropped
+
+
+@pytest.mark.parametrize("inputs", [17, 15])
+def test_the_rewritten_qmoe_values_carry_their_types_and_shapes(inputs):
+    """Through the onnx_ir API the model comes back as an onnx_ir.Model: each value the rewrite set (the
+    weights in the kernel layout, the E4M3 scales, the global scales, kept or added) has the type and shape
+    of its tensor, as a later pass (or the caller) reads them."""
+    import onnx_ir as ir
+
+    proto = B.qmoe_model(e=3, global_scale=[1.0, 0.5, 2.0], fc2_global_scale=[2.0, 0.25, 1.0])
+    del proto.graph.node[0].input[inputs:]
+    model, _ = convert(ir.serde.deserialize_model(proto), target="ort")
+    node = next(n for n in model.graph if n.op_type == "QMoE")
+    want = {2: (ir.DataType.UINT8, [3, 64, 32]), 3: (ir.DataType.FLOAT8E4M3FN, [3, 64, 4]),
+            5: (ir.DataType.UINT8, [3, 32, 32]), 6: (ir.DataType.FLOAT8E4M3FN, [3, 64, 2]),
+            15: (ir.DataType.FLOAT, [3]), 16: (ir.DataType.FLOAT, [3])}
+    for index, (dtype, shape) in want.items():
+        value = node.inputs[index]
+        assert value.dtype == dtype and value.shape is not None and list(value.shape) == shape, index
+        assert list(value.const_value.shape) == shape and value.const_value.dtype == dtype, index
 
 
 @pytest.mark.parametrize("inputs", [15, 16, 8])
