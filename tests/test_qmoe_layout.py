@@ -17,7 +17,7 @@ from tests.oracles import qmoe_kernel_codes
 
 
 def _qmoe(hidden: int, inter: int, layout: str, fused: bool = True, experts: int = 2, producer: str = "",
-          node_layout: str | None = None, bias: bool = True, codes=None):
+          node_layout: str | None = None, bias: bool = True, codes=None, fusion_attribute: bool = True):
     """A QMoE 'fp4' model; weights written in ``layout`` by this test's own packing (no fp4pass code)."""
     rng = np.random.default_rng(0)
     n1 = 2 * inter if fused else inter
@@ -41,7 +41,7 @@ def _qmoe(hidden: int, inter: int, layout: str, fused: bool = True, experts: int
     ins += [""] * 7 + ["fc1.g", "fc2.g"]
     attrs = dict(k=1, activation_type="swiglu" if fused else "relu", expert_weight_bits=4, quant_type="fp4",
                  block_size=32)
-    if fused:
+    if fused and fusion_attribute:
         attrs["swiglu_fusion"] = 1
     node = helper.make_node("QMoE", ins, ["y"], name="moe", domain="com.microsoft", **attrs)
     if node_layout:
@@ -68,6 +68,15 @@ def test_fused_swiglu_layout_is_told_by_the_shapes(hidden, inter, layout):
         assert "fc1 alone fits both" in found.reason
     if hidden == inter:
         assert "fc2 alone fits both" in found.reason
+
+
+@pytest.mark.parametrize("layout", [SCHEMA, KERNEL])
+def test_swiglu_without_the_fusion_attribute_is_fused(layout):
+    """activation_type 'swiglu' alone means fc1 holds gate and up (onnxruntime reads swiglu_fusion 0 as 1):
+    N1 = 2 x inter_size. Read as unfused, the sizes would not chain and the node would be declined."""
+    model, _ = _qmoe(128, 96, layout, fusion_attribute=False)
+    found = detect(_node(model), 32)
+    assert found.layout == layout and found.dims == {"fc1": (192, 128), "fc2": (128, 96)}, found.reason
 
 
 def test_unfused_square_node_is_declined_without_a_hint():
