@@ -210,7 +210,8 @@ def merged(parts: list[dict], capacity: int, seed: int = 0) -> tuple[list[int], 
 
 @pytest.mark.parametrize("stored_a, seen_a, stored_b, seen_b, capacity", [
     (40, 40, 60, 60, 64), (64, 500, 64, 100, 64), (1, 1, 10, 10, 64), (10, 10, 1, 1, 64), (0, 0, 30, 30, 16),
-    (30, 30, 0, 0, 16), (0, 0, 0, 0, 16), (64, 10**9, 64, 5, 64), (64, 2 * 10**9, 64, 10**9 - 1, 64)])
+    (30, 30, 0, 0, 16), (0, 0, 0, 0, 16), (64, 10**9, 64, 5, 64), (64, 5, 64, 10**9, 64),
+    (64, 2 * 10**9, 64, 10**9 - 1, 64)])
 def test_the_merged_reservoir_is_a_sample_of_both_ranks_blocks(stored_a, seen_a, stored_b, seen_b, capacity):
     """min(capacity, seen_a + seen_b) distinct blocks, each one a rank held; every block is kept when all fit;
     a rank that saw nothing gives nothing. Seen counts at and above numpy's hypergeometric limit (1e9) go
