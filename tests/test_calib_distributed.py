@@ -250,3 +250,12 @@ def test_statistics_on_cuda_reduce_on_the_backends_device_and_come_back(monkeypa
             if s.abs_histogram is not None:
                 assert s.abs_histogram.counts.device.type == "cuda", name
             assert s.amax_value == float(torch.cat(batches).abs().max()), name
+
+
+def test_distributed_ready_needs_an_initialised_group(monkeypatch):
+    """torch.distributed is available here but no process group is set up: not ready (the calibration then
+    reduces nothing); with a group it is."""
+    assert real_dist.is_available() and not real_dist.is_initialized()
+    assert distributed.distributed_ready() is False
+    monkeypatch.setattr(distributed, "dist", FakeGroup(group=GROUP))
+    assert distributed.distributed_ready() is True
