@@ -190,3 +190,34 @@ def test_a_higher_hint_wins_over_a_lower_one_that_contradicts_it(high, low, high
     assert found.layout == high_says, found.reason
     records, declined = find_mxfp4(model, model_dir)
     assert not declined and [r.layout for r in records] == [high_says, high_says]
+
+
+@pytest.mark.parametrize("layout", [SCHEMA, KERNEL])
+def test_a_node_whose_inputs_end_after_fc2s_scales_is_read(layout):
+    """Inputs 7 (fc2 bias) and later are optional and may be cut off, not just left empty."""
+    model, _ = _qmoe(128, 96, layout)
+    node = _node(model)
+    node.resize_inputs(7)
+    found = detect(node, 32)
+    assert found.layout == layout and found.dims == {"fc1": (192, 128), "fc2": (128, 96)}, found.reason
+
+
+@pytest.mark.parametrize("what, reason", [
+    ("features", "input has 80 features, not hidden_size=128"),
+    ("hidden_size", "attribute hidden_size=130, not 128"),
+    ("inter_size", "attribute inter_size=98, not 96"),
+    ("fc1_bias", "fc1 bias has 190 outputs, not N=192"),
+])
+def test_the_sizes_a_node_states_elsewhere_must_agree(what, reason):
+    """The input's last dim, the hidden_size / inter_size attributes and the biases each state a size the
+    weights must agree with; one that disagrees declines the node, naming it (shapes that fit one layout)."""
+    model, _ = _qmoe(128, 96, KERNEL)
+    node = _node(model)
+    if what == "features":
+        node.inputs[0].shape = ir.Shape(["t", 80])
+    elif what == "fc1_bias":
+        node.inputs[4].const_value = ir.tensor(np.zeros((2, 190), np.float32))
+    else:
+        node.attributes[what] = ir.AttrInt64(what, 130 if what == "hidden_size" else 98)
+    found = detect(node, 32)
+    assert found.layout is None and reason in found.reason, found.reason
