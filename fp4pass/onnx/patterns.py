@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.formats.constants import MS_DOMAIN, QUARK_DOMAIN
+from fp4pass.formats.constants import E8M0_MAX_EXP, E8M0_MIN_EXP, MS_DOMAIN, QUARK_DOMAIN
 from fp4pass.onnx import qmoe_layout
 from fp4pass.onnx.passes import all_nodes, constant_tensor, function_graphs, function_label, function_of
 
@@ -355,7 +355,7 @@ def _power_of_two_reason(scale: ir.Value) -> str | None:
     values = np.asarray(scale.const_value.numpy(), np.float32)
     mantissa, exponent = np.frexp(values)
     k = exponent.astype(np.int64) - 1
-    bad = ~((mantissa == 0.5) & (k >= -127) & (k <= 127))
+    bad = ~((mantissa == 0.5) & (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP))
     if not bad.any():
         return None
     where = [int(i) for i in np.argwhere(bad)[0]]
