@@ -168,7 +168,8 @@ def test_lossless_conversion_writes_the_same_codes_in_the_kernel_layout(layout, 
 _HINT_SOURCES = ["node", "model_metadata", "producer", "genai_config"]
 _ONLY_KERNEL = ("producer", "genai_config")
 _PRECEDENCE_CASES = [(high, low, says) for i, high in enumerate(_HINT_SOURCES) for low in _HINT_SOURCES[i + 1:]
-                     if high not in _ONLY_KERNEL for says in ((SCHEMA, KERNEL) if low not in _ONLY_KERNEL else (SCHEMA,))]
+                     if high not in _ONLY_KERNEL
+                     for says in ((SCHEMA, KERNEL) if low not in _ONLY_KERNEL else (SCHEMA,))]
 
 
 @pytest.mark.parametrize("high, low, high_says", _PRECEDENCE_CASES)
