@@ -13,20 +13,31 @@ Public surface::
 import importlib
 
 from fp4pass.errors import FP4PassError
-from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, ScaleRule
 
 __version__ = "0.1.0"
 
-__all__ = ["FP4PassError", "MXFP4Tensor", "NVFP4Tensor", "ScaleRule", "mxfp4_to_nvfp4", "onnx", "__version__"]
+__all__ = ["FP4PassError", "MXFP4Tensor", "NVFP4Tensor", "ScaleRule", "mxfp4_to_nvfp4", "onnx", "checkpoint",
+           "__version__"]
 
-_LAZY = {"mxfp4_to_nvfp4": ("fp4pass.convert", "mxfp4_to_nvfp4")}
+_LAZY = {
+    "MXFP4Tensor": ("fp4pass.formats", "MXFP4Tensor"),
+    "NVFP4Tensor": ("fp4pass.formats", "NVFP4Tensor"),
+    "ScaleRule": ("fp4pass.formats", "ScaleRule"),
+    "mxfp4_to_nvfp4": ("fp4pass.convert", "mxfp4_to_nvfp4"),
+}
+_SUBPACKAGES = ("onnx", "fx", "checkpoint")
 
 
 def __getattr__(name: str):
-    # Heavy parts (onnx, onnxruntime) load only when used.
-    if name == "onnx":
-        return importlib.import_module("fp4pass.onnx")
+    # Everything heavy (torch, onnx, onnxruntime) loads on first use: ``import fp4pass`` (and the CLI's first
+    # moments, where Ctrl-C must already be handled) imports nothing but the standard library.
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"fp4pass.{name}")
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'fp4pass' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,5 @@
 import sys
 
-from fp4pass.cli import main
+from fp4pass.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

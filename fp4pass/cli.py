@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fp4pass {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
-    common.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    common.add_argument("--quiet", action="store_true", help="no progress bar, no notes, warnings only")
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="also show the log lines of the libraries fp4pass runs (onnx_ir, onnxruntime)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"fp4pass.commands.{name}").register(sub, common)
@@ -86,6 +88,54 @@ def _sigterm_handled():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _importing(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Interrupts:
+    """Ctrl-C during a command (:meth:`on_sigint`): KeyboardInterrupt, except in the middle of an import.
+
+    A module interrupted half-way stays broken for the rest of the process (torch's then fail with a
+    RecursionError or RuntimeError far from the cause), so there the signal is only noted (``pending``) and
+    sent again a moment later, once the import is done. ``seen``: any Ctrl-C this run, so that an exception
+    that follows one is reported as the interruption it is, and a run that ends with one still pending counts
+    as interrupted.
+    """
+
+    seen = False
+    pending = False
+
+    @classmethod
+    def on_sigint(cls, signum, frame):
+        cls.seen = True
+        if _importing(frame):
+            cls.pending = True
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            timer.daemon = True
+            timer.start()
+            return
+        cls.pending = False
+        raise KeyboardInterrupt
+
+    @classmethod
+    @contextlib.contextmanager
+    def handled(cls, after=None):
+        """:meth:`on_sigint` for the block; then the previous handler again, or ``after``."""
+        cls.seen = cls.pending = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, cls.on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous if after is None else after)
 
 
 class _QuietPipe:
@@ -155,28 +205,45 @@ def _run(args) -> tuple[int, BaseException | None]:
     except Terminated as exc:
         return fail(EXIT_TERMINATED, "terminated", exc)
     except Exception as exc:  # noqa: BLE001 - anything else is a bug: say so in one line
+        if _Interrupts.seen:  # a library that Ctrl-C broke on its way out (an import cut short)
+            return fail(EXIT_INTERRUPTED, "interrupted", exc)
         hint = "" if args.debug else "; --debug shows the traceback"
         return fail(EXIT_BUG, f"internal error: {type(exc).__name__}: {_one_line(exc)} "
                               f"(a bug in fp4pass, please report it{hint})", exc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, *, _sigint_after=None) -> int:
+    """The ``fp4pass`` command. Ctrl-C at any moment, even while the command modules are still being imported
+    or the arguments parsed, is exit 130 with one line (never inside an import: :class:`_Interrupts`)."""
+    with _Interrupts.handled(_sigint_after):
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+        except KeyboardInterrupt:
+            print("fp4pass: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return _main(parser, args)
+
+
+def _main(parser, args) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else (logging.WARNING if args.quiet else logging.INFO),
-        format="fp4pass: %(message)s",
-        stream=sys.stderr,
-    )
+    # fp4pass's own lines at INFO; the libraries' (onnx_ir's pass manager, ...) only with -v or --debug
+    own = logging.DEBUG if args.debug else (logging.WARNING if args.quiet else logging.INFO)
+    libraries = logging.DEBUG if args.debug else (logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=libraries, format="fp4pass: %(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(libraries)
+    logging.getLogger("fp4pass").setLevel(own)
     stdout = sys.stdout
     sys.stdout = guard = _QuietPipe(stdout)
     try:
         with _sigterm_handled(), fio.output_session() as session:
             try:
                 code, exc = _run(args)
+                if code == 0 and _Interrupts.pending:  # Ctrl-C came before the end; it waited for an import
+                    print(f"fp4pass {args.command}: interrupted", file=sys.stderr)
+                    code, exc = EXIT_INTERRUPTED, None
             except (KeyboardInterrupt, Terminated) as late:  # arrived outside the command, while unwinding
                 code, exc = (EXIT_TERMINATED if isinstance(late, Terminated) else EXIT_INTERRUPTED), late
             if code != 0:
@@ -189,5 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = stdout
 
 
+def entry() -> int:
+    """The installed ``fp4pass`` program (and ``python -m fp4pass``): :func:`main`, then Ctrl-C is ignored while
+    the interpreter shuts down, so that a run whose outputs are all in place ends with its own exit code
+    rather than a signal's."""
+    return main(_sigint_after=signal.SIG_IGN)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

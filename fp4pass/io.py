@@ -6,28 +6,40 @@ The rules every file fp4pass writes follows (``docs/bad-input.md`` states them f
    refuses: a path that is an input (the same path, through ``..`` or a symlink, or a hardlink: the same
    ``st_dev``/``st_ino``); two outputs that are the same file; a folder that does not exist or is not
    writable; a path that is an existing directory; an output inside an input folder (a calibration DIR).
-2. **Atomic.** :func:`atomic_output` yields a temporary path in the target's own folder (same filesystem),
-   named ``.fp4pass-tmp-<pid>-<random>-<name>``; only a writer that finished is fsynced and renamed onto
-   the target, then the folder is fsynced. A crash, an error or a signal leaves the target as it was.
-3. **Mode.** A finished output gets ``0o666 & ~umask``, like any file a program creates (the temporary file
+2. **Only regular files are replaced** (:func:`output_target`). An output that is a symlink to a file in
+   its own folder is written through (the file it names is replaced, the link stays); a symlink that leads
+   out of the folder (``/dev/stdout``), and a device, FIFO, socket or folder, are refused: renaming over
+   them would replace a file that is not ours.
+3. **Atomic.** :func:`atomic_output` yields a temporary path in the target's own folder (same filesystem),
+   named ``.fp4pass-tmp-<pid>-h<host>-<random>-<name>`` (:func:`temp_name`; the name is shortened so that
+   the whole stays a legal file name); only a writer that finished is fsynced, then renamed onto the target,
+   then the folder is fsynced. A crash, an error or a signal leaves the target as it was.
+4. **Mode.** A finished output gets ``0o666 & ~umask``, like any file a program creates (the temporary file
    is private while it is written).
-4. **Nothing left on failure.** Each rename is recorded in the current :class:`OutputSession`; the CLI
-   rolls the session back on a non-zero exit, removing what was renamed in (see :meth:`OutputSession.rollback`
-   for what exit 1 keeps).
-5. **Stale temporaries.** A killed run (SIGKILL) cannot clean up; its temporaries carry its pid. The next
-   :func:`atomic_output` in that folder, or ``fp4pass clean DIR``, removes those whose process is gone
-   (:func:`remove_stale`).
+5. **Nothing left on failure, nothing of others removed.** Each rename is recorded in the current
+   :class:`OutputSession` with the device and inode it put there; the CLI rolls the session back on a
+   non-zero exit, removing what this run renamed in, and only while that path still holds this run's file
+   (another run may have written it since). :meth:`OutputSession.rollback` says what exit 1 keeps.
+6. **Stale temporaries.** A killed run (SIGKILL) cannot clean up; its temporaries carry its pid and a token
+   of the machine, boot and pid namespace it ran in (``h<host>``). The next :func:`atomic_output` in that
+   folder, or ``fp4pass clean DIR``, removes those made here whose process is gone (:func:`remove_stale`).
+   A pid means nothing on another host or in another pid namespace sharing the folder: such temporaries are
+   never removed automatically, only by ``fp4pass clean --older-than HOURS``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import socket
+import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -39,6 +51,7 @@ __all__ = [
     "atomic_output",
     "check_outputs",
     "fsync_folder",
+    "output_target",
     "OutputSession",
     "refuse_overwrite",
     "remove_stale",
@@ -48,7 +61,8 @@ __all__ = [
 ]
 
 TMP_PREFIX = ".fp4pass-tmp-"
-_TMP_RE = re.compile(r"^\.fp4pass-tmp-(\d+)-")
+#: a temporary's pid and host token (``h`` + 8 hex digits); names without a token are from older versions
+_TMP_RE = re.compile(r"^\.fp4pass-tmp-(\d+)-(?:h([0-9a-f]{8})-)?")
 
 # kinds of output: a "result" (the model and its data, SCALES.json) or a "report" that explains the result
 RESULT, REPORT = "result", "report"
@@ -110,8 +124,7 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None],
             raise UsageError(f"{label} {out}: folder {folder} does not exist")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise UsageError(f"{label} {out}: folder {folder} is not writable")
-        if path.exists() and not path.is_file():
-            raise UsageError(f"{label} {out}: exists and is not a regular file")
+        output_target(out, label)
         for in_label, given in inputs.items():
             if same_file(out, given):
                 raise UsageError(f"{label} {out}: refusing to write over the input {given} ({in_label})")
@@ -123,17 +136,56 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None],
         seen.append((label, out))
 
 
+def output_target(path: str | os.PathLike, label: str = "") -> Path:
+    """The file an output at ``path`` replaces (module docstring, rule 2); raises :class:`UsageError` for a
+    path that must not be renamed over.
+
+    ``path`` itself, or, for a symlink to a file in ``path``'s own folder, the file it names (written through).
+    Refused: a symlink that resolves outside that folder (``/dev/stdout`` -> ``/proc/self/fd/1``), and an
+    existing device, FIFO, socket or folder.
+    """
+    given = Path(path)
+    name = f"{label} {path}" if label else str(path)
+    target = given
+    if given.is_symlink():
+        real = Path(os.path.realpath(given))
+        if real.parent != Path(os.path.realpath(given.parent)):
+            raise UsageError(f"{name}: is a symlink to {real}, outside the output's folder; refusing to replace "
+                             "it (give a plain file name)")
+        target = real
+    try:
+        mode = os.stat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return target
+    except OSError as exc:
+        raise UsageError(f"{name}: cannot be read ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise UsageError(f"{name}: is a directory; give a file name")
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"{name}: exists and is not a regular file (a device, FIFO or socket); refusing to "
+                         "replace it")
+    return target
+
+
 # -- the outputs of one run -------------------------------------------------------------------------------
 
 
 @dataclass
 class OutputSession:
-    """The outputs one command renamed into place, so that a failed command can take them back."""
+    """The outputs one command renamed into place, so that a failed command can take them back.
 
-    written: list[tuple[Path, str]] = field(default_factory=list)
+    Each entry is ``(path, kind, (st_dev, st_ino))``: the file this run put at ``path``.
+    """
+
+    written: list[tuple[Path, str, tuple[int, int] | None]] = field(default_factory=list)
 
     def record(self, path: Path, kind: str) -> None:
-        self.written.append((Path(path), kind))
+        try:
+            st = os.lstat(path)
+            identity = (st.st_dev, st.st_ino)
+        except OSError:
+            identity = None
+        self.written.append((Path(path), kind, identity))
 
     def rollback(self, code: int, keep_results: bool = False) -> list[Path]:
         """Remove this run's outputs after exit ``code`` != 0; returns what was removed.
@@ -144,11 +196,17 @@ class OutputSession:
         results when ``keep_results`` is given (a check that could not run).
         """
         removed = []
-        for path, kind in reversed(self.written):
+        for path, kind, identity in reversed(self.written):
             if kind == REPORT and code == 1:
                 continue
             if kind == RESULT and keep_results:
                 continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if identity is None or (st.st_dev, st.st_ino) != identity:
+                continue  # another run wrote this path since: not ours to remove
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
@@ -185,16 +243,55 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(folder: str | os.PathLike) -> list[Path]:
-    """Remove the fp4pass temporaries in ``folder`` whose process no longer runs; returns what was removed."""
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read(200).strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def host_token() -> str:
+    """8 hex digits naming where this process's pids mean something: host name, boot, pid namespace."""
+    where = "\0".join((socket.gethostname(), _read_text("/proc/sys/kernel/random/boot_id"), _pid_namespace()))
+    return hashlib.sha256(where.encode()).hexdigest()[:8]
+
+
+def _is_stale(entry: os.DirEntry, token: str, older_than: float | None) -> bool:
+    """Whether a temporary may go: made here by a process that is gone, or (``older_than`` seconds given)
+    made anywhere and untouched for that long."""
+    match = _TMP_RE.match(entry.name)
+    if not match:
+        return False
+    if match.group(2) == token and not _pid_alive(int(match.group(1))):
+        return True
+    if older_than is None:
+        return False
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime > older_than
+    except OSError:
+        return False
+
+
+def remove_stale(folder: str | os.PathLike, older_than: float | None = None) -> list[Path]:
+    """Remove the fp4pass temporaries in ``folder`` that no run still writes (module docstring, rule 6);
+    returns what was removed. ``older_than``: also remove any temporary (from another host, pid namespace or
+    an older fp4pass) untouched for that many seconds."""
     removed = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
+    token = host_token()
     for entry in entries:
-        match = _TMP_RE.match(entry.name)
-        if not match or _pid_alive(int(match.group(1))):
+        if not _is_stale(entry, token, older_than):
             continue
         path = Path(entry.path)
         try:
@@ -208,10 +305,25 @@ def remove_stale(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
+#: the longest file name most filesystems allow, in bytes (where the folder's own limit cannot be asked)
+NAME_MAX_FALLBACK = 255
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        return NAME_MAX_FALLBACK
+
+
 def temp_name(target: str | os.PathLike, suffix: str = "") -> Path:
-    """A fresh temporary path beside ``target``: ``.fp4pass-tmp-<pid>-<random>-<name><suffix>``."""
+    """A fresh temporary path beside ``target``: ``.fp4pass-tmp-<pid>-h<host>-<random>-<name><suffix>``,
+    ``<name>`` cut (at a character boundary) so that the whole fits the folder's longest file name."""
     target = Path(target)
-    return target.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{target.name}{suffix}"
+    head = f"{TMP_PREFIX}{os.getpid()}-h{host_token()}-{secrets.token_hex(4)}-"
+    room = _name_max(target.parent) - len(head.encode()) - len(suffix.encode())
+    name = target.name.encode()[:max(room, 0)].decode("utf-8", errors="ignore")
+    return target.parent / f"{head}{name}{suffix}"
 
 
 def _umask() -> int:
@@ -235,7 +347,11 @@ def fsync_folder(folder: str | os.PathLike) -> None:
 
 
 def finish(tmp: Path, target: Path, kind: str = RESULT) -> None:
-    """fsync ``tmp``, give it the umask's mode, rename it onto ``target``, fsync the folder, record it."""
+    """fsync ``tmp``, give it the umask's mode, rename it onto ``target``, fsync the folder, record it.
+
+    ``target`` is :func:`output_target`'s answer, asked again here: what stands at the name now decides.
+    """
+    target = output_target(target)
     _fsync_path(tmp)
     os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, target)
@@ -250,12 +366,10 @@ def atomic_output(path: str | os.PathLike, suffix: str = "", kind: str = RESULT)
 
     ``kind``: "result" or "report" (what :meth:`OutputSession.rollback` keeps after exit 1).
     """
-    target = Path(path)
-    folder = target.parent
+    folder = Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"{path}: folder {folder} does not exist")
-    if target.is_dir():
-        raise UsageError(f"{path}: is a directory; give a file name")
+    target = output_target(path)
     remove_stale(folder)
     tmp = temp_name(target, suffix)
     try:
@@ -305,8 +419,6 @@ def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception
     The type is checked before the file is opened and again on the open descriptor, and at most ``limit + 1``
     bytes are read, so a file swapped or grown in between is refused too.
     """
-    import stat
-
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -339,3 +451,58 @@ def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception
     if size > limit:
         raise error(f"{path}: more than {limit} bytes; at most {limit} are read from such a file")
     return b"".join(chunks)
+
+
+# -- a whole output folder --------------------------------------------------------------------------------
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Give every file the umask's mode and fsync it, then every folder (the deepest first, the top last)."""
+    mode = 0o666 & ~_umask()
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            os.chmod(Path(root) / name, mode)
+            _fsync_path(Path(root) / name)
+        for name in dirs:
+            fsync_folder(Path(root) / name)
+    fsync_folder(folder)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside ``path``; on success fsync it whole and rename it onto ``path``.
+
+    ``path`` must not exist, or be an empty folder (replaced by the rename). A temporary folder carries
+    :data:`TMP_PREFIX` and the pid, so :func:`remove_stale` and ``fp4pass clean`` know it. On any exception
+    the temporary folder is removed and ``path`` stays as it was. ``inputs``: folders ``path`` must be neither
+    inside nor hold. The rename is not recorded in the :class:`OutputSession` (a folder is not a file).
+    """
+    target = Path(path)
+    if str(path) == "" or target.name in ("", ".", ".."):
+        raise UsageError(f"{path!r}: not a folder name")
+    if target.name.startswith(TMP_PREFIX):
+        raise UsageError(f"{path}: names starting with {TMP_PREFIX} are fp4pass's temporary files")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"{path}: folder {parent} does not exist")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise UsageError(f"{path}: exists and is not a folder")
+    if target.is_dir() and any(os.scandir(target)):
+        raise UsageError(f"{path}: exists and is not empty; give a new or an empty folder")
+    for given in inputs:
+        if same_file(target, given) or _inside(target, given) or _inside(given, target):
+            raise UsageError(f"{path}: is, is inside, or holds the input folder {given}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{path}: folder {parent} is not writable")
+    remove_stale(parent)
+    tmp = temp_name(target)
+    os.mkdir(tmp, stat.S_IRWXU)  # private while it is written
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        _fsync_tree(tmp)
+        os.replace(tmp, target)
+        fsync_folder(parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -19,10 +19,12 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fp4pass.calib import ActivationScales, calibrate_model
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx import pipeline as onnx_stages
 from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
+from fp4pass.onnx.initializer_inputs import unlist_initializer_inputs
 from fp4pass.onnx.numerics import REFERENCE, diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
@@ -52,13 +54,18 @@ def _activations(model, calib, calibrator, scales, target, scale_form, alphas, p
     return insert_activation_quantizers(model, plain, target=act_target, scale_form=scale_form, alphas=alphas)
 
 
-def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None) -> dict:
+def _check(original, rewritten, provider: str, inputs=None, snr_min: float | None = None, *,
+           shapes: dict | None = None, past_length: int = 0, base_dir=None) -> dict:
     try:
-        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min)
+        result = diff(original, rewritten, inputs=inputs, provider=provider, snr_min=snr_min, shapes=shapes,
+                      past_length=past_length, base_dir=base_dir)
     except FP4PassError as exc:
-        raise CheckError(f"--check could not run: {exc}") from exc
+        hint = "" if inputs is not None else " (give the model's inputs with --inputs DATA.npz, or dims with --shape)"
+        raise CheckError(f"--check could not run: {exc}{hint}") from exc
     data = jsonable(result.to_json() if hasattr(result, "to_json") else result)
     data["snr_min"] = snr_min
+    data["notes"] = list(result.notes)
+    data["provider_notes"] = list(result.provider_notes)
     return data
 
 
@@ -85,6 +92,12 @@ def convert(
     calibrator_options: dict | None = None,
     snr_min: float | None = None,
     allow_invalid: bool | None = None,
+    check_inputs=None,
+    check_shapes: dict | None = None,
+    past_length: int = 0,
+    base_dir: str | os.PathLike | None = None,
+    effort: str = DEFAULT_EFFORT,
+    threads: int | None = DEFAULT_THREADS,
 ):
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
@@ -96,11 +109,18 @@ def convert(
     ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check"
     (``provider`` "reference": under onnx.reference, for what onnxruntime cannot run, e.g. bfloat16).
     ``calibrator_options``: keyword options of the calibrator (rho, margin, percentile). ``snr_min``: the
-    check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB.
+    check fails (``report["check"]["passed"]`` false) when an output's SNR is below it, in dB. ``check_inputs``
+    (a dict or .npz path; default the ``calib`` file when it is one), ``check_shapes`` (input name -> dims) and
+    ``past_length`` (of a KV cache) are the check's inputs, as :func:`fp4pass.onnx.diff` takes them; its notes
+    (inputs made up at random among them) are in ``report["check"]["notes"]``.
     ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
     warning); False when it was checked (an output the checker refuses is a bug: nothing is written);
     None: the input is checked here when ``output`` is given (:func:`fp4pass.onnx.loading.save`).
-    A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
+    ``effort`` ("best" | "fast") and ``threads`` (torch intra-op threads, None: the caller's): of every
+    weight's conversion (:func:`fp4pass.convert.mxfp4_to_nvfp4`).
+    ``base_dir``: the folder external data resolves against when the model is not a path (a
+    ``ModelProto`` or graphsurgeon ``Graph`` with external data is refused without it; nothing is read from
+    outside that folder). A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
     """
     onnx_stages.check_choice("method", method, METHODS)
     onnx_stages.check_choice("scale_form", scale_form, SCALE_FORMS)
@@ -115,22 +135,29 @@ def convert(
     start = time.perf_counter()
     if output is not None and allow_invalid is None:
         allow_invalid = not loading.passes_checker(model_or_path)
-    loaded = loading.load(model_or_path)
+    loaded = loading.load(model_or_path, base_dir)
     model = loaded.model
-    input_files = ()
-    if loaded.path is not None:
-        input_files = (loaded.path, *loading.external_data_files(model))
-        if output is not None:
-            from fp4pass.io import refuse_overwrite
+    folder = loaded.path.parent if loaded.path is not None else base_dir
+    # the model file and every data file it reads (whatever kind it came as) are never written over
+    input_files = (*([loaded.path] if loaded.path is not None else []), *sorted(loading.external_data_files(model)))
+    if output is not None:
+        from fp4pass.io import refuse_overwrite
 
-            refuse_overwrite(output, *input_files)
+        refuse_overwrite(output, *input_files)
+        refuse_overwrite(Path(output).with_name(Path(output).name + ".data"), *input_files)
     had_external = loaded.had_external_data
     original_for_check = None
     if check:
         original_for_check = str(loaded.path) if loaded.path is not None else ir.serde.serialize_model(model)
 
-    records, declined = find_weights(model, loaded.path.parent if loaded.path is not None else None)
-    convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
+    # an initializer also listed as a graph input is an initializer (as onnxruntime takes it without a feed)
+    listed_inputs = unlist_initializer_inputs(model)
+    if listed_inputs:
+        log.info("%d initializers were also listed as graph inputs; converted as initializers and no longer "
+                 "listed as inputs", len(listed_inputs))
+    records, declined = find_weights(model, folder)
+    convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None, effort=effort,
+                              threads=threads) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
     rewrite, fold_quark, set_versions, group = onnx_stages.weight_passes(
         records, convs, scale_form, calibrated=calib is not None or scales is not None, declined=declined)
@@ -174,6 +201,12 @@ def convert(
         "tensors": tensors,
         "declined": declined_json,
     }
+    if listed_inputs:
+        report["initializer_inputs"] = {
+            "names": listed_inputs,
+            "note": "initializers also listed as graph inputs: taken as initializers, as onnxruntime does when "
+                    "no feed is given, and no longer listed as inputs in the output",
+        }
     if activations is not None:
         report["activations"] = jsonable(activations)
     if quark:
@@ -182,8 +215,10 @@ def convert(
     if check:
         rewritten = str(output) if output is not None else ir.serde.serialize_model(model)
         # the calibration data are the most telling inputs; else diff draws seeded random ones
-        check_inputs = calib if calib is not None and Path(calib).is_file() else None
-        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min)
+        if check_inputs is None and calib is not None and Path(calib).is_file():
+            check_inputs = calib
+        report["check"] = _check(original_for_check, rewritten, provider, check_inputs, snr_min,
+                                 shapes=check_shapes, past_length=past_length, base_dir=folder)
     log.debug("%s", summary_line(report))
     if output is not None and loaded.kind == "path":
         return Path(output), report

@@ -51,7 +51,8 @@ def test_inspect_table_names_declined_nodes(tmp_path, capsys):
     onnx.save(model, path)
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "0 MXFP4 tensors" in out and "declined dq node 'W_dq' (W): weight 'W' has block size 16" in out
+    assert "0 MXFP4 tensors" in out
+    assert "declined DequantizeLinear node 'W_dq' (tensor 'W'): weight 'W' has block size 16" in out and "[pattern dq]" in out
 
 
 def test_inspect_bad_file_exits_2(tmp_path, capsys):

@@ -212,3 +212,15 @@ def test_alpha_form_scales_the_expert_matmuls(exported, converted, input_ids):
 def test_exported_experts_dequantize_once_per_weight(exported):
     nodes = [n for n in exported.graph.nodes if n.target == torch.ops.fp4pass.dequantize_mxfp4.default]
     assert len(nodes) == 6
+
+
+def test_routed_and_dense_models_give_the_same_logits(model, input_ids):
+    """load_gpt_oss's default eager forward is routed; the dense one (and the exported graph) agree with it."""
+    dense = fp4pass.fx.load_gpt_oss(CKPT, experts="dense")
+    assert all(layer.mlp.experts.routed for layer in model.model.layers)
+    assert not any(layer.mlp.experts.routed for layer in dense.model.layers)
+    with torch.no_grad():
+        routed_logits, dense_logits = model(input_ids).logits, dense(input_ids).logits
+    torch.testing.assert_close(routed_logits, dense_logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fp4pass.errors.UsageError, match="experts must be one of routed, dense"):
+        fp4pass.fx.load_gpt_oss(CKPT, experts="sparse")

@@ -231,3 +231,29 @@ def test_plain_float_graph_converts_nothing_and_warns_nothing():
 def test_a_module_that_was_not_traced_is_a_usage_error():
     with pytest.raises(UsageError, match="torch.export.export"):
         fp4pass.fx.convert(_linear())
+
+
+def test_effort_and_threads_are_explicit_and_no_process_default_reaches_them(monkeypatch):
+    """fx.convert passes its own effort/threads to every weight's conversion, by name."""
+    import fp4pass.convert as convert_mod
+
+    seen = []
+    real = convert_mod.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((kwargs.get("effort"), kwargs.get("threads")))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", spy)
+    lin = _linear(spread_rows=4)
+    x = torch.randn(3, 64)
+    program = torch.export.export(lin, (x,))
+    _, report = fp4pass.fx.convert(program)
+    assert seen == [("best", 1)] and (report["effort"], report["threads"]) == ("best", 1)
+    seen.clear()
+    _, report = fp4pass.fx.convert(program, effort="fast", threads=None)
+    assert seen == [("fast", None)] and report["effort"] == "fast"
+    with pytest.raises(UsageError, match="effort must be one of best, fast"):
+        fp4pass.fx.convert(program, effort="max")
+    with pytest.raises(UsageError, match="threads must be a positive integer"):
+        fp4pass.fx.convert(program, threads=0)

@@ -97,12 +97,12 @@ def test_fx_convert_is_lossless_where_inspect_forecasts_it(program, ids, inspect
 
 def test_fx_diff_finds_a_bumped_block_scale_at_its_dequant_node(model, program, ids):
     """One E8M0 block scale of layer 1's down_proj, expert 2, plus one (x2): first_divergent is the dequant
-    node that reads it; every node before it is identical."""
+    node that reads it (weight copies compared on request); every node before it is identical."""
     bumped = copy.deepcopy(model)
     scales = bumped.model.layers[1].mlp.experts.down_proj_scales
     scales[2, 5, 0] += 1
     other = torch.export.export(CausalLMLogits(bumped), (ids,))
-    result = fp4pass.fx.diff(program, other, (ids,), snr_min=60.0)
+    result = fp4pass.fx.diff(program, other, (ids,), snr_min=60.0, weights=True)
     reader = next(n for n in program.graph.nodes if n.target == DEQUANT
                   and "layers_1_mlp_experts_down_proj_scales" in n.args[1].name)
     assert result.first_divergent["node"] == reader.name

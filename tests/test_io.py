@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -84,23 +87,197 @@ def test_rollback_keeps_reports_on_exit_1_and_removes_results(tmp_path):
     assert os.listdir(tmp_path) == ["report.json"]
 
 
+@pytest.mark.parametrize("code", [2, 3, 130, 143])
+def test_rollback_after_any_other_failure_removes_reports_too(tmp_path, code):
+    """Only exit 1 (a check below its threshold) keeps the reports that explain it; any other failure leaves
+    nothing of the run, reports included (``--keep-unchecked`` keeps the model, never a stale report)."""
+    with fio.output_session() as session:
+        fio.write_json(tmp_path / "model.json", {}, kind=fio.RESULT)
+        fio.write_json(tmp_path / "report.json", {}, kind=fio.REPORT)
+        removed = session.rollback(code)
+    assert os.listdir(tmp_path) == [] and len(removed) == 2
+    with fio.output_session() as session:
+        fio.write_json(tmp_path / "model.json", {}, kind=fio.RESULT)
+        fio.write_json(tmp_path / "report.json", {}, kind=fio.REPORT)
+        session.rollback(code, keep_results=True)
+    assert os.listdir(tmp_path) == ["model.json"]
+
+
 def _dead_pid() -> int:
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(proc.stdout)
 
 
 def test_stale_temporaries_of_dead_runs_are_removed_live_ones_kept(tmp_path):
-    dead = _dead_pid()
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-abcd-m.onnx").write_bytes(b"x")
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-abcd-m.onnx.d").mkdir()
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-abcd-m.onnx.d" / "m.onnx.data").write_bytes(b"x" * 10)
-    live = tmp_path / f"{fio.TMP_PREFIX}{os.getppid()}-abcd-m.onnx"
+    dead, here = _dead_pid(), f"h{fio.host_token()}"
+    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-abcd-m.onnx").write_bytes(b"x")
+    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-abcd-m.onnx.d").mkdir()
+    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-abcd-m.onnx.d" / "m.onnx.data").write_bytes(b"x" * 10)
+    live = tmp_path / f"{fio.TMP_PREFIX}{os.getppid()}-{here}-abcd-m.onnx"
     live.write_bytes(b"x")
     (tmp_path / "user.onnx").write_bytes(b"x")
     removed = fio.remove_stale(tmp_path)
     assert len(removed) == 2
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, "user.onnx"])
     # the next write in that folder does the same
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-ffff-r.json").write_bytes(b"x")
+    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-ffff-r.json").write_bytes(b"x")
     fio.write_json(tmp_path / "r.json", {})
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, "user.onnx", "r.json"])
+
+
+def test_temporaries_of_another_host_or_namespace_are_kept_whatever_their_pid(tmp_path):
+    """A pid is only meaningful where it was issued: another host's (or container's) temporary with a pid that
+    is dead here may belong to a live run there."""
+    dead, here = _dead_pid(), fio.host_token()
+    other = format((int(here, 16) + 1) % 16**8, "08x")
+    foreign = [tmp_path / f"{fio.TMP_PREFIX}{dead}-h{other}-abcd-m.onnx",
+               tmp_path / f"{fio.TMP_PREFIX}{dead}-abcd-old.onnx"]  # an older fp4pass: no host token
+    for path in foreign:
+        path.write_bytes(b"x")
+    ours = tmp_path / f"{fio.TMP_PREFIX}{dead}-h{here}-abcd-m.onnx"
+    ours.write_bytes(b"x")
+    assert fio.remove_stale(tmp_path) == [ours]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in foreign)
+    # only an explicit age removes them, and only once they are that old
+    assert fio.remove_stale(tmp_path, older_than=3600) == []
+    old = time.time() - 7200
+    os.utime(foreign[0], (old, old))
+    assert fio.remove_stale(tmp_path, older_than=3600) == [foreign[0]]
+    assert [p.name for p in tmp_path.iterdir()] == [foreign[1].name]
+
+
+def test_host_token_changes_with_the_host_name(monkeypatch):
+    token = fio.host_token()
+    monkeypatch.setattr(fio.socket, "gethostname", lambda: "another-host")
+    assert fio.host_token() != token
+
+
+def test_clean_older_than_removes_foreign_temporaries(tmp_path, capsys):
+    from fp4pass.cli import main
+
+    stale = tmp_path / f"{fio.TMP_PREFIX}1-h00000000-abcd-m.onnx"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 3 * 3600,) * 2)
+    assert main(["clean", str(tmp_path)]) == 0 and stale.exists()
+    assert main(["clean", str(tmp_path), "--older-than", "2"]) == 0 and not stale.exists()
+    with pytest.raises(SystemExit) as exited:
+        main(["clean", str(tmp_path), "--older-than", "nan"])
+    assert exited.value.code == 2
+
+
+@pytest.mark.parametrize("length", [200, 228, 240, 255])
+def test_long_legal_output_names_get_a_temporary_that_fits(tmp_path, length):
+    name = "é" * ((length - 5) // 2) + "x" * ((length - 5) % 2) + ".json"
+    assert len(name.encode()) == length
+    tmp = fio.temp_name(tmp_path / name, ".d")
+    assert len(tmp.name.encode()) <= 255 and tmp.name.endswith(".d")
+    tmp.name.encode().decode("utf-8")  # cut at a character boundary
+    fio.write_json(tmp_path / name, {"a": 1})
+    assert json.loads((tmp_path / name).read_text()) == {"a": 1}
+    assert os.listdir(tmp_path) == [name]
+
+
+# -- outputs that are not plain files of ours -----------------------------------------------------------------
+
+
+def test_a_symlink_out_of_the_folder_is_refused_not_replaced(tmp_path):
+    """``--report /dev/stdout`` with stdout redirected to a file: /dev/stdout is a symlink that resolves to a
+    regular file elsewhere. Renaming over it would replace the system's symlink."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "log.txt").write_text("kept")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stdout").symlink_to(elsewhere / "log.txt")
+    for call in (lambda: fio.check_outputs({"--report": out / "stdout"}),
+                 lambda: fio.write_json(out / "stdout", {"a": 1})):
+        with pytest.raises(UsageError, match="symlink .*outside the output's folder"):
+            call()
+    assert (out / "stdout").is_symlink() and (elsewhere / "log.txt").read_text() == "kept"
+    assert sorted(os.listdir(out)) == ["stdout"]
+
+
+def test_a_symlink_to_a_sibling_folder_with_a_shared_prefix_is_outside(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out_evil").mkdir()
+    (tmp_path / "out_evil" / "r.json").write_text("theirs")
+    (tmp_path / "out" / "r.json").symlink_to(tmp_path / "out_evil" / "r.json")
+    with pytest.raises(UsageError, match="outside the output's folder"):
+        fio.write_json(tmp_path / "out" / "r.json", {})
+    assert (tmp_path / "out_evil" / "r.json").read_text() == "theirs"
+
+
+def test_a_symlink_inside_the_folder_is_written_through(tmp_path):
+    (tmp_path / "real.json").write_text("old")
+    (tmp_path / "link.json").symlink_to("real.json")
+    fio.check_outputs({"--report": tmp_path / "link.json"})
+    fio.write_json(tmp_path / "link.json", {"a": 2})
+    assert (tmp_path / "link.json").is_symlink()
+    assert json.loads((tmp_path / "real.json").read_text()) == {"a": 2}
+
+
+@pytest.mark.parametrize("special", ["fifo", "device"])
+def test_devices_and_fifos_are_refused(tmp_path, special):
+    if special == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/null")
+    for call in (lambda: fio.check_outputs({"-o": path}), lambda: fio.write_json(path, {})):
+        with pytest.raises(UsageError, match="not a regular file"):
+            call()
+    assert path.exists() and not path.is_file()
+
+
+def test_dev_stdout_redirected_to_a_file_is_refused_by_the_cli(tmp_path):
+    """The reported case end to end: as a user would type it, stdout redirected to a file."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "fp4pass", "convert", "models/moe.onnx", "-o",
+                               str(tmp_path / "m.onnx"), "--report", "/dev/stdout"], stdout=out,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr
+    assert "/dev/stdout" in proc.stderr and "Traceback" not in proc.stderr
+    assert os.path.islink("/dev/stdout")
+    assert sorted(os.listdir(tmp_path)) == ["log.txt"]
+
+
+# -- what a failed run removes ----------------------------------------------------------------------------------
+
+
+def test_rollback_removes_only_what_this_run_put_there(tmp_path):
+    """Run A writes m.onnx and later fails its check; meanwhile run B wrote m.onnx again. A's rollback must
+    not remove B's file."""
+    with fio.output_session() as session:
+        with fio.atomic_output(tmp_path / "m.onnx") as tmp:
+            tmp.write_bytes(b"run A")
+        with fio.atomic_output(tmp_path / "r.json", kind=fio.REPORT) as tmp:
+            tmp.write_bytes(b"report A")
+        other = tmp_path / "other"
+        other.write_bytes(b"run B")
+        os.replace(other, tmp_path / "m.onnx")  # run B's atomic rename
+        removed = session.rollback(2)
+    assert removed == [tmp_path / "r.json"]
+    assert (tmp_path / "m.onnx").read_bytes() == b"run B"
+
+
+def test_fsync_comes_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A rename before the data is durable can leave an empty file under the final name after a crash."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(fio.os, "fsync", fsync)
+    monkeypatch.setattr(fio.os, "replace", replace)
+    fio.write_json(tmp_path / "r.json", {"a": 1})
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["fsync", "replace", "fsync"], events
+    assert events[0][1].startswith(fio.TMP_PREFIX) and events[0][1].endswith("r.json")
+    assert events[2][1] == tmp_path.name  # the folder, after the rename

@@ -26,12 +26,13 @@ LAYERS = [
     ("convert", ["fp4pass.convert"]),
     ("passes", ["fp4pass.onnx", "fp4pass.fx"]),  # ONNX and fx passes are peers
     ("calib", ["fp4pass.calib", "fp4pass.fx.calibration", "fp4pass.fx.numerics"]),
-    ("pipeline", ["fp4pass.pipeline", "fp4pass.study"]),
+    ("pipeline", ["fp4pass.pipeline", "fp4pass.study", "fp4pass.checkpoint"]),
     ("commands", ["fp4pass", "fp4pass.cli", "fp4pass.__main__", "fp4pass.commands", "fp4pass.bench",
                   "fp4pass.examples"]),
 ]
 # the units whose mutual imports must also be acyclic, package by package
-UNITS = ["fp4pass.formats", "fp4pass.convert", "fp4pass.onnx", "fp4pass.fx", "fp4pass.calib", "fp4pass.commands",
+UNITS = ["fp4pass.formats", "fp4pass.convert", "fp4pass.onnx", "fp4pass.fx", "fp4pass.calib", "fp4pass.checkpoint",
+         "fp4pass.commands",
          "fp4pass.bench", "fp4pass.examples"]
 
 

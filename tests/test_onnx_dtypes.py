@@ -67,8 +67,8 @@ def test_lossless_weights_give_identical_outputs(dtype, form):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_provider_sees_a_lossy_16_bit_conversion_as_the_evaluator_does(dtype):
     """diff(provider="reference") on a lossy conversion gives the SNR of the two models' onnx.reference
-    outputs computed here by hand, and the default provider cannot run BFLOAT16 (one named error)."""
-    from fp4pass.errors import ModelError
+    outputs computed here by hand; onnxruntime CPU cannot run BFLOAT16, so provider "cpu" falls back to the
+    same figures under onnx.reference, with a note."""
     from fp4pass.metrics import snr_db
 
     original = V.mlp(dtype)
@@ -80,8 +80,9 @@ def test_reference_provider_sees_a_lossy_16_bit_conversion_as_the_evaluator_does
     result = diff(original, out, inputs={"x": x}, provider="reference")
     assert result.outputs[0].snr_db == pytest.approx(expected, abs=1e-6) and expected < 60
     if dtype == TensorProto.BFLOAT16:
-        with pytest.raises(ModelError, match="onnxruntime could not load"):
-            diff(original, out, inputs={"x": x}, provider="cpu")
+        fallback = diff(original, out, inputs={"x": x}, provider="cpu")
+        assert fallback.provider == "reference" and "onnxruntime has no kernel" in fallback.notes[0]
+        assert fallback.outputs[0].snr_db == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,6 +1,6 @@
 """Benchmarks: every figure is a ratio to a baseline measured in the same process, on the same bytes.
 
-Each module here (one per area: formats, convert, onnx, diff, calib) defines ``BENCHMARKS``, a list of
+Each module here (one per area: formats, convert, onnx, diff, calib, fx) defines ``BENCHMARKS``, a list of
 functions ``bench(device: torch.device, quick: bool) -> list[BenchResult]``. ``fp4pass bench`` runs them all.
 A ratio is ``seconds / baseline_seconds``: lower is better, 1.0 means as fast as the baseline.
 """
@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_table", "AREAS"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx")
 
 
 @dataclass
@@ -79,6 +79,10 @@ def format_row(r: BenchResult) -> str:
     return f"{r.name:<44} {value}  {r.ratio:7.2f}x {r.baseline}{goal}  {extra}"
 
 
+RATIO_NOTE = ("ratio = measured / baseline, both in the same process: lower is better (1.00x = the baseline's "
+              "time, or its memory for MiB rows); a goal is met at or below its ratio")
+
+
 def format_table(results: list[BenchResult]) -> str:
     header = f"{'benchmark':<44} {'time':>13}  {'ratio':>7} baseline"
-    return "\n".join([header, *(format_row(r) for r in results)])
+    return "\n".join([header, *(format_row(r) for r in results), RATIO_NOTE])

@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
-from fp4pass.commands import _safety
+from fp4pass.commands import _safety, checkpoint
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
+from fp4pass.commands.diff import add_input_arguments, parse_shape, print_notes
 from fp4pass.errors import UsageError
 
 # --check thresholds, in dB, when --snr-min is not given (docs/bad-input.md has the measurements behind them).
@@ -23,6 +24,7 @@ EPILOG = """examples:
   fp4pass convert models/moe.onnx -o moe.nvfp4.onnx --report report.json --check
   fp4pass convert model.onnx -o model.nvfp4.onnx --scale-form alpha --calib calib.npz
   fp4pass convert model.onnx -o model.ort.onnx --target ort --external-data always
+  fp4pass convert model.onnx -o model.nvfp4.onnx --check --inputs batch.npz --past-length 16
 
 exit codes: 0 converted (and --check passed), 1 --check failed (an output below --snr-min, default 15 dB
 without activation quantizers, none with them), 2 bad input or usage (or the check could not run), 3 a bug.
@@ -50,6 +52,7 @@ def register(sub, common) -> None:
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads for the weight conversion (default 1: fastest on 2 shared cores)")
     _add_safety_arguments(p)
+    checkpoint.add_convert_arguments(p)  # IN a folder: a safetensors checkpoint (fp4pass.commands.checkpoint)
     p.set_defaults(run=run)
 
 
@@ -59,19 +62,23 @@ def _add_safety_arguments(p) -> None:
     p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB",
                    help="--check fails (exit 1) when an output's SNR is below DB (default: 15 for weight-only "
                         "conversions, none with --calib/--scales)")
+    add_input_arguments(p, "--check (default: the --calib file when it is one)")
     p.add_argument("--keep-unchecked", action="store_true",
                    help="keep the converted model when --check fails or cannot run (it is removed by default)")
 
 
 def _check_before_work(args) -> float | None:
     """Everything that can be refused before converting; returns the --check threshold."""
-    inputs = {**_safety.model_inputs("the input model", args.model), "--calib": args.calib, "--scales": args.scales}
+    inputs = {**_safety.model_inputs("the input model", args.model), "--calib": args.calib, "--scales": args.scales,
+              "--inputs": args.inputs}
     outputs = {"-o": args.output, "--report": args.report}
     if args.external_data != "never":
         outputs["-o's external data"] = args.output + ".data"
     _safety.check_files(outputs, inputs)
-    if args.snr_min is not None and not args.check:
-        raise UsageError("--snr-min applies to --check; add --check")
+    for flag, given in (("--snr-min", args.snr_min is not None), ("--inputs", args.inputs),
+                        ("--shape", args.shape), ("--past-length", args.past_length)):
+        if given and not args.check:
+            raise UsageError(f"{flag} applies to --check; add --check")
     _safety.check_model(args, args.model)
     _safety.check_provider(args)
     if args.scales:
@@ -113,18 +120,20 @@ def _check_verdict(check: dict) -> str | None:
 
 
 def run(args) -> int:
+    code = checkpoint.convert_if_folder(args)
+    if code is not None:
+        return code
     snr_min = _check_before_work(args)
     from fp4pass.io import write_json
     from fp4pass.pipeline import convert
     from fp4pass.onnx.report import format_report, summary_line
-    from fp4pass.convert import set_defaults
-
-    set_defaults(effort=args.effort, threads=args.threads)  # every weight conversion of this command
     _, report = convert(
         args.model, method=args.method, scale_form=args.scale_form, target=args.target, calib=args.calib,
         calibrator=args.calibrator, scales=args.scales, provider=args.provider, output=args.output,
         external_data=args.external_data, check=args.check, show_progress=None if not args.quiet else False,
         calibrator_options=calibrator_options(args), snr_min=snr_min, allow_invalid=args.allow_invalid,
+        check_inputs=args.inputs, check_shapes=dict(parse_shape(s) for s in args.shape),
+        past_length=args.past_length, effort=args.effort, threads=args.threads,
     )
     if args.report:
         write_json(args.report, report)
@@ -132,6 +141,8 @@ def run(args) -> int:
         print(format_report(report))
     print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
     check = report.get("check")
+    if check is not None:
+        print_notes("convert", check.get("notes", ()), args, check.get("provider_notes", ()))
     verdict = _check_verdict(check) if check is not None else None
     if verdict:
         kept = "kept (--keep-unchecked)" if args.keep_unchecked else "removed (--keep-unchecked keeps it)"

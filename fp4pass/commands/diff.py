@@ -24,11 +24,15 @@ EPILOG = """examples:
   fp4pass diff model.onnx model.nvfp4.onnx --intermediates --plot snr.png --shape input_ids=1,128
   fp4pass diff model.onnx model.nvfp4.onnx --inputs batch.npz --provider cuda
 
-A is the reference. Inputs not in --inputs are drawn from a seeded normal distribution (integers uniform in
-[0, 16)); a symbolic dim without --shape is 1 (a note says so). --shape gives an input's full dims.
+A is the reference. Inputs not in --inputs are made up: drawn from a seeded normal distribution (integers
+uniform in [0, 16)), and a note says which. --shape gives an input's full dims; other symbolic dims follow the
+graph's own shapes (a dim name shared with a given input; past... = --past-length, total... = past + the rest;
+a KV cache's head dim from its attention node; attention_mask all ones), else 1 (a note says so).
 Metrics: SNR dB = 20 log10(||a|| / ||a-b||) (null when identical), rel_l2 = ||a-b|| / ||a||, cosine,
 max/mean/p99 of |a-b|; nan/inf count the values in B. Outputs decide pass/fail; --intermediates compares
-every tensor both graphs produce under the same name and names the first divergent node.
+every tensor both graphs produce under the same name and names the first divergent node (the first under
+--snr-min; without it, the first that differs at all). Tensors an alpha-form model holds without its global
+scale are not compared with the other model's (a note names them): they differ by that scale by design.
 """
 
 
@@ -49,15 +53,35 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
     return name, values
 
 
+def past_length(text: str) -> int:
+    """argparse type: a KV cache's past length, an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_INPUT_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 2^30]")
+    return value
+
+
+def add_input_arguments(p, what: str) -> None:
+    """--inputs, --shape and --past-length: the inputs ``what`` runs the models on (diff and convert --check)."""
+    p.add_argument("--inputs", metavar="DATA.npz", help=f"input arrays named after graph inputs, for {what} "
+                                                        "(inputs not given are made up at random, with a note)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
+                   help="full dims of an input with symbolic dims, e.g. input_ids=1,128 (repeatable)")
+    p.add_argument("--past-length", type=past_length, default=0, metavar="N",
+                   help="past length of KV-cache inputs made up from the graph's own shapes (default 0: an "
+                        "empty cache)")
+
+
 def register(sub, common) -> None:
     p = sub.add_parser("diff", parents=[common], help="compare two models numerically under onnxruntime",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("original", metavar="A.onnx", help="the reference model")
     p.add_argument("rewritten", metavar="B.onnx", help="the model to check against A")
-    p.add_argument("--inputs", metavar="DATA.npz", help="input arrays named after graph inputs")
+    add_input_arguments(p, "both models")
     p.add_argument("--seed", type=_safety.seed, default=0, help="seed of the random inputs (default 0, >= 0)")
-    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
-                   help="full dims of an input with symbolic dims, e.g. input_ids=1,128 (repeatable)")
     _safety.add_provider_arguments(p, reference=True)
     _safety.add_allow_invalid(p)
     p.add_argument("--intermediates", action="store_true", help="also compare tensors both graphs name alike")
@@ -66,6 +90,17 @@ def register(sub, common) -> None:
     p.add_argument("--plot", metavar="OUT.png", type=_safety.plot_path,
                    help="per-tensor SNR and the worst output's error histogram (.png, or .pdf/.svg/...)")
     p.set_defaults(run=run)
+
+
+def print_notes(command: str, notes, args, provider_notes=()) -> None:
+    """The notes of a diff on stderr, one line each; none with --quiet. With --provider cuda the runtime's own
+    words on the fallback (``provider_notes``) are left out: the command said so once, before any work."""
+    if args.quiet:
+        return
+    skip = set(provider_notes) if getattr(args, "provider", None) == "cuda" else set()
+    for note in notes:
+        if note not in skip:
+            print(f"fp4pass {command}: note: {note}", file=sys.stderr)
 
 
 def run(args) -> int:
@@ -81,11 +116,10 @@ def run(args) -> int:
     _safety.check_provider(args)
     result = diff(
         args.original, args.rewritten, args.inputs, args.provider, intermediates=args.intermediates,
-        snr_min=args.snr_min, seed=args.seed, shapes=shapes,
+        snr_min=args.snr_min, seed=args.seed, shapes=shapes, past_length=args.past_length,
         show_progress=False if args.quiet else None,
     )
-    for note in result.notes:
-        print(f"fp4pass diff: note: {note}", file=sys.stderr)
+    print_notes("diff", result.notes, args, result.provider_notes)
     print(result.format_table())
     if args.json:
         write_json(args.json, result.to_json())

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from fp4pass.commands import _safety
+from fp4pass.commands import _safety, checkpoint
 
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
   fp4pass inspect big/model.onnx --json > fp4.json
-"""
+""" + checkpoint.INSPECT_EPILOG
 
 
 def register(sub, common) -> None:
@@ -23,6 +23,9 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
+    code = checkpoint.inspect_if_folder(args)  # a safetensors checkpoint folder
+    if code is not None:
+        return code
     from fp4pass.onnx.inspection import format_inspection, inspect
 
     _safety.check_model(args, args.model)

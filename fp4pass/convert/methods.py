@@ -74,6 +74,9 @@ def pow2_scale_codes(scales: torch.Tensor, layout: GroupLayout, m: list[int], lo
     device = scales.device
     normal = all(l - E8M0_BIAS - g >= E4M3_MIN_NORMAL_EXP and u - E8M0_BIAS - g <= E4M3_POW2_MAX_EXP
                  for l, u, g in zip(lo, hi, m))
+    if layout.total_rows and not normal and layout_mod.on_host(scales):
+        return torch.from_numpy(_pow2_codes_host_lut(scales.reshape(layout.groups, -1).numpy(), m, h)).reshape(
+            layout.total_rows, -1)
     if layout.total_rows == 0 or not normal:
         m_rows = torch.tensor(m, dtype=torch.int32, device=device).repeat_interleave(layout.rows_per_group)
         return verbatim_scales(scales, m_rows, h)
@@ -103,6 +106,29 @@ def _pow2_codes_host(scales: np.ndarray, m: list[int], h: int) -> np.ndarray:
         return np.multiply(t, np.uint16(8 * 257), dtype=np.uint16).view(np.uint8)
     t <<= 3
     return np.repeat(t, h, axis=-1) if h > 1 else t
+
+
+def _pow2_codes_host_lut(scales: np.ndarray, m: list[int], h: int) -> np.ndarray:
+    """``verbatim_scales`` in numpy for any window (subnormal block scales too): scales uint8 [G, n] -> E4M3
+    codes [G, n*h], through one 256-entry table per group (E8M0 code -> E4M3 code of 2^clamp(k - m, -9, 8)).
+
+    One gather pass per group and no wide temporaries (``mode="clip"``: a uint8 index is always in the table, and
+    numpy's default mode buffers the whole output); with two halves per block the table holds the code in
+    both bytes of a uint16, so the gather writes both halves at once.
+    """
+    codes = np.arange(256, dtype=np.int64) - E8M0_BIAS
+    pow2 = np.array(E4M3_POW2_CODES, dtype=np.uint16)
+    out = np.empty((scales.shape[0], scales.shape[1] * h), dtype=np.uint8)
+    step = 1 << 20  # numpy widens the uint8 indices to intp: in pieces, so that costs 8 MiB, not 8 bytes a scale
+    for g, m_g in enumerate(m):
+        lut = pow2[np.clip(codes - m_g, E4M3_POW2_MIN_EXP, E4M3_POW2_MAX_EXP) - E4M3_POW2_MIN_EXP]
+        table = (lut * 257).astype(np.uint16) if h == 2 else lut.astype(np.uint8)
+        target = out[g].view(np.uint16) if h == 2 else np.empty(scales.shape[1], dtype=np.uint8)
+        for i in range(0, scales.shape[1], step):
+            np.take(table, scales[g, i:i + step], out=target[i:i + step], mode="clip")
+        if h != 2:
+            out[g] = np.repeat(target, h) if h > 1 else target
+    return out
 
 
 def choose_m(codes, scales, layout: GroupLayout, k_max, k_min, rule: str, chunks) -> torch.Tensor:

@@ -44,8 +44,8 @@ import torch
 
 from fp4pass.formats import MXFP4Tensor
 
-__all__ = ["TINY_CONFIG", "tiny_state_dict", "build_tiny_gpt_oss", "export_tiny_gpt_oss_onnx", "tiny_calib_ids",
-           "write_tiny_calib", "main"]
+__all__ = ["TINY_CONFIG", "GPT_OSS_20B_CONFIG", "tiny_state_dict", "build_tiny_gpt_oss", "build_sized_gpt_oss",
+           "export_tiny_gpt_oss_onnx", "tiny_calib_ids", "write_tiny_calib", "main"]
 
 #: GptOssConfig fields of the tiny model (others take transformers' gpt-oss defaults).
 TINY_CONFIG = {
@@ -63,6 +63,15 @@ TINY_CONFIG = {
     "tie_word_embeddings": False,
     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                         "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+}
+#: gpt-oss-20b's layer shapes (hidden 2880, intermediate 2880, 32 experts, top-4, 64 heads of 64, 8 KV heads,
+#: sliding window 128, vocabulary 201088): for :func:`build_sized_gpt_oss`, which writes random bytes of
+#: these shapes (not the released weights).
+GPT_OSS_20B_CONFIG = {
+    **TINY_CONFIG,
+    "num_hidden_layers": 24, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+    "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "sliding_window": 128,
 }
 EXPERT_FACTORS = (1.0, 0.5, 2.0, 1.0)
 LOSSY = {"layer": 1, "expert": 3, "rows": 8, "factor": 2.0 ** -20}
@@ -207,6 +216,68 @@ def build_tiny_gpt_oss(out_dir: str | Path, seed: int = 0, naming: str = "hf", c
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / "model.safetensors", lambda p: save_file(stored, p, metadata={"format": "pt"}))
     _write_atomic(out / "config.json", lambda p: Path(p).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n"))
+    return out
+
+
+def _sized_tensors(c: dict, seed: int):
+    """(name, stored tensor) of a model of config ``c``, drawn one tensor at a time: the experts as random MXFP4
+    bytes (E2M1 codes uniform over the 16, E8M0 scales 2^-8..2^-6), never through a float copy; the rest bf16
+    (norms float32) with standard deviation 1/sqrt(fan-in)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, e, hd = c["hidden_size"], c["intermediate_size"], c["num_local_experts"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def normal(*shape, std=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def packed(rows, k):
+        blocks = torch.randint(0, 256, (e, rows, k // 32, 16), generator=g, dtype=torch.uint8)
+        return blocks, torch.randint(119, 122, (e, rows, k // 32), generator=g, dtype=torch.uint8)
+
+    yield "model.embed_tokens.weight", normal(c["vocab_size"], h)
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        yield p + "input_layernorm.weight", 1 + normal(h, std=0.1, dtype=torch.float32)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            yield p + f"self_attn.{name}_proj.weight", normal(rows, h, std=h ** -0.5)
+            yield p + f"self_attn.{name}_proj.bias", normal(rows, std=0.1)
+        yield p + "self_attn.o_proj.weight", normal(h, q, std=q ** -0.5)
+        yield p + "self_attn.o_proj.bias", normal(h, std=0.1)
+        yield p + "self_attn.sinks", normal(c["num_attention_heads"])
+        yield p + "post_attention_layernorm.weight", 1 + normal(h, std=0.1, dtype=torch.float32)
+        yield p + "mlp.router.weight", normal(e, h, std=h ** -0.5)
+        yield p + "mlp.router.bias", normal(e, std=0.1)
+        for proj, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            blocks, scales = packed(rows, k)
+            yield p + f"mlp.experts.{proj}_blocks", blocks
+            yield p + f"mlp.experts.{proj}_scales", scales
+            yield p + f"mlp.experts.{proj}_bias", normal(e, rows, std=0.1)
+    yield "model.norm.weight", 1 + normal(h, std=0.1, dtype=torch.float32)
+    yield "lm_head.weight", normal(c["vocab_size"], h, std=h ** -0.5)
+
+
+def build_sized_gpt_oss(out_dir: str | Path, config: dict | None = None, seed: int = 0) -> Path:
+    """Write a gpt-oss checkpoint of any size (Hugging Face naming, MXFP4 experts) into ``out_dir``; returns it.
+
+    ``config``: GptOssConfig fields over :data:`GPT_OSS_20B_CONFIG` (e.g. ``{"num_hidden_layers": 2,
+    "vocab_size": 4096}`` for two gpt-oss-20b-shaped layers with a small vocabulary). The weights are random
+    (:func:`_sized_tensors`): for memory and speed measurements at real shapes, not for accuracy. Memory: the
+    checkpoint's bytes once (about 0.4 GB of packed experts per layer at gpt-oss-20b's shapes).
+    """
+    from safetensors.torch import save_file
+
+    c = {**GPT_OSS_20B_CONFIG, **(config or {})}
+    c.setdefault("layer_types", None)
+    if c["layer_types"] is None:
+        c["layer_types"] = ["sliding_attention" if n % 2 == 0 else "full_attention"
+                            for n in range(c["num_hidden_layers"])]
+    stored = dict(_sized_tensors(c, seed))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "model.safetensors", lambda p: save_file(stored, p, metadata={"format": "pt"}))
+    del stored
+    _write_atomic(out / "config.json", lambda p: Path(p).write_text(json.dumps(_hf_config(c), indent=2,
+                                                                                sort_keys=True) + "\n"))
     return out
 
 

@@ -16,18 +16,24 @@ Signature::
    graph). Each activation is calibrated once however many FP4 matmuls read it. Declined, with the reason (logged):
    an activation not contracted along its last axis (the weight is ``mm``'s first operand, an einsum that
    does not contract it), a constant activation, a last dim that is not a multiple of 16.
-3. Collect: the batches are streamed, one at a time, through a copy of the graph with an observer after each
+3. Check: each batch's inputs against the shapes the program was exported for (a dim fixed at export, or
+   outside its ``torch.export.Dim`` range, is a ShapeError that names it and shows how to export it as
+   dynamic), and against what the model reads (an empty input; token ids read by an embedding that are not
+   integers or fall outside its vocabulary: a CalibrationDataError naming the batch and the input). A list
+   or tuple of batches is checked whole before any batch runs; another iterable, each batch before it runs.
+   A failure of the model itself on a batch is a CalibrationDataError naming the batch.
+4. Collect: the batches are streamed, one at a time, through a copy of the graph with an observer after each
    target (``torch.no_grad``); each observer feeds the tensor to its
    :class:`~fp4pass.calib.stats.ActivationStats`, the same statistics as ``fp4pass calibrate`` on ONNX, kept on
    the model's device (CUDA when the model is there). A batch is a tuple of positional inputs, a dict of
    keyword inputs, or one tensor; tensors are moved to the model's device.
-4. Distributed: when a ``torch.distributed`` process group is initialised, the statistics are reduced over
+5. Distributed: when a ``torch.distributed`` process group is initialised, the statistics are reduced over
    its ranks (:func:`fp4pass.calib.distributed.all_reduce_stats`: MAX for amax, SUM for counts and
    histograms) before the scales are computed, so every rank gets the scales of all ranks' data.
-5. Compute: the calibrator (:func:`fp4pass.calib.make_calibrator`; max, percentile, headroom, mse) gives
+6. Compute: the calibrator (:func:`fp4pass.calib.make_calibrator`; max, percentile, headroom, mse) gives
    ``g_amax``; :func:`fp4pass.calib.runner.scale_for` the :class:`~fp4pass.calib.ActivationScale`
    (``input_scale = g_amax / (6*448)``, FP32).
-6. Insert: ``torch.ops.fp4pass.fake_quantize_nvfp4(x, input_scale)`` (:mod:`fp4pass.fx.act_ops`) after each
+7. Insert: ``torch.ops.fp4pass.fake_quantize_nvfp4(x, input_scale)`` (:mod:`fp4pass.fx.act_ops`) after each
    calibrated activation ``x``, node name ``{x}_fake_quantize_nvfp4``; only the FP4 matmuls are rewired to
    it, other readers keep the float ``x``.
 
@@ -49,10 +55,11 @@ from torch.utils import _pytree as pytree
 from fp4pass.calib import ActivationScales, ActivationStats, make_calibrator
 from fp4pass.calib.distributed import all_reduce_stats, distributed_ready
 from fp4pass.calib.runner import CalibrationDataError, einsum_contracts_last, scale_for
-from fp4pass.errors import ModelError, NonFiniteError, UsageError
+from fp4pass.errors import FP4PassError, ModelError, NonFiniteError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
 from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_quantize_nvfp4)
 from fp4pass.fx import ops  # noqa: F401  (registers torch.ops.fp4pass.dequantize_*)
+from fp4pass.fx.shapes import check_inputs, guard_error, input_problem
 from fp4pass.progress import progress
 
 __all__ = ["calibrate", "calibration_targets", "insert_fake_quantizers", "FxCalibrationTarget", "DEQUANT_TARGETS"]
@@ -277,7 +284,19 @@ def _prepend(box: list, rest):
     yield from rest
 
 
-def _collect(gm, stream, device, show_progress) -> int:
+def _check_batch(program, batch, index: int) -> tuple[tuple, dict]:
+    """The batch as (args, kwargs), after the checks that need no run: shapes the program was exported for,
+    empty inputs, token ids (:mod:`fp4pass.fx.shapes`)."""
+    args, kwargs = _split_batch(batch)
+    what = f"fx calibrate: calibration batch #{index}"
+    check_inputs(program, args, kwargs, what)
+    problem = input_problem(program, args, kwargs)
+    if problem:
+        raise CalibrationDataError(f"{what}: {problem}")
+    return args, kwargs
+
+
+def _collect(gm, program, stream, device, show_progress) -> int:
     """Run every batch of ``stream`` through the observed ``gm``; hold none of them past its own run."""
     count = 0
 
@@ -286,11 +305,21 @@ def _collect(gm, stream, device, show_progress) -> int:
 
     with torch.no_grad():
         for batch in progress(stream, desc="fx calibrate", enabled=show_progress, unit="batch"):
-            args, kwargs = pytree.tree_map(move, _split_batch(batch))
+            args, kwargs = pytree.tree_map(move, _check_batch(program, batch, count))
             try:
                 gm(*args, **kwargs)
             except NonFiniteError as exc:
                 raise NonFiniteError(f"calibration batch #{count}: {exc}") from None
+            except FP4PassError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model's own failure on this batch, named
+                what = f"fx calibrate: calibration batch #{count}"
+                shape = guard_error(exc, what)
+                if shape is not None:
+                    raise shape from None
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise CalibrationDataError(f"{what}: the model failed on it ({type(exc).__name__}: {first})") \
+                    from exc
             count += 1
             del batch, args, kwargs  # before the next batch is drawn
     return count
@@ -358,6 +387,9 @@ def calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=N
     if first is None:
         raise CalibrationDataError("fx calibrate: the batches hold no batch")
     program = _as_program(model, first, dynamic_shapes)
+    if isinstance(batches, (list, tuple)):
+        for i, batch in enumerate(batches):  # a list is checked whole: an error before any batch runs
+            _check_batch(program, batch, i)
     targets, _declined = calibration_targets(program)
     if not targets:
         folded = any(n.op == "get_attr" and n.target.startswith("_tensor_constant") for n in program.graph.nodes)
@@ -372,7 +404,7 @@ def calibrate(model, batches, calibrator="max", *, device=None, dynamic_shapes=N
                                      reservoir=method.reservoir, top_k=method.top_k) for t in targets}
     stream = _prepend([first], stream)
     del first
-    count = _collect(_observed(gm, stats), stream, model_device, show_progress)
+    count = _collect(_observed(gm, stats), program, stream, model_device, show_progress)
     if distributed_ready():
         all_reduce_stats(list(stats.values()), group=process_group)
     scales = ActivationScales(method.name, provider=f"torch:{model_device.type}", batches=count)

@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
 
 import torch
 
-from fp4pass.errors import ModelError, UsageError
+from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.extras import require
 from fp4pass.io import read_regular_file
 from fp4pass.fx.mxfp4 import MXFP4Experts
 
-__all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "CausalLMLogits"]
+__all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "checkpoint_layers", "CausalLMLogits",
+           "EXPERT_FORWARDS"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ _OPENAI_NAMES = [
 ]
 _OPENAI_QKV = re.compile(r"block\.(\d+)\.attn\.qkv\.(weight|bias)")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_OPENAI_LAYER = re.compile(r"block\.(\d+)\.")
 _PACKED = ("_blocks", "_scales")
 
 
@@ -83,11 +86,51 @@ def _openai_config(raw: dict) -> dict:
     return out
 
 
+#: integer GptOssConfig fields that size the model: each must be a positive int (JSON bool refused)
+_POSITIVE_INTS = ("num_hidden_layers", "num_local_experts", "num_experts_per_tok", "vocab_size", "hidden_size",
+                  "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads")
+#: a bound far above any released model, so that a typo does not allocate for hours before failing
+_MAX_DIM = 1 << 20
+
+
+def _check_fields(raw: dict, path: Path) -> None:
+    """ModelError naming ``path`` and the field, for a config value that cannot size a gpt-oss model."""
+    for key in _POSITIVE_INTS:
+        if key not in raw:
+            continue
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelError(f"{path}: {key} is {value!r} ({type(value).__name__}); it must be a positive integer")
+        if not 0 < value <= _MAX_DIM:
+            raise ModelError(f"{path}: {key} is {value}; it must be in 1..{_MAX_DIM}")
+    experts, top_k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
+    if experts is not None and top_k is not None and top_k > experts:
+        raise ModelError(f"{path}: num_experts_per_tok {top_k} is more than num_local_experts {experts}")
+    heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ModelError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    for key in ("hidden_size", "intermediate_size"):
+        if key in raw and raw[key] % 32:
+            raise ModelError(f"{path}: {key} {raw[key]} is not a multiple of 32 (the MXFP4 block)")
+    for key in ("swiglu_limit", "rope_theta", "rms_norm_eps", "rope_scaling_factor"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ModelError(f"{path}: {key} is {value!r}; it must be a finite positive number")
+    for key in ("layer_types", "rope_parameters", "rope_scaling"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, (list if key == "layer_types" else dict)):
+            raise ModelError(f"{path}: {key} is {type(value).__name__}, not a "
+                             f"{'list' if key == 'layer_types' else 'JSON object'}")
+
+
 def read_config(checkpoint_dir: str | Path, **config_overrides):
     """``GptOssConfig`` from ``checkpoint_dir/config.json`` (either naming), with ``config_overrides`` applied.
 
     The quantization_config is dropped (fp4pass holds the MXFP4 weights itself). Overriding
-    ``num_hidden_layers`` with fewer layers keeps the first ones (``layer_types`` cut to match).
+    ``num_hidden_layers`` with fewer layers keeps the first ones (``layer_types`` cut to match). A field of the
+    wrong type or out of range (a count that is not a positive integer, a size not a multiple of 32, top-k over
+    the experts, ...) is a ModelError naming the file and the field.
     """
     from transformers import GptOssConfig
 
@@ -99,22 +142,30 @@ def read_config(checkpoint_dir: str | Path, **config_overrides):
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelError(f"{path}: cannot read ({exc})") from None
     if not isinstance(raw, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        raise ModelError(f"{path}: holds a JSON {type(raw).__name__}; expected a JSON object")
     quant = raw.pop("quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        raise ModelError(f"{path}: quantization_config is {type(quant).__name__}, not a JSON object")
     if quant is not None and quant.get("quant_method") != "mxfp4":
         raise ModelError(f"{path}: quant_method is {quant.get('quant_method')!r}; load_gpt_oss reads mxfp4")
     if raw.get("model_type", "gpt_oss") != "gpt_oss":
         raise ModelError(f"{path}: model_type is {raw.get('model_type')!r}, not gpt_oss")
+    _check_fields(raw, path)
     if "num_experts" in raw and "num_local_experts" not in raw:
-        raw = _openai_config(raw)
+        try:
+            raw = _openai_config(raw)
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"{path}: gpt-oss package config: {exc}") from None
+        _check_fields(raw, path)
     layers = config_overrides.get("num_hidden_layers")
     if layers is not None and "layer_types" not in config_overrides and raw.get("layer_types"):
         raw["layer_types"] = raw["layer_types"][:layers]
     raw.update(config_overrides)
+    _check_fields(raw, path)
     try:
         return GptOssConfig.from_dict(raw)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{path}: config does not make a GptOssConfig ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation errors, of many types
+        raise ModelError(f"{path}: config does not make a GptOssConfig ({type(exc).__name__}: {exc})") from None
 
 
 def _hf_names(name: str, tensor: torch.Tensor, config) -> list[tuple[str, torch.Tensor]]:
@@ -124,8 +175,8 @@ def _hf_names(name: str, tensor: torch.Tensor, config) -> list[tuple[str, torch.
         layer, kind = match.groups()
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
-        if tensor.shape[0] != q + 2 * kv:
-            raise ModelError(f"{name}: {tensor.shape[0]} rows, expected q {q} + k {kv} + v {kv}")
+        if tensor.dim() == 0 or tensor.shape[0] != q + 2 * kv:
+            raise ModelError(f"{name}: shape {list(tensor.shape)}, expected q {q} + k {kv} + v {kv} rows")
         parts = torch.split(tensor, [q, kv, kv], dim=0)
         return [(f"model.layers.{layer}.self_attn.{p}_proj.{kind}", t.contiguous())
                 for p, t in zip("qkv", parts)]
@@ -135,21 +186,100 @@ def _hf_names(name: str, tensor: torch.Tensor, config) -> list[tuple[str, torch.
     return [(name, tensor)]
 
 
+def _safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{checkpoint_dir}: no .safetensors files")
+    return files
+
+
+def _open(file: Path, device):
+    """``safe_open`` of one file; a ModelError naming it when its header is not valid safetensors."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: the file is bad, whatever the kind
+        where = _header_problem(file)
+        raise ModelError(f"{file}: not a readable safetensors file: {where or f'{type(exc).__name__}: {exc}'}") \
+            from None
+
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _header_problem(file: Path) -> str | None:
+    """Which tensor of a safetensors header is wrong and how (8-byte little-endian length, JSON object of
+    name -> {dtype, shape, data_offsets}), or None when the header itself reads well."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the 8-byte header length"
+            length = int.from_bytes(head, "little")
+            if length > size - 8:
+                return f"header length {length} is past the end of the file ({size} bytes)"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"header is not JSON ({exc})"
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            return f"tensor {name}: header entry is not an object"
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            return f"tensor {name}: unknown dtype {dtype!r}"
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            return f"tensor {name}: shape {shape!r} is not a list of sizes"
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data):
+            return f"tensor {name}: data_offsets {offsets!r} are not inside the file's {data} data bytes"
+        if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            return (f"tensor {name}: {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype} "
+                    f"({math.prod(shape) * _DTYPE_BYTES[dtype]} expected)")
+    return None
+
+
+def checkpoint_layers(checkpoint_dir: str | Path) -> int:
+    """How many decoder layers the checkpoint's tensors hold (highest layer index + 1), from the file headers
+    alone (no tensor is read). Both namings."""
+    top = -1
+    for file in _safetensors_files(checkpoint_dir):
+        with _open(file, "cpu") as f:
+            for key in f.keys():
+                match = _LAYER.match(key) or _OPENAI_LAYER.match(key)
+                if match:
+                    top = max(top, int(match.group(1)))
+    return top + 1
+
+
 def checkpoint_tensors(checkpoint_dir: str | Path, config, *, device="cpu", dtype=torch.float32):
     """Yield (transformers name, tensor) for every tensor of the folder's ``*.safetensors`` files.
 
     MXFP4 ``*_blocks`` / ``*_scales`` come as stored (uint8); float tensors are cast to ``dtype``. Tensors of
-    layers at or past ``config.num_hidden_layers`` are skipped (a model cut short by an override).
+    layers at or past ``config.num_hidden_layers`` are skipped (a model cut short by an override). A file or a
+    tensor that cannot be read is a ModelError naming both.
     """
-    from safetensors import safe_open
+    for _file, _key, name, tensor in _read_tensors(checkpoint_dir, config, device, dtype):
+        yield name, tensor
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{checkpoint_dir}: no .safetensors files")
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+
+def _read_tensors(checkpoint_dir, config, device, dtype):
+    """(file, stored key, transformers name, tensor) for :func:`checkpoint_tensors` and its error messages."""
+    for file in _safetensors_files(checkpoint_dir):
+        with _open(file, device) as f:
             for key in f.keys():
-                for name, tensor in _hf_names(key, f.get_tensor(key), config):
+                try:
+                    stored = f.get_tensor(key)
+                except Exception as exc:  # noqa: BLE001 - truncated data, bad dtype, ...
+                    raise ModelError(f"{file}: tensor {key}: cannot be read ({type(exc).__name__}: {exc})") from None
+                for name, tensor in _hf_names(key, stored, config):
                     layer = _LAYER.match(name)
                     if layer and int(layer.group(1)) >= config.num_hidden_layers:
                         continue
@@ -162,7 +292,9 @@ def checkpoint_tensors(checkpoint_dir: str | Path, config, *, device="cpu", dtyp
                                          "MXFP4 checkpoints (quant_method mxfp4)")
                     elif tensor.is_floating_point():
                         tensor = tensor.to(dtype)
-                    yield name, tensor
+                    elif name.endswith(("weight", "bias", "sinks")):
+                        raise ModelError(f"{file.name}: tensor {key} is {tensor.dtype}; a float is expected")
+                    yield file, key, name, tensor
 
 
 class CausalLMLogits(torch.nn.Module):
@@ -179,35 +311,54 @@ class CausalLMLogits(torch.nn.Module):
         return self.m(input_ids=input_ids, use_cache=False).logits
 
 
+EXPERT_FORWARDS = ("routed", "dense")
+
+
 def load_gpt_oss(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, **config_overrides):
+                 dtype: torch.dtype = torch.float32, experts: str = "routed", **config_overrides):
     """transformers' ``GptOssForCausalLM`` (eval mode, eager attention) with :class:`MXFP4Experts` experts.
 
     ``checkpoint_dir``: a folder with ``config.json`` and MXFP4 ``*.safetensors`` in Hugging Face or OpenAI
     naming (module docstring). ``device``: where the tensors are read to. ``dtype``: the float weights'
-    dtype (the experts' dequantized weights are cast to the activations' dtype). ``config_overrides``:
-    ``GptOssConfig`` fields, e.g. ``num_hidden_layers=2`` to load the first two layers only.
+    dtype (the experts' dequantized weights are cast to the activations' dtype). ``experts``: the eager
+    forward of the experts, ``routed`` (each picked expert dequantized alone, top-k work) or ``dense`` (every
+    expert on every token); ``torch.export`` traces the dense forward either way (:class:`MXFP4Experts`).
+    ``config_overrides``: ``GptOssConfig`` fields, e.g. ``num_hidden_layers=2`` to load the first two layers
+    only. The config asks for no more layers than the checkpoint holds, checked before anything is built.
     """
     transformers = require("transformers", "gpt-oss", "load_gpt_oss")
     GptOssForCausalLM = getattr(transformers, "GptOssForCausalLM", None)
     if GptOssForCausalLM is None:
         raise UsageError("load_gpt_oss needs transformers >= 5: pip install 'fp4pass[gpt-oss]'")
+    if experts not in EXPERT_FORWARDS:
+        raise UsageError(f"load_gpt_oss: experts must be one of {', '.join(EXPERT_FORWARDS)}, not {experts!r}")
 
     attn_implementation = config_overrides.pop("attn_implementation", "eager")
     config = read_config(checkpoint_dir, **config_overrides)
     config._attn_implementation = attn_implementation
-    with torch.device("meta"):
-        model = GptOssForCausalLM(config)
-        for layer in model.model.layers:
-            layer.mlp.experts = MXFP4Experts.from_config(config, dtype=dtype)
+    stored_layers = checkpoint_layers(checkpoint_dir)
+    if config.num_hidden_layers > stored_layers:
+        raise ModelError(f"{Path(checkpoint_dir) / 'config.json'}: num_hidden_layers is {config.num_hidden_layers}, "
+                         f"but the checkpoint's tensors hold {stored_layers} layers")
+    try:
+        with torch.device("meta"):
+            model = GptOssForCausalLM(config)
+            for layer in model.model.layers:
+                layer.mlp.experts = MXFP4Experts.from_config(config, dtype=dtype, routed=experts == "routed")
+    except FP4PassError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' modeling code on a config it does not support
+        raise ModelError(f"{Path(checkpoint_dir) / 'config.json'}: the config does not build a GptOssForCausalLM "
+                         f"({type(exc).__name__}: {exc})") from None
 
-    state = {}
-    for name, tensor in checkpoint_tensors(checkpoint_dir, config, device=device, dtype=dtype):
+    state, source = {}, {}
+    for file, key, name, tensor in _read_tensors(checkpoint_dir, config, device, dtype):
         if name in state:
-            raise ModelError(f"{checkpoint_dir}: tensor {name} appears twice")
-        state[name] = tensor
+            raise ModelError(f"{file}: tensor {key}: {name} appears twice (also in {source[name]})")
+        state[name], source[name] = tensor, f"{file}: tensor {key}"
     if config.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        source["lm_head.weight"] = source["model.embed_tokens.weight"]
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -217,14 +368,18 @@ def load_gpt_oss(checkpoint_dir: str | Path, *, device: str | torch.device = "cp
         raise ModelError(f"{checkpoint_dir}: tensors do not fit GptOssForCausalLM: {'; '.join(w for w in what if w)}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelError(f"{checkpoint_dir}: {name} has shape {list(tensor.shape)}, the config expects "
+            raise ModelError(f"{source[name]} ({name}) has shape {list(tensor.shape)}, the config expects "
                              f"{list(expected[name].shape)}")
     model.load_state_dict(state, strict=True, assign=True)
     del state
 
     # non-persistent buffers (RoPE inverse frequencies) are computed, not stored: build them for real
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    try:
+        with torch.device(device):
+            model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    except Exception as exc:  # noqa: BLE001 - a RoPE config transformers cannot compute
+        raise ModelError(f"{Path(checkpoint_dir) / 'config.json'}: RoPE parameters do not compute "
+                         f"({type(exc).__name__}: {exc})") from None
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelError(f"{checkpoint_dir}: nothing loaded for {', '.join(left[:4])}")

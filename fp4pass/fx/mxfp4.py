@@ -13,7 +13,8 @@ NVFP4. Nothing is dequantized ahead of time; memory holds the packed bytes (a qu
 - :class:`MXFP4Experts`: gpt-oss's MoE experts, a drop-in for transformers' ``GptOssExperts`` (same call,
   same math), W1 = ``gate_up_proj`` [E, 2I, H] with gate/up rows interleaved (row 2j gate, 2j+1 up),
   W2 = ``down_proj`` [E, H, I].
-- :func:`quantize_linears`: put MXFP4Linear in place of a float model's ``nn.Linear`` modules.
+- :func:`quantize_linears`: put MXFP4Linear in place of a float model's linear layers (``nn.Linear``, its
+  subclasses, transformers' ``Conv1D``), listing those it skips with the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import fnmatch
 import logging
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,7 +31,7 @@ from fp4pass.errors import ShapeError
 from fp4pass.formats import E8M0_BIAS, MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule
 
 # Registers torch.ops.fp4pass.* before any forward runs.
-from fp4pass.fx import ops  # noqa: F401
+from fp4pass.fx import dequant, ops  # noqa: F401
 
 __all__ = ["MXFP4Linear", "MXFP4Experts", "quantize_linears", "gpt_oss_blocks"]
 
@@ -54,6 +56,17 @@ def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
     if isinstance(dtype, torch.dtype) and dtype == torch.float32:  # a Proxy under symbolic_trace
         return weight
     return weight.to(dtype)
+
+
+def _expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's float weight [N, K] from its blocks [N, K/32, 16] and scales [N, K/32] (eager, no graph node)."""
+    weight = dequant.dequantize_mxfp4(blocks.flatten(-2), scales, chunk_elements=blocks.numel() * 2)  # one step
+    return weight if dtype == torch.float32 else weight.to(dtype)
+
+
+def _tracing(x) -> bool:
+    """Whether the forward is being traced (torch.export, torch.compile, symbolic_trace) rather than run."""
+    return isinstance(x, torch.fx.Proxy) or torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def _check_k(name: str, k: int) -> None:
@@ -94,9 +107,31 @@ class MXFP4Linear(nn.Module):
             module.bias.data.copy_(linear.bias.detach())
         return module
 
+    @classmethod
+    def from_conv1d(cls, conv, scale_rule: ScaleRule | str = ScaleRule.FLOOR, *, name: str = "conv1d") -> "MXFP4Linear":
+        """Quantize transformers' ``Conv1D`` (GPT-2 style: ``y = x @ W + b`` with W [in, out]): the weight is
+        transposed to [out, in], so that its blocks of 32 run along the contracted axis, as for a Linear."""
+        weight = conv.weight.detach().t()  # [out, in]
+        _check_k(f"{name}.weight", weight.shape[-1])
+        out_features, in_features = weight.shape
+        module = cls(in_features, out_features, conv.bias is not None, device=weight.device, dtype=weight.dtype)
+        blocks, scales = gpt_oss_blocks(MXFP4Tensor.quantize(weight, scale_rule=scale_rule, name=f"{name}.weight"))
+        module.weight_blocks.copy_(blocks)
+        module.weight_scales.copy_(scales)
+        if conv.bias is not None:
+            module.bias.data.copy_(conv.bias.detach())
+        return module
+
     def dequantized_weight(self) -> torch.Tensor:
         """float32 [out_features, in_features]."""
         return _dequantize(self.weight_blocks, self.weight_scales, torch.float32)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, float32 [out_features, in_features], computed on each read (one dequant node
+        when traced): for modules that read their child's ``.weight`` instead of calling it, such as
+        ``nn.MultiheadAttention`` with its ``out_proj``."""
+        return self.dequantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, _dequantize(self.weight_blocks, self.weight_scales, x.dtype), self.bias)
@@ -120,14 +155,24 @@ class MXFP4Experts(nn.Module):
         h       = (up + 1) * gate * sigmoid(alpha * gate)          # alpha 1.702, limit 7 in gpt-oss
         y_t    += r * (h @ W2[e]^T + b2[e])                        # summed in increasing expert order
 
-    Every expert runs on every token as one batched matmul (a routing weight of zero for tokens that did not
-    pick it): no data-dependent shapes, so the module exports with ``torch.export`` as two dequant nodes and
-    two ``bmm`` per layer, at E/k times the arithmetic of a routed kernel.
+    Two forwards compute this sum:
+
+    - dense (traced, and eager when ``routed`` is False): every expert runs on every token as one batched
+      matmul (a routing weight of zero for tokens that did not pick it). No data-dependent shapes, so the
+      module exports with ``torch.export`` as two dequant nodes and two ``bmm`` per layer, at E/k times the
+      arithmetic of a routed kernel. ``down_proj`` is dequantized after ``gate_up_proj``'s matmul, so that a
+      graph run frees the first float weight before it builds the second.
+    - routed (eager only, when ``routed`` is True): the experts stay packed; each expert that at least one
+      token picked is dequantized on its own ([2I, H] and [H, I], float32) and multiplies only its tokens,
+      the top-k work of a serving kernel. Results are added in increasing expert order; they equal the dense
+      forward's up to float summation order. Under ``torch.export`` / ``torch.compile`` / ``symbolic_trace``
+      the dense forward is traced whatever ``routed`` says, so the exported graph is the same.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float = 1.702,
-                 limit: float = 7.0, device=None, dtype: torch.dtype = torch.float32) -> None:
+                 limit: float = 7.0, device=None, dtype: torch.dtype = torch.float32, routed: bool = False) -> None:
         super().__init__()
+        self.routed = routed
         _check_k("MXFP4Experts gate_up_proj (hidden_size)", hidden_size)
         _check_k("MXFP4Experts down_proj (intermediate_size)", intermediate_size)
         e, h, i = num_experts, hidden_size, intermediate_size
@@ -148,11 +193,12 @@ class MXFP4Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dtype, device=device))
 
     @classmethod
-    def from_config(cls, config, *, device=None, dtype: torch.dtype = torch.float32) -> "MXFP4Experts":
+    def from_config(cls, config, *, device=None, dtype: torch.dtype = torch.float32,
+                    routed: bool = False) -> "MXFP4Experts":
         """Empty experts shaped by a transformers ``GptOssConfig``."""
         return cls(config.num_local_experts, config.hidden_size, config.intermediate_size,
                    alpha=getattr(config, "swiglu_alpha", 1.702), limit=config.swiglu_limit, device=device,
-                   dtype=dtype)
+                   dtype=dtype, routed=routed)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, scale_rule: ScaleRule | str = ScaleRule.FLOOR,
@@ -184,13 +230,20 @@ class MXFP4Experts(nn.Module):
         return (up + 1) * glu
 
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        if self.routed and not _tracing(hidden_states):
+            return self.routed_forward(hidden_states, router_indices, routing_weights)
+        return self.dense_forward(hidden_states, router_indices, routing_weights)
+
+    def dense_forward(self, hidden_states: torch.Tensor, router_indices, routing_weights) -> torch.Tensor:
+        """Every expert on every token (class docstring): the forward that torch.export traces."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         dtype = x.dtype
         w1 = _dequantize(self.gate_up_proj_blocks, self.gate_up_proj_scales, dtype)  # [E, 2I, H]
-        w2 = _dequantize(self.down_proj_blocks, self.down_proj_scales, dtype)  # [E, H, I]
         xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)  # [E, T, H]
         gate_up = torch.bmm(xe, w1.transpose(1, 2)) + self.gate_up_proj_bias.unsqueeze(1)  # [E, T, 2I]
+        del w1  # eager: free it before the second weight exists (a graph run frees it after its last use)
+        w2 = _dequantize(self.down_proj_blocks, self.down_proj_scales, dtype)  # [E, H, I]
         out = torch.bmm(self._apply_gate(gate_up), w2.transpose(1, 2)) + self.down_proj_bias.unsqueeze(1)
         # routing weight per (token, expert), zero where the token did not pick the expert
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=routing_weights.dtype, device=x.device)
@@ -198,32 +251,99 @@ class MXFP4Experts(nn.Module):
         weighted = out * dense.transpose(0, 1).unsqueeze(-1).to(out.dtype)  # [E, T, H]
         return weighted.sum(0).to(dtype).reshape(shape)
 
+    def routed_forward(self, hidden_states: torch.Tensor, router_indices, routing_weights) -> torch.Tensor:
+        """Each picked expert dequantized alone and run on its tokens only (class docstring); eager only."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        dtype, tokens = x.dtype, x.shape[0]
+        indices = router_indices.reshape(tokens, -1)
+        weights = routing_weights.reshape(tokens, -1)
+        out = torch.zeros(tokens, self.hidden_size, dtype=dtype, device=x.device)
+        for expert in torch.unique(indices).tolist():  # sorted: increasing expert order
+            token, slot = torch.where(indices == expert)
+            w1 = _expert_weight(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype)
+            gate_up = x[token] @ w1.t() + self.gate_up_proj_bias[expert]
+            del w1
+            w2 = _expert_weight(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
+            y = self._apply_gate(gate_up) @ w2.t() + self.down_proj_bias[expert]
+            del w2
+            out[token] += y * weights[token, slot].unsqueeze(-1).to(y.dtype)  # a token picks an expert once
+        return out.reshape(shape)
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}")
 
 
-def quantize_linears(model: nn.Module, scale_rule: ScaleRule | str = "floor", *,
-                     exclude: tuple[str, ...] = ()) -> nn.Module:
-    """Put an :class:`MXFP4Linear` in place of every ``nn.Linear`` of ``model`` (in place; returns ``model``).
+def _kind(module: nn.Module) -> str | None:
+    """"linear" for ``nn.Linear`` and its subclasses, "conv1d" for transformers' ``Conv1D`` (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    cls = type(module)
+    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(module, "nf"):
+        return "conv1d"
+    return None
 
-    The weights are quantized with ``scale_rule`` (floor | ceil | even | rceil, see :class:`fp4pass.ScaleRule`).
-    Skipped, with a log line: linears whose ``in_features`` is not a multiple of 32, and module names matching
-    a pattern of ``exclude`` (fnmatch, e.g. ``"lm_head"``, ``"*.router"``).
+
+def _skip_reason(name: str, module: nn.Module, kind: str, exclude: tuple[str, ...]) -> str | None:
+    pattern = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
+    if pattern is not None:
+        return f"excluded by pattern {pattern!r}"
+    if kind == "linear" and type(module).forward is not nn.Linear.forward:
+        return (f"{type(module).__name__} subclasses nn.Linear with its own forward; replacing it would drop what "
+                "that forward adds")
+    in_features = module.in_features if kind == "linear" else module.weight.shape[0]
+    if in_features % MX_BLOCK_SIZE:
+        return f"in_features {in_features} is not a multiple of {MX_BLOCK_SIZE} (the MXFP4 block)"
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
+        return "its weight is not a float tensor with data"
+    return None
+
+
+def _quantized(module: nn.Module, kind: str, rule: ScaleRule, name: str) -> MXFP4Linear:
+    if kind == "conv1d":
+        return MXFP4Linear.from_conv1d(module, rule, name=name)
+    return MXFP4Linear.from_linear(module, rule, name=name)
+
+
+def quantize_linears(model: nn.Module, scale_rule: ScaleRule | str = "floor", *, exclude: tuple[str, ...] = (),
+                     return_skipped: bool = False):
+    """Put an :class:`MXFP4Linear` in place of every linear layer of ``model`` (in place; returns ``model``).
+
+    Linear layers: ``nn.Linear`` and its subclasses that keep its forward (``nn.MultiheadAttention``'s
+    ``out_proj``, which its parent reads as ``.weight``: :attr:`MXFP4Linear.weight` gives the dequantized
+    weight), and transformers' ``Conv1D`` (GPT-2; ``y = x @ W + b`` with W [in, out], quantized as W^T so that
+    the blocks run along the contracted axis). The weights are quantized with ``scale_rule`` (floor | ceil |
+    even | rceil, see :class:`fp4pass.ScaleRule`).
+
+    Skipped, each with its reason: module names matching a pattern of ``exclude`` (fnmatch, e.g.
+    ``"lm_head"``, ``"*.router"``), ``in_features`` not a multiple of 32, subclasses of ``nn.Linear`` with a
+    forward of their own. Each is logged (INFO), and a summary line (WARNING) counts them;
+    ``return_skipped=True`` returns ``(model, skipped)`` with ``skipped`` a list of ``(name, reason)``.
     """
     rule = ScaleRule(scale_rule)
-    if type(model) is nn.Linear:
-        return MXFP4Linear.from_linear(model, rule)
-    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-    for name, linear in targets:
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
-            log.info("quantize_linears: %s excluded", name)
-            continue
-        if linear.in_features % MX_BLOCK_SIZE:
-            log.info("quantize_linears: %s skipped, in_features %d is not a multiple of 32", name,
-                     linear.in_features)
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXFP4Linear.from_linear(linear, rule, name=name))
-    return model
+    skipped: list[tuple[str, str]] = []
+    kind = _kind(model)
+    if kind is not None:
+        reason = _skip_reason("", model, kind, exclude)
+        if reason is None:
+            model = _quantized(model, kind, rule, "linear")
+        else:
+            skipped.append(("", reason))
+    else:
+        targets = [(name, module, k) for name, module in model.named_modules() if (k := _kind(module)) is not None]
+        for name, module, k in targets:
+            reason = _skip_reason(name, module, k, exclude)
+            if reason is not None:
+                skipped.append((name, reason))
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, _quantized(module, k, rule, name))
+    for name, reason in skipped:
+        log.info("quantize_linears: %s skipped: %s", name or "<model>", reason)
+    if skipped:
+        log.warning("quantize_linears: %d linear layer(s) left in float: %s", len(skipped),
+                    "; ".join(f"{n or '<model>'} ({r})" for n, r in skipped[:8]) + (" ..." if len(skipped) > 8 else ""))
+    return (model, skipped) if return_skipped else model

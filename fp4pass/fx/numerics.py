@@ -2,7 +2,7 @@
 
 Signature::
 
-    result = diff(a, b, example_inputs, *, intermediates=True, snr_min=None, show_progress=None,
+    result = diff(a, b, example_inputs, *, intermediates=True, weights=False, snr_min=None, show_progress=None,
                   intermediate_budget_bytes=1 << 30)
 
 The fx counterpart of :func:`fp4pass.onnx.diff`, with its result type (:class:`~fp4pass.onnx.numerics.
@@ -12,14 +12,22 @@ DiffResult`: ``to_json``, ``format_table``; ``plot_diff(result, path)`` draws it
 1. ``a`` and ``b``: ``ExportedProgram`` (run as ``program.module()``), ``GraphModule``, or another
    ``nn.Module`` exported first with ``torch.export.export(module, example_inputs)``. ``example_inputs``: a
    tuple of positional inputs, a dict of keyword inputs, or one tensor; moved to each model's device.
-2. Each model runs through a ``torch.fx.Interpreter`` (``torch.no_grad``) that keeps the outputs of the
-   nodes being compared, as CPU copies (floating types other than float16/32/64 as float32).
+2. Each model runs once, through a ``torch.fx.Interpreter`` (``torch.no_grad``) that frees every value after
+   its last use. The two runs advance in lockstep: ``a`` runs up to its next compared node, then ``b`` runs
+   until it has computed that node, so the values of a compared pair are alive together and nothing else is
+   kept. The time is that of one forward of each model plus the metrics, whatever the depth; the memory is
+   that of the larger forward plus the CPU copies (floating types other than float16/32/64 as float32) of the
+   pairs not yet matched: one, when ``b``'s graph computes the nodes in ``a``'s order (a converted or
+   calibrated program), at most ``intermediate_budget_bytes`` otherwise (older unmatched values are dropped
+   beyond it, with a note).
 3. Outputs are matched by position; each is named after the node of ``a`` that produces it.
-4. ``intermediates``: every ``call_function`` / ``call_method`` / ``call_module`` node of ``a`` whose name is
-   also a node of ``b`` and whose value is a tensor in both (graph inputs and weights are not nodes that
-   compute, so they are not compared). They are kept in chunks whose size, estimated from each node's
-   ``meta["val"]``, stays under ``intermediate_budget_bytes``; each chunk is one run of each model, so memory
-   stays near the budget, whatever the model. Shapes that differ are noted and skipped.
+4. ``intermediates``: the ``call_function`` / ``call_method`` / ``call_module`` nodes of ``a`` whose name is
+   also a node of ``b`` and whose value is a tensor in both (graph inputs and stored weights are not nodes
+   that compute, so they are not compared). By default only activations: a node computed from stored
+   tensors alone (a dequantized weight, its transpose, a constant mask) is a weight copy, compared only with
+   ``weights=True`` (it is as large as the weight, and its error is the conversion's, which the convert
+   report already gives). ``result.notes`` says how many nodes were compared and how many weight copies were
+   skipped. Shapes that differ are noted and skipped.
 5. ``first_divergent``: the first node of ``a`` in graph (topological) order with a compared output under
    ``snr_min`` dB, or with NaN/Inf ``a`` does not have: ``{"node", "op_type", "tensor", "snr_db"}``, where
    ``op_type`` is the node's target (``fp4pass.dequantize_mxfp4.default``, ``aten.matmul.default``, ...).
@@ -37,10 +45,11 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fp4pass.errors import ModelError, UsageError
+from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.numerics import DiffResult, plot_diff
 from fp4pass.onnx.numerics import _sort_key  # worst first, the ONNX diff's own order
+from fp4pass.fx.shapes import check_inputs, guard_error
 from fp4pass.progress import progress
 
 __all__ = ["diff", "DiffResult", "plot_diff"]
@@ -48,7 +57,6 @@ __all__ = ["diff", "DiffResult", "plot_diff"]
 log = logging.getLogger(__name__)
 
 _ERROR_SAMPLE = 200_000  # |a-b| values kept from the worst output, for the histogram
-_DEFAULT_BYTES = 4 << 20  # size assumed for a node whose meta holds no tensor shape
 _COMPUTING = ("call_function", "call_method", "call_module")
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
@@ -100,44 +108,31 @@ def _op_type(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _estimate_bytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val", node.meta.get("tensor_meta"))
-    shape, dtype = getattr(val, "shape", None), getattr(val, "dtype", None)
-    if shape is None or dtype is None or not all(isinstance(d, int) for d in shape):
-        return _DEFAULT_BYTES
-    return int(math.prod(shape)) * max(dtype.itemsize, 4)
+class _Stepper(torch.fx.Interpreter):
+    """Runs a GraphModule node by node as a generator: yields ``(node, value)`` after each computing node and
+    returns the graph's outputs; every value is freed after its last use (``torch.fx.Interpreter.run``'s loop,
+    paused between nodes)."""
 
-
-def _chunks(names: list[str], sizes: dict[str, int], budget: int) -> list[list[str]]:
-    chunks, current, used = [], [], 0
-    for name in names:
-        if current and used + sizes[name] > budget:
-            chunks.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += sizes[name]
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-class _Recorder(torch.fx.Interpreter):
-    """Runs a GraphModule node by node; keeps CPU copies of the tensor outputs of the nodes in ``keep``."""
-
-    def __init__(self, gm: torch.fx.GraphModule, keep: set[str]):
+    def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
-        self.keep = keep
-        self.kept: dict[str, np.ndarray] = {}
 
-    def run_node(self, node: torch.fx.Node):
-        result = super().run_node(node)
-        if node.name in self.keep and isinstance(result, torch.Tensor):
-            self.kept[node.name] = _to_numpy(result)
-        return result
+    def steps(self, *args):
+        self.env = {}
+        self.args_iter = iter(self.graph.process_inputs(*args))
+        for node in self.graph.nodes:
+            value = self.env[node] = self.run_node(node)
+            for dead in self.user_to_last_uses.get(node, []):
+                del self.env[dead]
+            if node.op == "output":
+                return self.graph.process_outputs(value)
+            if node.op in _COMPUTING:
+                yield node, value
+            del value
+        raise ModelError("fx diff: the graph has no output node")
 
 
 class _Runner:
-    """One model, its inputs on its device, run through :class:`_Recorder` for a set of node names."""
+    """One model, its inputs on its device, run through :class:`_Stepper`."""
 
     def __init__(self, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, label: str):
         self.gm, self.label = gm, label
@@ -156,74 +151,163 @@ class _Runner:
         (output,) = [n for n in self.gm.graph.nodes if n.op == "output"]
         return pytree.tree_leaves(output.args[0])
 
-    def run(self, keep: set[str]) -> tuple[dict[str, np.ndarray], list]:
-        recorder = _Recorder(self.gm, keep)
+    def steps(self):
+        """A generator of (node, value) over the computing nodes; its return value is the output leaves."""
+        stepper = _Stepper(self.gm)
+        inputs = (self.args, self.kwargs) if self.pytree_io else self.args  # pytree graphs flatten (args, kwargs)
+        run = stepper.steps(*inputs)
+        while True:
+            try:
+                with torch.no_grad():
+                    item = next(run)
+            except StopIteration as stop:
+                return [_to_numpy(v) if isinstance(v, torch.Tensor) else v for v in pytree.tree_leaves(stop.value)]
+            except FP4PassError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model's own errors, reported with its label
+                shape = guard_error(exc, f"fx diff: {self.label}")
+                if shape is not None:
+                    raise shape from None
+                raise ModelError(f"fx diff: {self.label} failed to run: "
+                                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+                                 ) from exc
+            yield item
+
+
+def _weight_copies(gm: torch.fx.GraphModule) -> set[str]:
+    """Names of the computing nodes whose value depends on no graph input: dequantized weights and views of
+    them, constants built in the graph."""
+    constant: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            constant.add(node.name)
+        elif node.op in _COMPUTING:
+            inputs = node.all_input_nodes
+            if all(n.name in constant for n in inputs):
+                constant.add(node.name)
+    return {n.name for n in gm.graph.nodes if n.op in _COMPUTING and n.name in constant}
+
+
+class _Lockstep:
+    """Walks both runs so that each compared pair is alive together (module docstring, step 2)."""
+
+    def __init__(self, runner_a: "_Runner", runner_b: "_Runner", names: set[str], budget: int):
+        self.run_a, self.run_b = runner_a.steps(), runner_b.steps()
+        self.names, self.budget = names, budget
+        self.pending_b: dict[str, np.ndarray] = {}  # compared values b computed before a did
+        self.pending_bytes = 0
+        self.dropped: list[str] = []
+        self.leaves_a = self.leaves_b = None
+
+    def _next_b(self):
+        if self.leaves_b is not None:
+            return None
         try:
-            with torch.no_grad():
-                if self.pytree_io:  # the graph flattens (args, kwargs) itself, as the module's forward does
-                    out = recorder.run(self.args, self.kwargs)
-                else:
-                    out = recorder.run(*self.args)
-        except Exception as exc:  # noqa: BLE001 - the model's own errors, reported with its label
-            raise ModelError(f"fx diff: {self.label} failed to run: {str(exc).strip().splitlines()[0]}") from exc
-        leaves = [_to_numpy(v) if isinstance(v, torch.Tensor) else v for v in pytree.tree_leaves(out)]
-        return recorder.kept, leaves
+            return next(self.run_b)
+        except StopIteration as stop:
+            self.leaves_b = stop.value
+            return None
+
+    def pairs(self):
+        """Yield (name, value of a, value of b) for each compared node both runs computed."""
+        while True:
+            try:
+                node, value = next(self.run_a)
+            except StopIteration as stop:
+                self.leaves_a = stop.value
+                break
+            if node.name not in self.names or not isinstance(value, torch.Tensor):
+                continue
+            value_a = _to_numpy(value)
+            del value
+            if node.name in self.pending_b:
+                value_b = self.pending_b.pop(node.name)
+                self.pending_bytes -= value_b.nbytes
+                yield node.name, value_a, value_b
+                continue
+            while (step := self._next_b()) is not None:
+                node_b, value = step
+                if node_b.name == node.name:  # the partner (not compared when it is no tensor in b)
+                    if isinstance(value, torch.Tensor):
+                        yield node.name, value_a, _to_numpy(value)
+                    break
+                if node_b.name in self.names and isinstance(value, torch.Tensor):
+                    self._hold(node_b.name, _to_numpy(value))
+        while self._next_b() is not None:  # b's remaining nodes (its outputs)
+            pass
+
+    def _hold(self, name: str, value: np.ndarray) -> None:
+        self.pending_b[name] = value
+        self.pending_bytes += value.nbytes
+        while self.pending_bytes > self.budget and len(self.pending_b) > 1:
+            oldest = next(iter(self.pending_b))
+            self.pending_bytes -= self.pending_b.pop(oldest).nbytes
+            self.dropped.append(oldest)
 
 
-def diff(a, b, example_inputs, *, intermediates: bool = True, snr_min: float | None = None,
+def diff(a, b, example_inputs, *, intermediates: bool = True, weights: bool = False, snr_min: float | None = None,
          show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30) -> DiffResult:
-    """Compare ``b`` against ``a`` node by node (module docstring for every step)."""
+    """Compare ``b`` against ``a`` node by node, each model run once (module docstring for every step)."""
     args, kwargs = _split_inputs(example_inputs)
+    for label, model in (("a", a), ("b", b)):
+        check_inputs(model, args, kwargs, f"fx diff: {label}")  # before either model runs
     runner_a = _Runner(_graph_module(a, args, kwargs, "a"), args, kwargs, "a")
     runner_b = _Runner(_graph_module(b, args, kwargs, "b"), args, kwargs, "b")
     notes: list[str] = []
 
     out_nodes = runner_a.output_nodes()
     out_names = [n.name if isinstance(n, torch.fx.Node) else f"output_{i}" for i, n in enumerate(out_nodes)]
-    inter_names = []
+    inter_names: list[str] = []
+    skipped_weights = 0
     if intermediates:
         inter_names = [n.name for n in runner_a.gm.graph.nodes
                        if n.op in _COMPUTING and n.name in runner_b.nodes and runner_b.nodes[n.name].op in _COMPUTING
                        and n.name not in out_names]
-    sizes = {n: max(_estimate_bytes(runner_a.nodes[n]), _estimate_bytes(runner_b.nodes[n])) for n in inter_names}
-    chunks = _chunks(inter_names, sizes, intermediate_budget_bytes) or [[]]
+        if not weights:
+            copies = _weight_copies(runner_a.gm) | _weight_copies(runner_b.gm)
+            skipped_weights = sum(name in copies for name in inter_names)
+            inter_names = [name for name in inter_names if name not in copies]
 
-    output_metrics: list[TensorMetrics] = []
     inter_metrics: list[TensorMetrics] = []
+    walk = _Lockstep(runner_a, runner_b, set(inter_names), intermediate_budget_bytes)
+    pairs = progress(walk.pairs(), desc="fx diff: running both models", enabled=show_progress, total=len(inter_names),
+                     unit="node")
+    for name, value_a, value_b in pairs:
+        if value_a.shape != value_b.shape:
+            notes.append(f"node {name!r}: shapes differ ({value_a.shape} vs {value_b.shape}); not compared")
+            continue
+        if not (np.issubdtype(value_a.dtype, np.number) or value_a.dtype == np.bool_):
+            continue
+        inter_metrics.append(compare(name, value_a, value_b))
+        del value_a, value_b
+    if walk.dropped:
+        notes.append(f"{len(walk.dropped)} nodes not compared: b computes them too long before a "
+                     f"(over intermediate_budget_bytes), e.g. {walk.dropped[0]!r}")
+    notes.append(f"compared {len(inter_metrics)} intermediate activations and {len(out_names)} outputs"
+                 + (f"; {skipped_weights} weight copies not compared (weights=True compares them)"
+                    if skipped_weights else ""))
+
+    leaves_a, leaves_b = walk.leaves_a, walk.leaves_b
+    if len(leaves_a) != len(leaves_b):
+        raise ModelError(f"fx diff: a has {len(leaves_a)} outputs, b has {len(leaves_b)}")
+    output_metrics: list[TensorMetrics] = []
     worst_errors, worst_key = None, None
     sample_rng = np.random.default_rng(0)
-    for i, chunk in enumerate(progress(chunks, desc="fx diff: running both models", enabled=show_progress)):
-        kept_a, leaves_a = runner_a.run(set(chunk))
-        kept_b, leaves_b = runner_b.run(set(chunk))
-        if i == 0:
-            if len(leaves_a) != len(leaves_b):
-                raise ModelError(f"fx diff: a has {len(leaves_a)} outputs, b has {len(leaves_b)}")
-            for name, value_a, value_b in zip(out_names, leaves_a, leaves_b):
-                if not isinstance(value_a, np.ndarray) or not isinstance(value_b, np.ndarray):
-                    notes.append(f"output {name!r} is not a tensor in both; not compared")
-                    continue
-                try:
-                    metrics, errors = compare(name, value_a, value_b, keep_errors=True)
-                except ValueError as exc:
-                    raise ModelError(f"fx diff: output {exc}") from None
-                output_metrics.append(metrics)
-                key = _sort_key(metrics)
-                if worst_key is None or key < worst_key:
-                    worst_key = key
-                    if errors.size > _ERROR_SAMPLE:
-                        errors = sample_rng.choice(errors, _ERROR_SAMPLE, replace=False)
-                    worst_errors = errors
-        for name in chunk:
-            if name not in kept_a or name not in kept_b:
-                continue
-            value_a, value_b = kept_a.pop(name), kept_b.pop(name)
-            if value_a.shape != value_b.shape:
-                notes.append(f"node {name!r}: shapes differ ({value_a.shape} vs {value_b.shape}); not compared")
-                continue
-            if not (np.issubdtype(value_a.dtype, np.number) or value_a.dtype == np.bool_):
-                continue
-            inter_metrics.append(compare(name, value_a, value_b))
-        del kept_a, kept_b
+    for name, value_a, value_b in zip(out_names, leaves_a, leaves_b):
+        if not isinstance(value_a, np.ndarray) or not isinstance(value_b, np.ndarray):
+            notes.append(f"output {name!r} is not a tensor in both; not compared")
+            continue
+        try:
+            metrics, errors = compare(name, value_a, value_b, keep_errors=True)
+        except ValueError as exc:
+            raise ModelError(f"fx diff: output {exc}") from None
+        output_metrics.append(metrics)
+        key = _sort_key(metrics)
+        if worst_key is None or key < worst_key:
+            worst_key = key
+            if errors.size > _ERROR_SAMPLE:
+                errors = sample_rng.choice(errors, _ERROR_SAMPLE, replace=False)
+            worst_errors = errors
 
     by_name = {m.name: m for m in [*inter_metrics, *output_metrics]}
     first = None
@@ -241,4 +325,3 @@ def diff(a, b, example_inputs, *, intermediates: bool = True, snr_min: float | N
         log.debug("fx diff: %s", note)
     return DiffResult(f"torch:{runner_a.device.type}", output_metrics, inter_metrics, first, passed, notes, snr_min,
                       order, worst_errors)
-

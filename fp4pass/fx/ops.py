@@ -10,14 +10,16 @@ node — the thing the fx pass matches and writes:
 - ``torch.ops.fp4pass.dequantize_nvfp4(codes_u8 [..., K/2], scales_e4m3_u8 [..., K/16], global_scale) ->
   float32 [..., K]`` = e2m1(code) * (e4m3(scale) * global_scale), global_scale of shape [] or leading dims.
 
-Both compute through :mod:`fp4pass.formats`, the one definition of each format.
+Both compute with :mod:`fp4pass.fx.dequant` (byte-table lookups into one preallocated float32 output, bit-exact
+with :mod:`fp4pass.formats`, the one definition of each format): peak extra memory is the output plus a
+chunk, whatever the weight's size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
+from fp4pass.fx import dequant
 
 __all__ = ["dequantize_mxfp4", "dequantize_nvfp4"]
 
@@ -29,7 +31,7 @@ def _dequantized_shape(codes: torch.Tensor) -> list[int]:
 @torch.library.custom_op("fp4pass::dequantize_mxfp4", mutates_args=())
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 (E2M1 codes, E8M0 scale per 32) -> float32."""
-    return MXFP4Tensor.from_codes(codes, scales).dequantize()
+    return dequant.dequantize_mxfp4(codes, scales)
 
 
 @dequantize_mxfp4.register_fake
@@ -40,7 +42,7 @@ def _(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fp4pass::dequantize_nvfp4", mutates_args=())
 def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """NVFP4 (E2M1 codes, E4M3 scale per 16, FP32 global scale) -> float32."""
-    return NVFP4Tensor.from_codes(codes, scales, global_scale).dequantize()
+    return dequant.dequantize_nvfp4(codes, scales, global_scale)
 
 
 @dequantize_nvfp4.register_fake

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from fp4pass.choices import Method, ScaleForm, values
+from fp4pass.choices import Effort, Method, ScaleForm, values
 from fp4pass.errors import UsageError
 from fp4pass.formats import MXFP4Tensor
 
@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 METHODS = values(Method)
 SCALE_FORMS = values(ScaleForm)
+EFFORTS = values(Effort)
+DEFAULT_EFFORT = "best"
+#: one intra-op thread per conversion: measured fastest on small shared machines (fp4pass.convert's default)
+DEFAULT_THREADS = 1
 PATTERN = "dequantize_mxfp4"
 
 aten = torch.ops.aten
@@ -90,7 +94,8 @@ class _Conversion:
 
 
 def weight_name(codes_name: str) -> str:
-    """The weight a codes tensor belongs to: ``a.gate_up_proj_blocks`` -> ``a.gate_up_proj``, ``a.codes`` -> ``a.weight``."""
+    """The weight a codes tensor belongs to: ``a.gate_up_proj_blocks`` -> ``a.gate_up_proj``,
+    ``a.codes`` -> ``a.weight``."""
     for suffix in _SUFFIXES:
         if codes_name.endswith(suffix):
             base = codes_name[: -len(suffix)]
@@ -149,12 +154,18 @@ def _on_mxfp4_grid(t: torch.Tensor) -> bool:
 class MXFP4ToNVFP4FxPass:
     """Rewrite every stored-weight MXFP4 dequant node into NVFP4 (see the module docstring)."""
 
-    def __init__(self, method: str = "auto", scale_form: str = "dq", group_dims: int | None = None):
+    def __init__(self, method: str = "auto", scale_form: str = "dq", group_dims: int | None = None, *,
+                 effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS):
         if method not in METHODS:
             raise UsageError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
         if scale_form not in SCALE_FORMS:
             raise UsageError(f"scale_form must be one of {', '.join(SCALE_FORMS)}, not {scale_form!r}")
+        if effort not in EFFORTS:
+            raise UsageError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise UsageError(f"threads must be a positive integer or None, not {threads!r}")
         self.method, self.scale_form, self.group_dims = method, scale_form, group_dims
+        self.effort, self.threads = effort, threads
 
     # -- 1. match ----------------------------------------------------------------------------------------
     def check(self, store: GraphConstants, node: torch.fx.Node) -> str | None:
@@ -172,7 +183,9 @@ class MXFP4ToNVFP4FxPass:
         start = time.perf_counter()
         mx = MXFP4Tensor.from_codes(codes, scales, name=name)
         group_dims = self._group_dims(len(mx.shape))
-        nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=group_dims)
+        # effort and threads always named: no process-wide default reaches an fx conversion
+        nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=group_dims, effort=self.effort,
+                                   threads=self.threads)
         per_expert = group_stats(mx, nv, group_dims, stats)
         return _Conversion(nv, stats, time.perf_counter() - start, per_expert)
 
@@ -251,6 +264,8 @@ class MXFP4ToNVFP4FxPass:
             "input": f"<{store.kind}>",
             "output": None,
             "method": self.method,
+            "effort": self.effort,
+            "threads": self.threads,
             "scale_form": self.scale_form,
             "target": "fx",
             "external_data": False,
@@ -326,13 +341,17 @@ def _folded_constants(store: GraphConstants) -> list[dict]:
     return out
 
 
-def convert(model, method: str = "auto", scale_form: str = "dq", group_dims: int | None = None):
+def convert(model, method: str = "auto", scale_form: str = "dq", group_dims: int | None = None, *,
+            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS):
     """Rewrite every stored MXFP4 dequant of ``model`` into NVFP4; returns ``(model, report)``.
 
     ``model``: a ``torch.export.ExportedProgram`` (returns a new ExportedProgram; the input is left as it
     was) or a ``torch.fx.GraphModule`` (rewritten in place). ``method``: auto | hybrid | requant | verbatim
     (:func:`fp4pass.mxfp4_to_nvfp4`). ``scale_form``: ``dq`` (global scale inside the dequantize) or
     ``alpha`` (on the matmul's output where the consumer allows it). ``group_dims``: leading axes with their
-    own global scale (default: 1 for 3-D expert weights, else 0). The report has the ONNX pass's keys.
+    own global scale (default: 1 for 3-D expert weights, else 0). ``effort``: auto's search, ``best`` (wide)
+    or ``fast`` (narrow). ``threads``: torch intra-op threads while a weight converts (restored after it;
+    None leaves torch's setting). Both are passed to every weight's conversion explicitly, whatever any
+    process-wide default says. The report has the ONNX pass's keys.
     """
-    return MXFP4ToNVFP4FxPass(method, scale_form, group_dims)(model)
+    return MXFP4ToNVFP4FxPass(method, scale_form, group_dims, effort=effort, threads=threads)(model)

@@ -27,9 +27,11 @@ import numpy as np
 
 from fp4pass.formats.constants import LOSSLESS_SPREAD
 from fp4pass.onnx import loading
-from fp4pass.onnx.patterns import node_label
+from fp4pass.onnx.patterns import declined_line, node_label
 from fp4pass.onnx.report import group_stats, jsonable, layout_entry
+from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.sharing import find_weights
+from fp4pass.onnx.tables import aligned
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_quark import activation_declines
 
@@ -69,7 +71,7 @@ def _error_forecast(mx, group_dims: int, lossless: bool) -> tuple[dict, list[dic
     return tensor, per_group
 
 
-def inspect(model_or_path, *, measure: bool = True) -> dict:
+def inspect(model_or_path, *, measure: bool = True, base_dir=None) -> dict:
     """``{"model", "tensors": [{"name", "node", "pattern", "slot", "shape", "experts", "k_min", "k_max",
     "spread", "lossless", "lossless_per_tensor_scale", "blocks16_total", "blocks16_verbatim", "mse",
     "max_abs_err", "snr_db", "per_expert": [{"expert", "k_min", "k_max", "spread", "lossless",
@@ -77,9 +79,13 @@ def inspect(model_or_path, *, measure: bool = True) -> dict:
     "summary": {"tensors", "lossless", "experts_lossless", "experts"}}``.
 
     ``measure``: forecast the error of lossy tensors by converting them (module docstring); False leaves the
-    error keys out."""
-    loaded = loading.load(model_or_path)
-    records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else None)
+    error keys out. ``base_dir``: where the external data of a model that is not a path lies
+    (:func:`fp4pass.onnx.loading.load`)."""
+    loaded = loading.load(model_or_path, base_dir)
+    if loaded.kind == "ir" and initializer_inputs(loaded.model):
+        loaded = loading.Loaded(loaded.model.clone(), loaded.kind, loaded.path)  # the caller's model stays
+    unlist_initializer_inputs(loaded.model)  # an initializer also listed as an input converts as one
+    records, declined = find_weights(loaded.model, loaded.path.parent if loaded.path is not None else base_dir)
     declined += activation_declines(loaded.model)
     tensors = []
     for record in records:
@@ -135,31 +141,29 @@ def format_inspection(info: dict) -> str:
     experts = f", {summary['experts_lossless']}/{summary['experts']} experts" if summary["experts"] else ""
     lines = [f"{info['model']}: {summary['tensors']} MXFP4 tensors, {summary['lossless']} forecast lossless"
              f"{experts} (per-expert global scales)"]
-    header = f"{'tensor':<32} {'pattern':<7} {'shape':<18} {'k range':<12} {'spread':>6}  lossless"
-    lines.append(header)
+    rows: list = [("tensor", "pattern", "shape", "k range", "spread", "lossless")]
     for t in info["tensors"]:
         k_range = "-" if t["k_min"] is None else f"{t['k_min']}..{t['k_max']}"
         if t.get("reason"):
             verdict = "yes, every value exact on the NVFP4 grid" if t["lossless"] else "no"
-            lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {'-':<12} {'-':>6}  "
-                         f"{verdict} ({t['reason']})")
+            rows.append((t["name"], t["pattern"], str(t["shape"]), "-", "-", f"{verdict} ({t['reason']})"))
             if not t["lossless"] and t.get("mse") is not None:
                 snr = "-" if t["snr_db"] is None else f"{t['snr_db']:.2f}"
-                lines.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
-                             f"mse {t['mse']:.3g}, SNR {snr} dB")
+                rows.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
+                            f"mse {t['mse']:.3g}, SNR {snr} dB")
             continue
         lossless = "yes" if t["lossless"] else "no"
         if t["experts"]:
             lossless += f" ({sum(p['lossless'] for p in t['per_expert'])}/{t['experts']} experts;" \
                         f" one scale for all: {'yes' if t['lossless_per_tensor_scale'] else 'no'})"
-        lines.append(f"{t['name'][:32]:<32} {t['pattern']:<7} {str(t['shape']):<18} {k_range:<12} {t['spread']:>6}  {lossless}")
+        rows.append((t["name"], t["pattern"], str(t["shape"]), k_range, t["spread"], lossless))
         if t.get("layout_read"):
-            lines.append(f"{'':<4}QMoE weight layout read: {t['layout_read']} {t['layout_read_shape']} "
-                         f"({t['layout_reason']}); convert writes {t['layout_written']} {t['layout_written_shape']}")
+            rows.append(f"{'':<4}QMoE weight layout read: {t['layout_read']} {t['layout_read_shape']} "
+                        f"({t['layout_reason']}); convert writes {t['layout_written']} {t['layout_written_shape']}")
         if not t["lossless"] and t.get("mse") is not None:
-            lines.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
-                         f"mse {t['mse']:.3g}, SNR {t['snr_db']:.2f} dB" if t["snr_db"] is not None else
-                         f"{'':<4}auto: lossless")
+            rows.append(f"{'':<4}auto: {t['blocks16_verbatim']}/{t['blocks16_total']} 16-halves verbatim, "
+                        f"mse {t['mse']:.3g}, SNR {t['snr_db']:.2f} dB" if t["snr_db"] is not None else
+                        f"{'':<4}auto: lossless")
         for p in t["per_expert"]:
             if not p["lossless"]:
                 error = ""
@@ -167,8 +171,9 @@ def format_inspection(info: dict) -> str:
                     snr = "lossless" if p["snr_db"] is None else f"SNR {p['snr_db']:.2f} dB"
                     error = (f"; auto: {p['blocks16_verbatim']}/{p['blocks16_total']} verbatim, "
                              f"mse {p['mse']:.3g}, {snr}")
-                lines.append(f"{'':<4}expert {p['expert']}: k {p['k_min']}..{p['k_max']}, spread {p['spread']} > 17: "
-                             f"lossy{error}")
+                rows.append(f"{'':<4}expert {p['expert']}: k {p['k_min']}..{p['k_max']}, spread {p['spread']} > 17: "
+                            f"lossy{error}")
+    lines += aligned(rows, right={4})
     for d in info["declined"]:
-        lines.append(f"declined {d['pattern']} node {d['node']!r} ({d['tensor']}): {d['reason']}")
+        lines.append(declined_line(d))
     return "\n".join(lines)

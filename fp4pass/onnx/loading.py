@@ -3,13 +3,20 @@
 Accepted inputs (:func:`load`): a path, an ``onnx.ModelProto``, an ``onnx_ir.Model`` or an onnx-graphsurgeon
 ``Graph``; :func:`to_kind` turns the rewritten ``onnx_ir.Model`` back into the kind given.
 
-Safety checks on a model read from a path (:func:`check_external_data`), each a
+Safety checks on external data (:func:`check_external_data`), run for every kind of input, on every tensor
+stored outside the file: initializers and tensor attributes (``Constant`` values), in the main graph, its
+subgraphs and local functions (:func:`external_tensors`). Each failure is an
 :class:`~fp4pass.errors.UnsafeExternalDataError` naming the tensor and the reason:
 
 1. a ``location`` that is absolute or leaves the model's folder (``../``, or a symlink resolving outside it:
-   CVE-2022-25882, CVE-2024-27318);
+   CVE-2022-25882, CVE-2024-27318), compared as paths (``model_evil/`` is not inside ``model/``);
 2. a data file that is missing, or shorter than ``offset + length`` (truncated);
 3. a ``length`` that differs from what the tensor's dtype and shape need.
+
+The model's folder is the file's own for a path, whatever the working folder. An ``onnx.ModelProto`` or a
+graphsurgeon ``Graph`` has no folder: external data in one is refused unless the caller names the folder
+(``base_dir``). An ``onnx_ir.Model`` keeps a folder per tensor (``ir.load`` sets it to the file's); a tensor
+with none is refused likewise, and ``base_dir``, when given, replaces them all.
 
 Before that, :func:`validate_proto` reads every field of the file that later code trusts, each failure a
 :class:`~fp4pass.errors.ModelError` naming the graph, tensor or node: strings that are not UTF-8; data types
@@ -61,6 +68,9 @@ __all__ = [
     "check_model_file",
     "checker_failure",
     "external_data_paths",
+    "external_tensors",
+    "proto_tensors",
+    "set_base_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,38 +99,56 @@ def _is_graphsurgeon_graph(obj) -> bool:
     return type(obj).__module__.startswith("onnx_graphsurgeon") and type(obj).__name__ == "Graph"
 
 
-def load(model_or_path) -> Loaded:
-    """Read any accepted kind of model into ``onnx_ir`` (external data stays lazy, on disk)."""
+def load(model_or_path, base_dir: str | os.PathLike | None = None) -> Loaded:
+    """Read any accepted kind of model into ``onnx_ir`` (external data stays lazy, on disk).
+
+    ``base_dir``: the folder external data resolves against, for a model that is not a path (module
+    docstring); a path's own folder always wins. Every external tensor is checked (:func:`check_external_data`).
+    """
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return _load_path(Path(model_or_path))
     if isinstance(model_or_path, ir.Model):
-        return Loaded(model_or_path, "ir")
-    if isinstance(model_or_path, onnx.ModelProto):
+        loaded = Loaded(model_or_path, "ir")
+    elif isinstance(model_or_path, onnx.ModelProto):
         validate_proto(model_or_path, "model")
-        return Loaded(_deserialize(model_or_path, "model"), "proto")
-    if _is_graphsurgeon_graph(model_or_path):
+        loaded = Loaded(_deserialize(model_or_path, "model"), "proto")
+    elif _is_graphsurgeon_graph(model_or_path):
         gs = require("onnx_graphsurgeon", "graphsurgeon", "an onnx-graphsurgeon Graph input")
 
-        return Loaded(ir.serde.deserialize_model(gs.export_onnx(model_or_path)), "gs")
-    if isinstance(model_or_path, (str, os.PathLike)):
-        path = Path(model_or_path)
-        if not path.exists():
-            raise ModelError(f"{path}: no such file")
-        if not path.is_file():
-            raise ModelError(f"{path}: not a file")
-        try:
-            proto = onnx.load(str(path), load_external_data=False)
-        except (DecodeError, RuntimeError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:
-            raise ModelError(f"{path}: not an ONNX file or truncated ({type(exc).__name__}: {exc})") from None
-        if not proto.graph.node and not proto.graph.initializer and not proto.opset_import:
-            raise ModelError(f"{path}: not an ONNX file (no graph, no opset imports)")
-        validate_proto(proto, str(path))
-        model = _deserialize(proto, str(path))
-        ir.external_data.set_base_dir(model.graph, path.parent)
-        for sub in model.graphs():
-            ir.external_data.set_base_dir(sub, path.parent)
-        check_external_data(model, path.parent, str(path))
-        return Loaded(model, "path", path)
-    raise UsageError(f"cannot read a model from {type(model_or_path).__name__}; give a path, onnx.ModelProto, "
-                     "onnx_ir.Model or onnx_graphsurgeon.Graph")
+        loaded = Loaded(_deserialize(gs.export_onnx(model_or_path), "graphsurgeon graph"), "gs")
+    else:
+        raise UsageError(f"cannot read a model from {type(model_or_path).__name__}; give a path, onnx.ModelProto, "
+                         "onnx_ir.Model or onnx_graphsurgeon.Graph")
+    where = f"<{loaded.kind}>"
+    if base_dir is not None:
+        if not os.path.isdir(base_dir):
+            raise UsageError(f"base_dir {os.fspath(base_dir)!r}: not a folder")
+        set_base_dir(loaded.model, base_dir)
+    for label, tensor in external_tensors(loaded.model):
+        if not tensor.base_dir:
+            raise UnsafeExternalDataError(
+                f"{where}: {label} {tensor.name!r} is stored in external data {str(tensor.location)!r}, but the "
+                "model has no folder to read it from; pass base_dir= (the model file's folder) to allow it")
+        check_external_data(loaded.model, tensor.base_dir, where, only=tensor)
+    return loaded
+
+
+def _load_path(path: Path) -> Loaded:
+    if not path.exists():
+        raise ModelError(f"{path}: no such file")
+    if not path.is_file():
+        raise ModelError(f"{path}: not a file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:
+        raise ModelError(f"{path}: not an ONNX file or truncated ({type(exc).__name__}: {exc})") from None
+    if not proto.graph.node and not proto.graph.initializer and not proto.opset_import:
+        raise ModelError(f"{path}: not an ONNX file (no graph, no opset imports)")
+    validate_proto(proto, str(path))
+    model = _deserialize(proto, str(path))
+    set_base_dir(model, path.parent)
+    check_external_data(model, path.parent, str(path))
+    return Loaded(model, "path", path)
 
 
 def _deserialize(proto: onnx.ModelProto, where: str) -> ir.Model:
@@ -376,7 +404,8 @@ def checker_failure(model_or_path) -> str | None:
     for _ in range(64):  # one operator type per round
         try:
             onnx.checker.check_model(proto, full_check=True)
-            log.info("ONNX checker: accepted on a second look (%s)", first)
+            log.debug("ONNX checker: accepted once onnxruntime's own operators and value_info annotations are "
+                      "set aside (it first said: %s)", first)
             return None
         except Exception as exc:  # noqa: BLE001
             reason = _first_line(exc)
@@ -407,13 +436,36 @@ def external_data_paths(path: str | os.PathLike) -> list[str]:
     except Exception:  # noqa: BLE001 - load() reports a malformed file with its own message
         return []
     found = []
-    for graph, _ in _graphs(proto.graph, "graph"):
-        for tensor in graph.initializer:
-            if tensor.data_location == _T.EXTERNAL:
-                for entry in tensor.external_data:
-                    if entry.key == "location" and isinstance(entry.value, str) and entry.value:
-                        found.append(os.path.join(os.path.dirname(os.fspath(path)) or ".", entry.value))
+    for tensor in proto_tensors(proto):
+        if tensor.data_location == _T.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location" and isinstance(entry.value, str) and entry.value:
+                    found.append(os.path.join(os.path.dirname(os.fspath(path)) or ".", entry.value))
     return sorted(set(found))
+
+
+def _graph_proto_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    yield from _node_proto_tensors(graph.node)
+
+
+def _node_proto_tensors(nodes):
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_proto_tensors(attr.g)
+            for graph in attr.graphs:
+                yield from _graph_proto_tensors(graph)
+
+
+def proto_tensors(proto: onnx.ModelProto):
+    """Every TensorProto of a model: initializers and Constant values, subgraphs and functions included."""
+    yield from _graph_proto_tensors(proto.graph)
+    for function in proto.functions:
+        yield from _node_proto_tensors(function.node)
 
 
 def to_kind(model: ir.Model, kind: str):
@@ -435,28 +487,65 @@ def _initializers(model: ir.Model):
         yield from graph.initializers.values()
 
 
-def external_data_files(model: ir.Model) -> set[str]:
-    """Real paths of every external data file the model's initializers read from."""
-    return {
-        os.path.realpath(value.const_value.path)
-        for value in _initializers(model)
-        if isinstance(value.const_value, ir.ExternalTensor)
-    }
-
-
-def check_external_data(model: ir.Model, base_dir: str | os.PathLike, model_name: str) -> None:
-    """Refuse external data that escapes ``base_dir``, is missing or truncated, or has the wrong length."""
-    base_real = os.path.realpath(base_dir)
-    for value in _initializers(model):
-        tensor = value.const_value
-        if not isinstance(tensor, ir.ExternalTensor):
+def _attribute_tensors(node: ir.Node):
+    for attr in node.attributes.values():
+        if attr.is_ref() or attr.value is None:
             continue
-        where = f"{model_name}: initializer {tensor.name!r} external data {str(tensor.location)!r}"
+        if attr.type == ir.AttributeType.TENSOR:
+            yield attr.value
+        elif attr.type == ir.AttributeType.TENSORS:
+            yield from attr.value
+        elif attr.type == ir.AttributeType.GRAPH:
+            yield from (v.const_value for v in attr.value.initializers.values() if v.const_value is not None)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            for graph in attr.value:
+                yield from (v.const_value for v in graph.initializers.values() if v.const_value is not None)
+
+
+def external_tensors(model: ir.Model):
+    """Every tensor of ``model`` stored as external data, as ``(label, tensor)``: the main graph's
+    initializers, then tensor attributes (``Constant`` values) and subgraph initializers of every node, in the
+    main graph, its subgraphs and every local function."""
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            yield "initializer", value.const_value
+    scopes = [("", model.graph)] + [(f"function {f.name!r} ", f) for f in model.functions.values()]
+    for prefix, scope in scopes:
+        for node in ir.traversal.RecursiveGraphIterator(scope):
+            for tensor in _attribute_tensors(node):
+                if isinstance(tensor, ir.ExternalTensor):
+                    yield f"{prefix}node {node.name or node.op_type!r} tensor", tensor
+
+
+def set_base_dir(model: ir.Model, base_dir: str | os.PathLike) -> None:
+    """Make every external tensor of ``model`` (functions included) resolve against ``base_dir``."""
+    for _, tensor in external_tensors(model):
+        tensor.base_dir = base_dir
+
+
+def external_data_files(model: ir.Model) -> set[str]:
+    """Real paths of every external data file the model's tensors (:func:`external_tensors`) read from."""
+    return {os.path.realpath(tensor.path) for _, tensor in external_tensors(model)}
+
+
+def _inside(real: str, base_real: str) -> bool:
+    """Whether ``real`` is ``base_real`` or below it, compared as paths (never as string prefixes)."""
+    return os.path.commonpath([real, base_real]) == base_real
+
+
+def check_external_data(model: ir.Model, base_dir: str | os.PathLike, model_name: str, *,
+                        only: ir.ExternalTensor | None = None) -> None:
+    """Refuse external data that escapes ``base_dir``, is missing or truncated, or has the wrong length
+    (every tensor of :func:`external_tensors`, or ``only`` that one)."""
+    base_real = os.path.realpath(base_dir)
+    found = [("tensor", only)] if only is not None else external_tensors(model)
+    for label, tensor in found:
+        where = f"{model_name}: {label} {tensor.name!r} external data {str(tensor.location)!r}"
         location = os.fspath(tensor.location)
         if os.path.isabs(location) or os.path.normpath(location).split(os.sep)[0] == "..":
             raise UnsafeExternalDataError(f"{where} leaves the model's folder; refusing to read it")
         real = os.path.realpath(os.path.join(base_dir, location))
-        if os.path.commonpath([real, base_real]) != base_real:
+        if not _inside(real, base_real):
             raise UnsafeExternalDataError(f"{where} resolves (through a symlink) outside the model's folder; "
                                           "refusing to read it")
         if not os.path.isfile(real):

@@ -233,8 +233,12 @@ class LowerFP4DequantizeLinear(NodeLowering):
     """FP4 weight DequantizeLinear -> GatherBlockQuantized (module docstring, pass 3).
 
     Cases, numbered as in the code: (1) E8M0 scale initializer -> FP32 initializer; (2) E8M0 scale computed at
-    run time -> Cast to FLOAT; (3) FP32/FP16/BF16 scale (NVFP4's DQ(S, G), alpha form) used as it is;
-    (4) ``output_dtype`` other than the scale's float type -> a Cast after the gather.
+    run time -> Cast to FLOAT; (3) FP32/FP16 scale (NVFP4's DQ(S, G), alpha form) used as it is; BF16 scales
+    (onnxruntime has no GatherBlockQuantized kernel for them) become FP32, exactly (every bfloat16 is a
+    float32): a stored one as an FP32 initializer, a computed one through a Cast; (4) an output type (DQ's
+    ``output_dtype``, else its scale's type) other than the gather's -> a Cast after the gather. With BF16
+    scales that Cast rounds e2m1 * s, exact in FP32 (at most 10 significant bits), once to BF16: what DQ
+    computes in BF16.
     """
 
     name = "FP4 DequantizeLinear -> GatherBlockQuantized"
@@ -280,7 +284,9 @@ class LowerFP4DequantizeLinear(NodeLowering):
         if scale_dtype == ir.DataType.FLOAT8E8M0 and stored_scale is not None:  # (1)
             scale_f = decode_e8m0(_scale_codes(stored_scale), what=f"{scale.name} (E8M0 scales)").numpy()
             scale = scope.constant(f"{scale.name}/f32", scale_f)
-        elif scale_dtype == ir.DataType.FLOAT8E8M0:  # (2)
+        elif scale_dtype == ir.DataType.BFLOAT16 and stored_scale is not None:  # (3), BF16 stored
+            scale = scope.constant(f"{scale.name}/f32", np.asarray(stored_scale.numpy(), np.float32))
+        elif scale_dtype in (ir.DataType.FLOAT8E8M0, ir.DataType.BFLOAT16):  # (2), and (3) BF16 computed
             cast = ir.node("Cast", [scale], {"to": ir.DataType.FLOAT}, name=f"{node_label(node)}/scale_f32")
             new_nodes.append(cast)
             scale = cast.outputs[0]
@@ -288,6 +294,8 @@ class LowerFP4DequantizeLinear(NodeLowering):
         new_nodes.append(gather)
         out = gather.outputs[0]
         out_dtype = _attr(node, "output_dtype", 0)
+        if not out_dtype and scale_dtype in _FLOAT_TYPES:
+            out_dtype = scale_dtype  # DequantizeLinear's output is its scale's type unless output_dtype says
         scale_dtype = _dtype(scale) or ir.DataType.FLOAT
         if out_dtype and ir.DataType(out_dtype) != scale_dtype:  # (4)
             cast = ir.node("Cast", [out], {"to": ir.DataType(out_dtype)}, name=f"{node_label(node)}/output_dtype")

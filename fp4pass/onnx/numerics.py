@@ -3,26 +3,32 @@
 Signature::
 
     result = diff(original, rewritten, inputs=None, provider="auto", *, intermediates=False, snr_min=None,
-                  seed=0, shapes=None, show_progress=None, intermediate_budget_bytes=1 << 30)
+                  seed=0, shapes=None, show_progress=None, intermediate_budget_bytes=1 << 30, past_length=0)
 
 1. Both models (path, ``onnx.ModelProto`` or ``onnx_ir.Model``) are read (:mod:`fp4pass.onnx.loading`) and
    lowered for onnxruntime, exactly (:func:`fp4pass.onnx.lower.lower`).
 2. Inputs: ``inputs`` (a dict or an .npz path, arrays named after graph inputs) wins; every other input of
    ``original`` is drawn from ``numpy.random.default_rng(seed)``: floats standard normal, integers uniform in
-   [0, 16), bools fair coins. Symbolic dims take ``shapes[name]`` (the input's full dims); a symbolic dim
-   without one is 1, and a note says so.
+   [0, 16), bools fair coins, and a note says which inputs were made up. Symbolic dims take ``shapes[name]``
+   (the input's full dims), else the graph's own shapes settle them (:mod:`fp4pass.onnx.feeds`: a dim name
+   shared with a given input, a KV cache's past length ``past_length`` (default 0), its head dim, an all-ones
+   ``attention_mask``); a symbolic dim still open is 1, and a note says so.
 3. Sessions come from :func:`fp4pass.onnx.runtime.make_session` ("auto": CUDA EP if it loads, else CPU).
    ``provider="reference"`` runs both models with ``onnx.reference`` instead (numpy: slow, for small models),
    lowering only TensorRT's activation quantizer: what onnxruntime's CPU kernels cannot run (bfloat16
-   MatMul) still gets a diff.
+   MatMul) still gets a diff. Where onnxruntime has no kernel for a node (its NOT_IMPLEMENTED), the diff
+   falls back to ``reference`` by itself, and the first note says so.
 4. Outputs are matched by name (by position, with a note, when no name is shared); each gets the
    :mod:`fp4pass.metrics` figures, ``original`` being the reference ``a``.
-5. ``intermediates``: every tensor produced by a node in both graphs under the same name is exposed as an
-   extra output. They are fetched in chunks whose estimated size stays under ``intermediate_budget_bytes``
-   per model, compared, and dropped: memory stays near the budget plus the largest tensor, whatever the
-   model. Each chunk is one run of each model.
-6. ``first_divergent``: the first node of ``original`` in topological order with a compared output under
-   ``snr_min`` dB (or with NaN/Inf the original does not have): ``{"node", "op_type", "tensor", "snr_db"}``.
+5. ``intermediates``: every tensor produced by a node in both graphs (as given, before lowering) under the
+   same name is exposed as an extra output, except one that a model holds without its NVFP4 global scale
+   (alpha form) while the other holds it with the scale: they differ by that scale by design, and a note
+   names them (:mod:`fp4pass.onnx.alpha_scope`). They are fetched in chunks whose estimated size stays under
+   ``intermediate_budget_bytes`` per model, compared, and dropped: memory stays near the budget plus the
+   largest tensor, whatever the model. Each chunk is one run of each model.
+6. ``first_divergent``: the first node of ``original`` (as given) in topological order with a compared output
+   under ``snr_min`` dB (or with NaN/Inf the original does not have); with ``intermediates`` and no
+   ``snr_min``, the first whose output differs at all: ``{"node", "op_type", "tensor", "snr_db"}``.
 7. ``passed``: no *output* under ``snr_min`` and no output with new NaN/Inf (intermediates inform, the
    outputs decide). Without ``snr_min`` only the NaN/Inf rule applies.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +49,16 @@ from fp4pass.choices import CheckProvider
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.npz import read_npz
+from fp4pass.onnx.alpha_scope import missing_global_scale
+from fp4pass.onnx.feeds import plan_feeds
+from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import make_session
+from fp4pass.onnx.tables import aligned
 from fp4pass.progress import progress
 
-__all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "REFERENCE"]
+__all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "plot_points", "PlotPoints", "PLOT_SNR_CAP", "REFERENCE"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +90,7 @@ class DiffResult:
     snr_min: float | None = None
     order: list[str] = field(default_factory=list)  # compared tensors, topological order of the original
     worst_output_errors: np.ndarray | None = None  # sample of |a-b| of the worst output
+    provider_notes: list[str] = field(default_factory=list)  # the runtime's words on the provider (also in notes)
 
     def to_json(self) -> dict:
         return {
@@ -95,23 +107,20 @@ class DiffResult:
         def fmt(value, spec):
             return "-" if value is None else format(value, spec)
 
-        header = (f"{'tensor':<40} {'shape':<18} {'snr_db':>8} {'rel_l2':>10} {'cosine':>10} {'max_abs':>10} "
-                  f"{'mean_abs':>10} {'p99_abs':>10} {'nan':>5} {'inf':>5}")
+        header = ("tensor", "shape", "snr_db", "rel_l2", "cosine", "max_abs", "mean_abs", "p99_abs", "nan", "inf", "")
         lines = []
 
         def section(title, rows):
-            lines.append(title)
-            lines.append(header)
+            table = [header]
             for m in rows:
                 snr = ("identical" if m.identical else "NaN" if m.nan and m.snr_db is None
                        else fmt(m.snr_db, ".2f"))
                 cosine = "-" if m.nan and m.snr_db is None else fmt(m.cosine, ".6f")
-                mark = " <" if m.below(self.snr_min) else ""
-                lines.append(
-                    f"{m.name[-40:]:<40} {str(list(m.shape))[:18]:<18} {snr:>8} {fmt(m.rel_l2, '.3e'):>10} "
-                    f"{cosine:>10} {fmt(m.max_abs_err, '.3e'):>10} {fmt(m.mean_abs_err, '.3e'):>10} "
-                    f"{fmt(m.p99_abs_err, '.3e'):>10} {m.nan:>5} {m.inf:>5}{mark}"
-                )
+                table.append((m.name, str(list(m.shape)), snr, fmt(m.rel_l2, ".3e"), cosine,
+                              fmt(m.max_abs_err, ".3e"), fmt(m.mean_abs_err, ".3e"), fmt(m.p99_abs_err, ".3e"),
+                              m.nan, m.inf, "<" if m.below(self.snr_min) else ""))
+            lines.append(title)
+            lines.extend(aligned(table, right=set(range(2, 10))))  # names whole, columns sized to their cells
 
         section(f"outputs ({len(self.outputs)}), provider {self.provider}:", sorted(self.outputs, key=_sort_key))
         if self.intermediates:
@@ -119,8 +128,9 @@ class DiffResult:
             section(f"intermediates (worst {len(worst)} of {len(self.intermediates)}):", worst)
         if self.first_divergent:
             fd = self.first_divergent
-            lines.append(f"first divergent: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} "
-                         f"snr {fmt(fd['snr_db'], '.2f')} dB")
+            what = "first divergent" if self.snr_min is not None else "first divergent (differs at all; no --snr-min)"
+            snr = "identical" if fd["snr_db"] is None else f"{fd['snr_db']:.2f} dB"
+            lines.append(f"{what}: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} snr {snr}")
         threshold = "" if self.snr_min is None else f" (snr-min {self.snr_min:g} dB)"
         lines.append(("PASSED" if self.passed else "FAILED") + threshold)
         return "\n".join(lines)
@@ -176,8 +186,9 @@ def _as_input_type(name: str, array: np.ndarray, dtype: np.dtype, notes: list[st
 
 
 def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, shapes: dict | None = None,
-                notes: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Feeds for every graph input of ``model``: ``given`` arrays, the rest seeded random (module docstring)."""
+                notes: list[str] | None = None, past_length: int = 0) -> dict[str, np.ndarray]:
+    """Feeds for every graph input of ``model``: ``given`` arrays, the rest seeded random (module docstring), their
+    symbolic dims settled from the graph's own shapes (:mod:`fp4pass.onnx.feeds`; ``past_length``: of a KV cache)."""
     given = dict(given or {})
     shapes = shapes or {}
     notes = notes if notes is not None else []
@@ -190,6 +201,7 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
     unknown_shapes = sorted(set(shapes) - set(names))
     if unknown_shapes:
         raise UsageError(f"--shape names {unknown_shapes} that are not graph inputs (inputs: {names})")
+    given, shapes = plan_feeds(model, given, shapes, past_length, notes)
     for value in model.graph.inputs:
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         if value.name in given:
@@ -208,6 +220,10 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
             feeds[value.name] = rng.integers(0, 2, size=dims, dtype=np.bool_)
         else:
             raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; give it in --inputs")
+    drawn = [n for n in feeds if n not in given]
+    if drawn:
+        notes.append(f"inputs {drawn} are not given: made up (random values, seed {seed}), not real data; "
+                     "give them with --inputs DATA.npz")
     return feeds
 
 
@@ -218,7 +234,7 @@ def _load_inputs(inputs, model: ir.Model) -> dict | None:
         return inputs
     graph_inputs = {v.name: v for v in model.graph.inputs}
 
-    def check(name: str, dims: tuple, dtype: np.dtype) -> None:
+    def check(name: str, dims: tuple, _dtype: np.dtype) -> None:  # the type is cast later, with its own message
         if name not in graph_inputs:
             raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model "
                              f"(inputs: {list(graph_inputs)})")
@@ -271,13 +287,43 @@ def _with_outputs(model: ir.Model, names: list[str]) -> ir.Model:
     return copy
 
 
+def _ort_log_severity() -> int:
+    """onnxruntime's own log lines (its C++ logger writes to stderr itself): errors (3) when INFO logging is on
+    (``-v``, ``--debug``), else only fatal ones (4); its failures reach the user as fp4pass errors anyway."""
+    return 3 if logging.getLogger().isEnabledFor(logging.INFO) else 4
+
+
+def _session_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = _ort_log_severity()
+    return options
+
+
+def _run_options():
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = _ort_log_severity()
+    return options
+
+
 class _Runner:
     """One model lowered once; runs it with extra outputs, creating a session per output set (or, for the
     ``reference`` provider, an ``onnx.reference.ReferenceEvaluator``)."""
 
-    def __init__(self, model: ir.Model, provider: str, label: str, notes: list[str]):
+    def __init__(self, model: ir.Model, provider: str, label: str, notes: list[str], fed=()):
         self.label = label
         self.reference = provider == REFERENCE
+        if initializer_inputs(model, fed):
+            model = model.clone()  # the caller's model stays as it is
+            listed = unlist_initializer_inputs(model, fed)
+            if listed:
+                more = f" and {len(listed) - 3} more" if len(listed) > 3 else ""
+                shown = ", ".join(repr(n) for n in listed[:3]) + more
+                notes.append(f"{label}: {len(listed)} initializers also listed as graph inputs ({shown}) and not fed: "
+                             "their stored values are used, as onnxruntime does")
         self.model, report = lower(model, for_reference=self.reference)
         runtime = "onnx.reference" if self.reference else "onnxruntime"
         if report.lowered or report.declined:
@@ -296,15 +342,16 @@ class _Runner:
         if self.reference:
             return self._run_reference(model, feeds)
         try:
-            session, self.provider, self.note = make_session(model, self.provider_arg)
+            session, self.provider, self.note = make_session(model, self.provider_arg, options=_session_options())
         except ModelError as exc:
-            raise ModelError(f"{self.label}: {exc}") from None
+            kind = _NoKernel if "NOT_IMPLEMENTED" in str(exc) else ModelError
+            raise kind(f"{self.label}: {exc}") from None
         names = [o.name for o in session.get_outputs()]
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
             raise ModelError(f"{self.label}: needs inputs {missing} that the original model does not have")
         try:
-            values = session.run(names, {n: feeds[n] for n in self.input_names})
+            values = session.run(names, {n: feeds[n] for n in self.input_names}, _run_options())
         except Exception as exc:  # onnxruntime's own error types
             raise ModelError(f"{self.label}: onnxruntime failed to run it: {str(exc).strip().splitlines()[0]}") from None
         return dict(zip(names, values))
@@ -326,18 +373,50 @@ class _Runner:
         return dict(zip(names, values))
 
 
+class _NoKernel(ModelError):
+    """onnxruntime has no kernel for a node of the model (bfloat16 MatMul on CPU, for one)."""
+
+
 def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermediates: bool = False,
          snr_min: float | None = None, seed: int = 0, shapes: dict | None = None,
-         show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30) -> DiffResult:
-    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step)."""
+         show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30,
+         past_length: int = 0, base_dir: str | os.PathLike | None = None) -> DiffResult:
+    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step).
+
+    ``base_dir``: the folder the external data of a model given as a proto or ``onnx_ir.Model`` resolves
+    against (:func:`fp4pass.onnx.loading.load`); a path's own folder always wins.
+    """
+    options = dict(intermediates=intermediates, snr_min=snr_min, seed=seed, shapes=shapes,
+                   show_progress=show_progress, intermediate_budget_bytes=intermediate_budget_bytes,
+                   past_length=past_length, base_dir=base_dir)
+    try:
+        return _diff(original, rewritten, inputs, provider, **options)
+    except _NoKernel as exc:
+        if provider == REFERENCE:
+            raise
+        reason = str(exc)
+        found = re.search(r"Could not find an implementation for (.*)", reason)
+        reason = found.group(1).strip() if found else reason
+    logger.debug("diff: onnxruntime cannot run it (%s); running onnx.reference instead", reason)
+    result = _diff(original, rewritten, inputs, REFERENCE, **options)
+    result.notes.insert(0, f"onnxruntime has no kernel for {reason}: both models ran under onnx.reference "
+                           "instead (as with --provider reference: numpy, slow on big models)")
+    return result
+
+
+def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, snr_min: float | None, seed: int,
+          shapes: dict | None, show_progress: bool | None, intermediate_budget_bytes: int,
+          past_length: int, base_dir: str | os.PathLike | None) -> DiffResult:
     notes: list[str] = []
-    model_a = load(original).model
-    model_b = load(rewritten).model
+    model_a = load(original, base_dir).model
+    model_b = load(rewritten, base_dir).model
     label_a = str(original) if isinstance(original, (str, os.PathLike)) else "original"
     label_b = str(rewritten) if isinstance(rewritten, (str, os.PathLike)) else "rewritten"
-    runner_a = _Runner(model_a, provider, label_a, notes)
-    runner_b = _Runner(model_b, provider, label_b, notes)
-    feeds = make_inputs(runner_a.model, _load_inputs(inputs, runner_a.model), seed=seed, shapes=shapes, notes=notes)
+    given = _load_inputs(inputs, model_a)
+    runner_a = _Runner(model_a, provider, label_a, notes, fed=given or ())
+    runner_b = _Runner(model_b, provider, label_b, notes, fed=given or ())
+    feeds = make_inputs(runner_a.model, given, seed=seed, shapes=shapes, notes=notes,
+                        past_length=past_length)
 
     pairs = [(n, n) for n in runner_a.output_names if n in runner_b.output_names]
     if not pairs and len(runner_a.output_names) == len(runner_b.output_names):
@@ -351,11 +430,9 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
 
     produced_a = _node_outputs(runner_a.model)
     produced_b = _node_outputs(runner_b.model)
-    outputs_a = set(runner_a.output_names)
     inter_names = []
     if intermediates:
-        inter_names = [n for n in produced_a if n in produced_b and n not in outputs_a
-                       and n not in runner_b.output_names]
+        inter_names = _comparable(model_a, model_b, runner_a, runner_b, label_a, label_b, notes)
     sizes = {n: max(_estimate_bytes(produced_a[n][1], _DEFAULT_ELEMENTS * 4),
                     _estimate_bytes(produced_b[n][1], _DEFAULT_ELEMENTS * 4)) for n in inter_names}
     chunks = _chunks(inter_names, sizes, intermediate_budget_bytes) or [[]]
@@ -389,28 +466,103 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
             inter_metrics.append(compare(name, a, b))
         del values_a, values_b
     provider_used = runner_a.provider
-    for note in {runner_a.note, runner_b.note} - {None}:
-        notes.insert(0, note)
+    provider_notes = sorted({runner_a.note, runner_b.note} - {None})
+    notes[:0] = provider_notes
 
     by_name = {m.name: m for m in [*inter_metrics, *output_metrics]}
-    first = None
-    if snr_min is not None or any(m.new_nonfinite for m in by_name.values()):
-        for node in runner_a.model.graph:
-            hit = next((by_name[o.name] for o in node.outputs if o.name in by_name and by_name[o.name].below(snr_min)),
-                       None)
-            if hit is not None:
-                first = {"node": node.name, "op_type": node.op_type, "tensor": hit.name,
-                         "snr_db": None if hit.snr_db is None or not math.isfinite(hit.snr_db) else hit.snr_db}
-                break
+    first = _first_divergent(model_a, by_name, snr_min, any_difference=intermediates and snr_min is None)
     passed = not any(m.below(snr_min) for m in output_metrics)
     order = [n for n in produced_a if n in by_name] + [m.name for m in output_metrics if m.name not in produced_a]
     for note in notes:
         logger.debug("diff: %s", note)
-    return DiffResult(provider_used, output_metrics, inter_metrics, first, passed, notes, snr_min, order, worst_errors)
+    return DiffResult(provider_used, output_metrics, inter_metrics, first, passed, notes, snr_min, order, worst_errors,
+                      provider_notes)
+
+
+def _comparable(model_a: ir.Model, model_b: ir.Model, runner_a: _Runner, runner_b: _Runner, label_a: str,
+                label_b: str, notes: list[str]) -> list[str]:
+    """The intermediates to compare, in the original's order: produced under the same name by a node of both
+    models as given (not by the lowering), not graph outputs, and holding the same quantity in both. A tensor
+    one model holds without its global scale (alpha form, :mod:`fp4pass.onnx.alpha_scope`) and the other with
+    it is left out, with a note: by name the two differ by that scale, which is not an error."""
+    given_a, given_b = _node_outputs(model_a), _node_outputs(model_b)
+    run_a, run_b = _node_outputs(runner_a.model), _node_outputs(runner_b.model)
+    outputs = {*runner_a.output_names, *runner_b.output_names}
+    names = [n for n in given_a if n in given_b and n in run_a and n in run_b and n not in outputs]
+    unscaled_a, unscaled_b = missing_global_scale(model_a), missing_global_scale(model_b)
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        if (name in unscaled_a) != (name in unscaled_b):
+            label, appliers = (label_a, unscaled_a[name]) if name in unscaled_a else (label_b, unscaled_b[name])
+            skipped.setdefault((label, appliers), []).append(name)
+    for (label, appliers), left in skipped.items():
+        notes.append(f"intermediates {left} not compared: {label} holds them without the global scale (alpha "
+                     f"form; multiplied back in by {appliers}), the other model with it")
+    left_out = {n for group in skipped.values() for n in group}
+    return [n for n in names if n not in left_out]
+
+
+def _first_divergent(model: ir.Model, by_name: dict[str, TensorMetrics], snr_min: float | None, *,
+                     any_difference: bool = False) -> dict | None:
+    """The first node of the original (as given, topological order) with a compared output under ``snr_min``
+    dB or with NaN/Inf; ``any_difference`` (intermediates without ``snr_min``): the first whose output differs
+    at all."""
+
+    def diverges(m: TensorMetrics) -> bool:
+        return m.below(snr_min) or (any_difference and not m.identical)
+
+    for node in model.graph:
+        hit = next((by_name[o.name] for o in node.outputs if o is not None and o.name in by_name
+                    and diverges(by_name[o.name])), None)
+        if hit is not None:
+            return {"node": node.name, "op_type": node.op_type, "tensor": hit.name,
+                    "snr_db": None if hit.snr_db is None or not math.isfinite(hit.snr_db) else hit.snr_db}
+    return None
+
+
+#: SNR shown at most on the plot: float32 rounding noise sits near 140 dB, so anything above is "exact up to
+#: rounding"; a few tensors at ~780 dB (errors of one ulp in huge values) would otherwise squash the rest
+PLOT_SNR_CAP = 160.0
+_NAMED_TICKS = 60  # tensors named on the x axis one by one up to this many; beyond, every k-th
+
+
+@dataclass
+class PlotPoints:
+    """What :func:`plot_diff` draws for the per-tensor panel: one point per compared tensor, graph order.
+
+    ``snr``: the value drawn, in dB (capped at ``cap``); ``kind``: "measured", "capped" (the SNR is above the
+    cap, drawn at it), "identical" (no error, drawn at the cap) or "nonfinite" (no finite SNR, drawn under the
+    lowest one)."""
+
+    names: list[str]
+    snr: list[float]
+    kind: list[str]
+    cap: float
+
+
+def plot_points(result: DiffResult, cap: float = PLOT_SNR_CAP) -> PlotPoints:
+    """The per-tensor SNR points of ``result`` (see :class:`PlotPoints`)."""
+    by_name = {m.name: m for m in [*result.intermediates, *result.outputs]}
+    names = [n for n in result.order if n in by_name]
+    finite = [by_name[n].snr_db for n in names if by_name[n].snr_db is not None and math.isfinite(by_name[n].snr_db)]
+    floor = min([*finite, cap]) - 10
+    snr, kind = [], []
+    for name in names:
+        value = by_name[name].snr_db
+        if value is None:
+            snr.append(cap), kind.append("identical")
+        elif not math.isfinite(value):
+            snr.append(floor), kind.append("nonfinite")
+        elif value > cap:
+            snr.append(cap), kind.append("capped")
+        else:
+            snr.append(value), kind.append("measured")
+    return PlotPoints(names, snr, kind, cap)
 
 
 def plot_diff(result: DiffResult, path) -> None:
-    """PNG: SNR (dB) of every compared tensor in graph order, and the |a-b| histogram of the worst output."""
+    """PNG: SNR (dB) of every compared tensor in graph order, named on the x axis, capped at
+    :data:`PLOT_SNR_CAP` (identical and capped tensors marked), and the |a-b| histogram of the worst output."""
     from fp4pass.extras import require
 
     matplotlib = require("matplotlib", "plot", "plotting a diff")
@@ -418,24 +570,29 @@ def plot_diff(result: DiffResult, path) -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
-    by_name = {m.name: m for m in [*result.intermediates, *result.outputs]}
-    names = [n for n in result.order if n in by_name]
-    snrs = [by_name[n].snr_db for n in names]
-    finite = [s for s in snrs if s is not None and math.isfinite(s)]
-    top = (max(finite) + 10) if finite else 100.0
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
-    xs = range(len(names))
-    ys = [top if s is None else (s if math.isfinite(s) else min(finite or [0]) - 10) for s in snrs]
-    ax1.plot(xs, ys, marker=".", linewidth=0.8)
-    ident = [i for i, s in enumerate(snrs) if s is None]
-    if ident:
-        ax1.scatter(ident, [top] * len(ident), marker="^", color="green", label="identical", zorder=3)
-        ax1.legend()
+    points = plot_points(result)
+    count = len(points.names)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10, min(40, 0.25 * count)), 8),
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    xs = list(range(count))
+    ax1.plot(xs, points.snr, color="0.6", linewidth=0.8, zorder=1)
+    styles = {"measured": (".", "C0", "SNR"), "capped": ("^", "C1", f"above {points.cap:g} dB (drawn at it)"),
+              "identical": ("^", "green", "identical"), "nonfinite": ("v", "red", "no finite SNR (NaN/Inf)")}
+    for kind, (marker, color, label) in styles.items():
+        idx = [i for i, k in enumerate(points.kind) if k == kind]
+        if idx:
+            ax1.scatter(idx, [points.snr[i] for i in idx], marker=marker, color=color, label=label, zorder=3, s=18)
     if result.snr_min is not None:
-        ax1.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8)
-    ax1.set_xlabel("tensor (topological order of the original)")
-    ax1.set_ylabel("SNR (dB)")
+        ax1.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8, label=f"--snr-min {result.snr_min:g}")
+    step = max(1, math.ceil(count / _NAMED_TICKS))
+    ax1.set_xticks(xs[::step])
+    ax1.set_xticklabels(points.names[::step], rotation=90, fontsize=6)
+    ax1.set_xlabel("tensor (topological order of the original)" + (f", every {step}th named" if step > 1 else ""))
+    ax1.set_ylabel(f"SNR (dB, capped at {points.cap:g})")
+    ax1.set_ylim(top=points.cap + 5)
     ax1.set_title(f"per-tensor SNR, provider {result.provider}")
+    if count:
+        ax1.legend(fontsize=7, loc="lower left")
     worst = sorted(result.outputs, key=_sort_key)[0] if result.outputs else None
     errors = result.worst_output_errors
     if worst is not None and errors is not None and errors.size and errors.max() > 0:

@@ -48,6 +48,8 @@ __all__ = [
     "Bnb4Decline",
     "GatherBlockQuantizedInt4Decline",
     "node_label",
+    "op_label",
+    "declined_line",
     "quark_constant",
     "PATTERNS",
     "find_mxfp4",
@@ -109,9 +111,27 @@ class Declined:
     node: str
     tensor: str | None
     reason: str
+    op_type: str | None = None  # the node's operator, ``domain::OpType`` outside the default domain
 
     def to_json(self) -> dict:
-        return {"pattern": self.pattern, "node": self.node, "tensor": self.tensor, "reason": self.reason}
+        return {"pattern": self.pattern, "node": self.node, "op_type": self.op_type, "tensor": self.tensor,
+                "reason": self.reason}
+
+    def describe(self) -> str:
+        """One line for a person (:func:`declined_line`)."""
+        return declined_line(self.to_json())
+
+
+def declined_line(entry: dict) -> str:
+    """A decline (``Declined.to_json()``) as one line: operator, node, tensor, reason, the pattern's short name last."""
+    op = f"{entry['op_type']} " if entry.get("op_type") else ""
+    tensor = f" (tensor {entry['tensor']!r})" if entry.get("tensor") else ""
+    return f"declined {op}node {entry.get('node')!r}{tensor}: {entry.get('reason')} [pattern {entry.get('pattern')}]"
+
+
+def op_label(node: ir.Node) -> str:
+    """``OpType``, or ``domain::OpType`` for a node outside the default ONNX domain."""
+    return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
 def _dtype(value: ir.Value | None) -> ir.DataType | None:
@@ -178,7 +198,7 @@ def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str |
 
 
 def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
-    """Like :func:`_constants_reason` for a DequantizeLinear, where sharing is allowed:
+    """Like :func:`_constants_reason` for a DequantizeLinear (patterns 1 and 4 alike), where sharing is allowed:
 
     - the weight may be read by other DequantizeLinear nodes (data input); they are converted together
       (``fp4pass.onnx.sharing``), so any other reader, or the weight being a graph output, declines it;
@@ -433,7 +453,7 @@ class FP4FloatScaleDequantize:
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1]
-        reason = _constants_reason(node, w, s)
+        reason = _dequantized_constants_reason(node, w, s)
         if reason:
             return reason
         reason = _dq_layout_reason(node, w)
@@ -630,7 +650,7 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
                     tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
                 if hasattr(pattern, "tensor"):
                     tensor = pattern.tensor(node)
-                declined.append(Declined(pattern.name, node_label(node), tensor, reason))
+                declined.append(Declined(pattern.name, node_label(node), tensor, reason, op_label(node)))
             break
     return found, declined
 

@@ -57,7 +57,7 @@ from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP
 from fp4pass.onnx.sharing import sharing_note
 
 __all__ = ["RewriteMXFP4Weights", "FoldQuarkFakeQuants", "SetOpsetAndIR", "GroupInitializers", "weight_passes",
-           "quark_rest", "quark_replaced", "group_initializers", "materialize", "METHODS",
+           "quark_replaced", "materialize", "METHODS",
            "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,6 @@ class FoldQuarkFakeQuants(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, bool(self.entries) or dropped)
 
 
-def quark_rest(model: ir.Model, calibrated: bool, declined: list) -> list[dict]:
-    """:class:`FoldQuarkFakeQuants` run once; returns its report entries."""
-    fold = FoldQuarkFakeQuants(calibrated, declined)
-    fold(model)
-    return fold.entries
-
-
 def quark_replaced(entries: list[dict], activations: list[dict]) -> None:
     """Say, per removed Quark activation fake-quant, whether a calibrated NVFP4 quantizer took its place."""
     inserted = {a["activation"] for a in activations if a.get("inserted")}
@@ -213,11 +206,6 @@ class GroupInitializers(ir.passes.InPlacePass):
             for value in values:
                 graph.initializers[value.name] = value
         return ir.passes.PassResult(model, modified)
-
-
-def group_initializers(model: ir.Model, records) -> None:
-    """:class:`GroupInitializers` run once."""
-    GroupInitializers(records)(model)
 
 
 def weight_passes(records, convs, scale_form: str, calibrated: bool, declined: list) -> list[ir.passes.PassBase]:

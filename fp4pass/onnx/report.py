@@ -10,7 +10,7 @@ JSON shape::
                                   "snr_db", "lossless"}],
                   QMoE only: "layout_read", "layout_read_shape", "layout_reason", "layout_written",
                   "layout_written_shape"}],
-     "declined": [{"pattern", "node", "tensor", "reason"}],
+     "declined": [{"pattern", "node", "op_type", "tensor", "reason"}],
      "model": {"before": {"ir_version", "opset"}, "after": {...}},
      "activations": [...] (when calibrated), "check": {...} (with --check),
      "summary": {"tensors_converted", "lossless", "declined", "worst_snr_db", "seconds"}}
@@ -43,6 +43,8 @@ import math
 import numpy as np
 
 from fp4pass.metrics import snr_db
+from fp4pass.onnx.patterns import declined_line
+from fp4pass.onnx.tables import aligned
 
 __all__ = ["jsonable", "tensor_entry", "group_stats", "layout_entry", "summarize", "summary_line", "format_report"]
 
@@ -184,39 +186,43 @@ def _num(value, spec: str) -> str:
 
 def format_report(report: dict) -> str:
     """The report as readable tables: weights, declined patterns, activations, and the check's outputs."""
-    lines = [f"{'weight':<28} {'pattern':<8} {'shape':<16} {'form':<6} {'verbatim':>13} "
-             f"{'mse':>10} {'SNR dB':>7} global_scale"]
+    rows: list = [("weight", "pattern", "shape", "form", "verbatim", "mse", "SNR dB", "global_scale")]
     for t in report["tensors"]:
         scales = t.get("global_scale") or []
         shown = ", ".join(f"{g:.4g}" for g in scales[:4]) + (", ..." if len(scales) > 4 else "")
         verbatim = f"{t.get('blocks16_verbatim', 0)}/{t.get('blocks16_total', 0)}"
         snr = "lossless" if _lossless(t) else _num(t.get("snr_db"), ".2f")
-        lines.append(f"{t['name']:<28} {t['pattern']:<8} {'x'.join(map(str, t['shape'])):<16} "
-                     f"{t['target_form']:<6} {verbatim:>13} {_num(t.get('mse'), '.3g'):>10} {snr:>8} [{shown}]")
+        rows.append((t["name"], t["pattern"], "x".join(map(str, t["shape"])), t["target_form"], verbatim,
+                     _num(t.get("mse"), ".3g"), snr, f"[{shown}]"))
         if t.get("layout_read"):
-            lines.append(f"{'':<4}QMoE layout read {t['layout_read']} {t['layout_read_shape']} ({t['layout_reason']}), "
-                         f"written {t['layout_written']} {t['layout_written_shape']}")
+            rows.append(f"{'':<4}QMoE layout read {t['layout_read']} {t['layout_read_shape']} ({t['layout_reason']}), "
+                        f"written {t['layout_written']} {t['layout_written_shape']}")
         for p in t.get("per_expert") or []:
             if not p["lossless"]:
-                lines.append(f"{'':<4}expert {p['expert']}: {p['blocks16_verbatim']}/{p['blocks16_total']} verbatim, "
-                             f"mse {p['mse']:.3g}, SNR {_num(p['snr_db'], '.2f')} dB")
+                rows.append(f"{'':<4}expert {p['expert']}: {p['blocks16_verbatim']}/{p['blocks16_total']} verbatim, "
+                            f"mse {p['mse']:.3g}, SNR {_num(p['snr_db'], '.2f')} dB")
+    lines = aligned(rows, right={4, 5, 6})
     for d in report.get("declined", []):
-        lines.append(f"declined {d.get('pattern')} at {d.get('node')} ({d.get('tensor')}): {d.get('reason')}")
+        lines.append(declined_line(d))
+    listed = report.get("initializer_inputs")
+    if listed:
+        lines.append(f"initializers also listed as graph inputs, taken as initializers: {', '.join(listed['names'])}")
     activations = report.get("activations")
     if activations:
-        lines += ["", f"{'activation':<28} {'g_amax':>11} {'input_scale':>12} {'form':<10} consumers"]
+        rows = [("activation", "g_amax", "input_scale", "form", "consumers")]
         for a in activations:
             form = f"{a.get('target')}/{a.get('scale_form')}" if a.get("inserted") else "skipped"
-            lines.append(f"{a['activation']:<28} {_num(a.get('g_amax'), '.5g'):>11} "
-                         f"{_num(a.get('input_scale'), '.4g'):>12} {form:<10} {', '.join(a.get('consumers', []))}"
-                         + (f"  ({a['reason']})" if a.get("reason") else ""))
+            rows.append((a["activation"], _num(a.get("g_amax"), ".5g"), _num(a.get("input_scale"), ".4g"), form,
+                         ", ".join(a.get("consumers", [])) + (f"  ({a['reason']})" if a.get("reason") else "")))
+        lines += ["", *aligned(rows, right={1, 2})]
     check = report.get("check")
     if check:
-        lines += ["", f"check on {check['provider']}: {'PASSED' if check['passed'] else 'FAILED'}",
-                  f"{'output':<28} {'shape':<12} {'SNR dB':>8} {'max_abs_err':>12} {'rel_l2':>10} {'cosine':>9}"]
+        lines += ["", f"check on {check['provider']}: {'PASSED' if check['passed'] else 'FAILED'}"]
+        rows = [("output", "shape", "SNR dB", "max_abs_err", "rel_l2", "cosine")]
         for o in check["outputs"]:
             snr = ("identical" if o["snr_db"] is None and o["max_abs_err"] == 0 and not (o.get("nan") or o.get("inf"))
                    else _num(o["snr_db"], ".2f"))
-            lines.append(f"{o['name']:<28} {'x'.join(map(str, o['shape'])):<12} {snr:>8} "
-                         f"{_num(o['max_abs_err'], '.4g'):>12} {_num(o['rel_l2'], '.3g'):>10} {_num(o['cosine'], '.6f'):>9}")
+            rows.append((o["name"], "x".join(map(str, o["shape"])), snr, _num(o["max_abs_err"], ".4g"),
+                         _num(o["rel_l2"], ".3g"), _num(o["cosine"], ".6f")))
+        lines += aligned(rows, right={2, 3, 4, 5})
     return "\n".join(lines)

@@ -30,7 +30,8 @@ import onnx_ir as ir
 
 from fp4pass.formats import MX_BLOCK_SIZE
 from fp4pass.onnx.quark_mx import QUARK_SCALE_RULE, _float32, quantize_weight, quark_fake_quant, quark_mxfp4  # noqa: F401
-from fp4pass.onnx.patterns import QUARK_DOMAIN, Declined, QuarkWeight, _quark_fp4, node_label, quark_constant, trace_consumers
+from fp4pass.onnx.patterns import (QUARK_DOMAIN, Declined, QuarkWeight, _quark_fp4, node_label, op_label, quark_constant,
+                                   trace_consumers)
 
 __all__ = [
     "QUARK_SCALE_RULE",
@@ -127,7 +128,7 @@ def fold_constants(model: ir.Model, declined: list[Declined] | None = None) -> l
             if reason is not None:
                 label = node_label(node)
                 if declined is not None and not any(d.node == label for d in declined):
-                    declined.append(Declined("quark", label, x.name, reason))
+                    declined.append(Declined("quark", label, x.name, reason, op_label(node)))
                 continue
             axis = _attr(node, "axis", 1)
             block = _attr(node, "block_size", MX_BLOCK_SIZE)
@@ -166,7 +167,7 @@ ACTIVATION_REASON = ("Quark MX fake-quant on an activation, left as it is: runni
 def activation_declines(model: ir.Model) -> list[Declined]:
     """Case 3 without calibration: one decline per activation fake-quant (pattern ``quark``)."""
     return [Declined("quark", node_label(node), node.inputs[0].name if node.inputs and node.inputs[0] else None,
-                     ACTIVATION_REASON) for node in activation_fake_quants(model)]
+                     ACTIVATION_REASON, op_label(node)) for node in activation_fake_quants(model)]
 
 
 def remove_activation_fake_quants(model: ir.Model) -> list[dict]:

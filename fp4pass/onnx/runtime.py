@@ -32,6 +32,7 @@ import onnxruntime as ort
 from fp4pass.choices import Provider, values
 from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats.constants import QUARK_DOMAIN
+from fp4pass.onnx.loading import external_tensors, proto_tensors
 
 __all__ = ["make_session", "cuda_available", "installed_runtimes", "PROVIDERS", "RUNTIME_DISTRIBUTIONS"]
 
@@ -128,44 +129,15 @@ _EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
 def _external_folders(model: ir.Model) -> set[str]:
-    """The folders the model's external tensors are read from (their ``base_dir``, resolved)."""
-    folders = set()
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                folders.add(os.path.realpath(tensor.base_dir or "."))
-    return folders
+    """The folders the model's external tensors (initializers, Constant values, functions) are read from:
+    their ``base_dir``, resolved. :func:`fp4pass.onnx.loading.load` gave every one of them a folder."""
+    return {os.path.realpath(tensor.base_dir) for _, tensor in external_tensors(model)}
 
 
 
 
 #: external tensors up to this size are read into the proto before onnxruntime sees it (see below)
 _SMALL_EXTERNAL_BYTES = 4096
-
-
-def _graph_tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
-    yield from _node_tensors(graph.node)
-
-
-def _node_tensors(nodes):
-    for node in nodes:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _graph_tensors(attr.g)
-            for graph in attr.graphs:
-                yield from _graph_tensors(graph)
-
-
-def _all_tensors(proto: onnx.ModelProto):
-    """Every TensorProto of the model: initializers and Constant values, subgraphs and functions included."""
-    yield from _graph_tensors(proto.graph)
-    for function in proto.functions:
-        yield from _node_tensors(function.node)
 
 
 def _inline_small_external(proto: onnx.ModelProto, folder: str) -> None:
@@ -179,7 +151,7 @@ def _inline_small_external(proto: onnx.ModelProto, folder: str) -> None:
     """
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    for tensor in _all_tensors(proto):
+    for tensor in proto_tensors(proto):
         if not uses_external_data(tensor):
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 
 import onnx_ir as ir
 
-from fp4pass.onnx.patterns import Declined, FP4Weight, find_mxfp4, node_label
+from fp4pass.onnx.patterns import Declined, FP4Weight, find_mxfp4, node_label, op_label
 
 __all__ = ["SharedFP4Weight", "group_shared", "find_weights", "reader_nodes", "sharing_note"]
 
@@ -89,7 +89,7 @@ def group_shared(records: list[FP4Weight], declined: list[Declined]) -> tuple[li
             continue
         reason = _group_reason(group, declined)
         if reason:
-            out_declined.extend(Declined(r.pattern, node_label(r.node), r.name, reason) for r in group)
+            out_declined.extend(Declined(r.pattern, node_label(r.node), r.name, reason, op_label(r.node)) for r in group)
             continue
         if len(group) == 1:
             out.append(group[0])

@@ -1,4 +1,7 @@
-"""Encoding 16-halves at a given global scale S: the verbatim scale when one exists, else the best E4M3 code.
+"""A test oracle: the per-16-half float encoder that fp4pass's pattern-grouped encoder
+(:mod:`fp4pass.convert.patterns`) must match, half by half.
+
+Encoding 16-halves at a given global scale S: the verbatim scale when one exists, else the best E4M3 code.
 
 A 16-half h belongs to an MX block with exponent k and holds the exact values v_i = e2m1(c_i) * 2^k. At an FP32
 global scale S (dequant multiplier, ModelOpt convention) an E4M3 block scale s reconstructs

@@ -1,0 +1,158 @@
+"""Checkpoint conversion: time against ``cp -r`` of the same folder, peak memory against the largest tensor, and a
+lossy expert against its lossless neighbours.
+
+- per-expert model (DeepSeek-V4 form, gpt-oss-20b's expert shapes H = I = 2880; 4 layers x 32 experts, 1.6 GB):
+  ``fp4pass.checkpoint.convert`` against ``cp -r`` of the source folder (goal <= 1.5x; the codes need no
+  reordering);
+- gpt-oss fused experts (gpt-oss-20b shapes, 4 layers, 1.6 GB) into ModelOpt's transposed layout (goal <= 3x);
+- peak RSS growth of the conversion (a child process: its max RSS after the conversion minus before it) over the
+  largest tensor's bytes (goal <= 2x);
+- one lossy expert in a [32, 5760, 2880] stack converted expert by expert (``fp4pass.checkpoint.engine
+  .convert_experts``) against that expert alone plus the 31 others alone (goal <= 1.2x); the engine's one call on
+  the whole stack (``mxfp4_to_nvfp4`` with per-expert groups) is reported beside it.
+
+Each figure is the median of three back-to-back pairs (``sync`` before each run; the conversion fsyncs its
+output, ``cp -r`` does not); ``ratios`` lists all three. ``quick``: a
+folder of a few MB (fixed costs dominate; no goals) and an [8, 576, 2880] stack. The folders live in a
+temporary folder that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fp4pass.bench import BenchResult, measure
+from fp4pass.checkpoint.engine import convert_experts
+from fp4pass.convert import mxfp4_to_nvfp4
+from fp4pass.examples.checkpoints import build_checkpoint
+from fp4pass.formats import MXFP4Tensor
+
+# VmHWM (this process's peak RSS), not getrusage's ru_maxrss, which Linux carries over from the parent at exec
+_CHILD = """
+import json, sys, time
+import fp4pass.checkpoint
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+before = hwm()
+start = time.perf_counter()
+fp4pass.checkpoint.convert(sys.argv[1], sys.argv[2], format=sys.argv[3])
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "rss_before_kib": before, "rss_after_kib": hwm()}))
+"""
+
+
+def _cp(src: Path, dst: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    return time.perf_counter() - start
+
+
+def _convert_child(src: Path, dst: Path, fmt: str) -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst), fmt], check=True, capture_output=True,
+                         text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _largest(folder: Path) -> int:
+    from fp4pass.checkpoint.catalog import Catalog
+
+    with Catalog.open(folder) as catalog:
+        return max(e.nbytes for e in catalog.tensors.values())
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def _against_cp(label: str, form: str, fmt: str, quick: bool, goal: float, work: Path) -> list[BenchResult]:
+    if quick:
+        kwargs = {"layers": 1, "experts": 4, "hidden": 256, "intermediate": 256}
+    else:
+        kwargs = {"layers": 4, "experts": 32, "hidden": 2880, "intermediate": 2880}
+    src = build_checkpoint(work / f"src-{label}", form, seed=0, shard_bytes=500_000_000, tokenizer=True, **kwargs)
+    size = _folder_bytes(src)
+    pairs, runs = [], []
+    for i in range(3):  # cp -r and the conversion back to back, each pair from the same starting state
+        os.sync()
+        cp_s = _cp(src, work / f"cp-{label}-{i}")
+        os.sync()
+        run = _convert_child(src, work / f"out-{label}-{i}", fmt)
+        os.sync()
+        pairs.append((run["seconds"], cp_s))
+        runs.append(run)
+        shutil.rmtree(work / f"cp-{label}-{i}")
+        shutil.rmtree(work / f"out-{label}-{i}")
+    conv_s, cp_s = sorted(pairs, key=lambda p: p[0] / p[1])[len(pairs) // 2]  # the pair of median ratio
+    largest = _largest(src)
+    growth = max(r["rss_after_kib"] - r["rss_before_kib"] for r in runs) * 1024
+    shutil.rmtree(src)
+    shape = "x".join(map(str, (kwargs["layers"], kwargs["experts"], kwargs["hidden"])))
+    extra = {"folder_MB": size / 1e6, "layers_x_experts_x_H": shape, "format": fmt,
+             "ratios": " ".join(f"{c / b:.2f}" for c, b in pairs)}
+    return [
+        BenchResult(f"checkpoint {label} convert", conv_s, "cp -r", cp_s, None if quick else goal, extra),
+        BenchResult(f"checkpoint {label} peak RSS growth", growth / 2**20, "largest tensor", largest / 2**20,
+                    None if quick else 2.0, {"largest_MB": largest / 1e6}, unit="MiB"),
+    ]
+
+
+def bench_against_cp(device: torch.device, quick: bool) -> list[BenchResult]:
+    if device.type != "cpu":
+        return []
+    with tempfile.TemporaryDirectory(prefix="fp4pass-bench-ckpt-") as tmp:
+        work = Path(tmp)
+        return (_against_cp("per-expert", "deepseek", "modelopt", quick, 1.5, work)
+                + _against_cp("gpt-oss fused", "gpt-oss", "modelopt", quick, 3.0, work))
+
+
+def _stack(quick: bool, lossy: int) -> MXFP4Tensor:
+    e, n, k = (8, 576, 2880) if quick else (32, 5760, 2880)
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (120 + torch.randint(-3, 4, (e, n, k // 32), generator=gen)).to(torch.uint8)
+    scales[lossy, 0, 0] = 100  # 20 octaves under the rest: that expert's spread > 17
+    codes[lossy, 0, :16] = 0x77
+    return MXFP4Tensor(codes, scales, 32, name="stack")
+
+
+def bench_lossy_expert(device: torch.device, quick: bool) -> list[BenchResult]:
+    if device.type != "cpu":
+        return []
+    lossy = 5
+    mx = _stack(quick, lossy)
+    e = mx.shape[0]
+    alone = MXFP4Tensor(mx.codes[lossy:lossy + 1].clone(), mx.scales[lossy:lossy + 1].clone(), 32)
+    keep = [i for i in range(e) if i != lossy]
+    rest = MXFP4Tensor(mx.codes[keep].contiguous(), mx.scales[keep].contiguous(), 32)
+    wholes, parts_list = [], []
+    convert_experts(alone)  # warm-up
+    for _ in range(3):  # interleaved rounds, medians: other load on the machine hits both sides alike
+        wholes.append(measure(lambda: convert_experts(mx), repeat=1))
+        parts_list.append(measure(lambda: convert_experts(alone), repeat=1)
+                          + measure(lambda: convert_experts(rest), repeat=1))
+    whole, parts = sorted(wholes)[1], sorted(parts_list)[1]
+    engine_once = measure(lambda: mxfp4_to_nvfp4(mx, "auto"), repeat=1)
+    shape = "x".join(map(str, mx.shape))
+    return [BenchResult("checkpoint one lossy expert (per expert)", whole, "lossy alone + rest alone", parts,
+                        None if quick else 1.2, {"shape": shape}),
+            BenchResult("engine one call, one lossy expert", engine_once, "lossy alone + rest alone", parts, None,
+                        {"shape": shape})]
+
+
+BENCHMARKS = [bench_lossy_expert, bench_against_cp]

@@ -1,0 +1,159 @@
+"""``--check``: read a converted checkpoint back with readers fp4pass did not write, and compare each expert.
+
+Readers: the ``safetensors`` package opens every output shard; compressed-tensors 0.20 decodes the NVFP4
+weights (``NVFP4PackedCompressor.decompress``, on CPU):
+
+- ``--format compressed-tensors``: the module's ``weight_packed``, ``weight_scale``, ``weight_global_scale`` as
+  written;
+- ``--format modelopt``, one Linear: first through compressed-tensors' own ModelOpt reader
+  (``ModelOptNvfp4Converter``, which renames ``weight`` and turns the multipliers ``weight_scale_2`` /
+  ``input_scale`` into the divisors ``weight_global_scale`` / ``input_global_scale``), then decompressed;
+- ``--format modelopt``, gpt-oss expert stacks: no reader knows that layout; each expert [K/2, N] is transposed
+  back to [N, K/2] and decompressed with weight_global_scale = 1 / weight_scale_2.
+
+The source is decoded independently of the conversion (numpy + ml_dtypes: E2M1 nibbles, E8M0 scales viewed as
+bytes). Per expert (per Linear, or per expert of a stack): where the exponent spread of the blocks that hold a
+value is at most 17 over the group that shares the global scale (and the method is not ``requant``), the decoded values must equal the source
+exactly; elsewhere the squared error must be no larger than that of plain NVFP4 requantization of the same
+values (ModelOpt's formulas, decoded by the same reader), with a relative slack of 1e-3 for the reader's bf16
+arithmetic. The result: ``{"passed", "reader", "experts_checked", "experts_identical", "failures": [...]}``.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from fp4pass.checkpoint.detect import FusedExperts
+from fp4pass.checkpoint.output_forms import MODELOPT
+from fp4pass.extras import require
+from fp4pass.formats.constants import LOSSLESS_SPREAD
+
+__all__ = ["check_checkpoint", "decode_mxfp4"]
+
+SLACK = 1e-3
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+
+
+def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float64 [..., K] from packed codes uint8 [..., K/2] (low nibble first) and E8M0 bytes [..., K/32]."""
+    nibbles = np.stack((codes & 0x0F, codes >> 4), axis=-1).reshape(*codes.shape[:-1], -1)
+    values = E2M1[nibbles].reshape(*scales.shape, 32)
+    scale = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+    return (values * scale[..., None]).reshape(*codes.shape[:-1], -1)
+
+
+def _held_spread(codes: np.ndarray, scales: np.ndarray) -> int:
+    """Exponent spread over the 32-blocks that hold a non-zero value (0 when none does)."""
+    holds = ((codes & 0x77) != 0).reshape(*scales.shape, 16).any(-1)
+    k = scales.astype(np.int64)[holds]
+    return int(k.max() - k.min()) if k.size else 0
+
+
+def _requant_sse(x: np.ndarray, decode) -> float:
+    """SSE of plain NVFP4 quantization of ``x`` [N, K] (amax/(6*448) global scale), decoded by ``decode``."""
+    from fp4pass.formats import NVFP4Tensor
+
+    nv = NVFP4Tensor.quantize(torch.from_numpy(x).float())
+    g = float(nv.global_scale.reshape(()))
+    y = decode(nv.codes, nv.scales.view(torch.float8_e4m3fn), 1.0 / g)
+    return float(((y - x) ** 2).sum())
+
+
+class _Reader:
+    def __init__(self):
+        require("compressed_tensors", "checkpoint", "--check")
+        from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        self.compressor = NVFP4PackedCompressor
+        self.scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+
+    def decode(self, packed: torch.Tensor, scale_e4m3: torch.Tensor, global_divisor) -> np.ndarray:
+        g = torch.as_tensor(global_divisor, dtype=torch.float32).reshape(1)
+        out = self.compressor.decompress({"weight_packed": packed, "weight_scale": scale_e4m3,
+                                          "weight_global_scale": g}, self.scheme)["weight"]
+        return out.float().double().numpy()
+
+
+def _modelopt_linear(f, module: str) -> dict:
+    from compressed_tensors.entrypoints.convert import ModelOptNvfp4Converter
+
+    tensors = {f"{module}.{p}": f.get_tensor(f"{module}.{p}") for p in ("weight", "weight_scale", "weight_scale_2")}
+    if f"{module}.input_scale" in f.keys():
+        tensors[f"{module}.input_scale"] = f.get_tensor(f"{module}.input_scale")
+    out = ModelOptNvfp4Converter(targets=["Linear"]).process(tensors)
+    return {k.rpartition(".")[2]: v for k, v in out.items()}
+
+
+def _compare(name: str, x: np.ndarray, y: np.ndarray, spread: int, reader: _Reader, result: dict) -> None:
+    result["experts_checked"] += 1
+    if spread <= result["exact_up_to_spread"]:
+        if np.array_equal(x, y):
+            result["experts_identical"] += 1
+            return
+        bad = np.argwhere(x != y)[0]
+        result["failures"].append({"expert": name, "reason": f"spread {spread} <= 17 but value at {bad.tolist()} is "
+                                                             f"{y[tuple(bad)]!r}, source {x[tuple(bad)]!r}"})
+        return
+    sse = float(((y - x) ** 2).sum())
+    baseline = _requant_sse(x, reader.decode)
+    if sse > baseline * (1 + SLACK):
+        result["failures"].append({"expert": name, "reason": f"SSE {sse:.6g} above plain requantization's "
+                                                             f"{baseline:.6g}"})
+    elif sse == 0:
+        result["experts_identical"] += 1
+
+
+def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") -> dict:
+    """Compare every converted expert of ``out_dir`` with its source in ``catalog`` (module docstring).
+
+    ``method`` "requant" promises no exact expert: every one is held to the requantization bound.
+    """
+    reader = _Reader()
+    safe_open = require("safetensors", "checkpoint", "--check").safe_open
+
+    result = {"reader": "compressed-tensors NVFP4PackedCompressor" + (" via ModelOptNvfp4Converter"
+                                                                     if fmt == MODELOPT else ""),
+              "experts_checked": 0, "experts_identical": 0, "failures": [],
+              "exact_up_to_spread": -1 if method == "requant" else LOSSLESS_SPREAD}
+    index = {}
+    handles = {}
+    for path in sorted(out_dir.glob("*.safetensors")):
+        handles[path.name] = safe_open(str(path), framework="pt")
+        for key in handles[path.name].keys():
+            index[key] = handles[path.name]
+    for unit in found.units:
+        if isinstance(unit, FusedExperts):
+            _check_fused(unit, catalog, index, reader, result)
+            continue
+        members = list(unit) if isinstance(unit, tuple) else [unit]
+        sources = [(catalog.read(m.codes.name).view(torch.uint8).reshape(m.rows, -1).numpy(),
+                    catalog.read(m.scales.name).view(torch.uint8).reshape(m.rows, -1).numpy()) for m in members]
+        spread = _held_spread(np.concatenate([c for c, _ in sources]), np.concatenate([s for _, s in sources]))
+        for lin, (codes, scales) in zip(members, sources):
+            f = index[f"{lin.module}.weight" if fmt == MODELOPT else f"{lin.module}.weight_packed"]
+            if fmt == MODELOPT:
+                t = _modelopt_linear(f, lin.module)
+            else:
+                t = {p: f.get_tensor(f"{lin.module}.{p}") for p in ("weight_packed", "weight_scale",
+                                                                     "weight_global_scale")}
+            y = reader.decode(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+            _compare(lin.module, decode_mxfp4(codes, scales), y, spread, reader, result)
+    result["passed"] = not result["failures"]
+    return result
+
+
+def _check_fused(unit: FusedExperts, catalog, index, reader: _Reader, result: dict) -> None:
+    p = unit.name
+    f = index[p]
+    codes_t = f.get_tensor(p)  # [E, K/2, N]
+    scales_t = f.get_tensor(f"{p}_weight_scale")  # [E, K/16, N]
+    divisor = 1.0 / f.get_tensor(f"{p}_weight_scale_2").float()
+    src_codes = catalog.read(unit.codes.name).view(torch.uint8).reshape(unit.experts, unit.rows, -1).numpy()
+    src_scales = catalog.read(unit.scales.name).view(torch.uint8).numpy()
+    spread = _held_spread(src_codes, src_scales)
+    for e in range(unit.experts):
+        y = reader.decode(codes_t[e].t().contiguous(), scales_t[e].t().contiguous(), divisor)
+        _compare(f"{p}[{e}]", decode_mxfp4(src_codes[e], src_scales[e]), y, spread, reader, result)

@@ -1,0 +1,217 @@
+"""Which tensors of a checkpoint hold MXFP4 weights, in which of the three input forms, and how they group.
+
+Forms, recognised from tensor names, dtypes and shapes (the config is not trusted for this):
+
+- ``gpt-oss`` (Hugging Face naming): ``P_blocks`` uint8 [E, N, K/32, 16] + ``P_scales`` uint8 E8M0 [E, N, K/32]
+  (a fused expert stack, rows = outputs, ``P`` e.g. ``model.layers.0.mlp.experts.gate_up_proj``; gate and up
+  rows interleaved); a rank-3 ``M.weight_blocks`` [N, K/32, 16] is a dense Linear ``M``;
+- ``compressed-tensors`` (``mxfp4-pack-quantized``): ``M.weight_packed`` uint8 [N, K/2] + ``M.weight_scale``
+  uint8 E8M0 [N, K/32];
+- ``deepseek`` (DeepSeek-V4 native): ``M.weight`` int8/uint8 packed E2M1 [N, K/2] + ``M.scale`` float8_e8m0fnu
+  [N, K/32].
+
+Packed bytes are the same in all three: two E2M1 codes per byte, the even element (along K) in the low nibble.
+An E8M0 code is the exponent byte 2^(code-127), read as a byte, never cast as a number.
+
+Grouping: ``w1``/``gate_proj`` and ``w3``/``up_proj`` of one module (same parent, same shape) form a pair
+that shares one ``weight_scale_2`` and one ``input_scale``; every other weight is on its own. Expert modules
+(``<layer>.experts.<e>.<proj>``) are grouped by layer and projection for filling missing input scales.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+
+__all__ = ["Linear", "FusedExperts", "Detected", "detect", "GPT_OSS", "COMPRESSED_TENSORS", "DEEPSEEK"]
+
+GPT_OSS, COMPRESSED_TENSORS, DEEPSEEK = "gpt-oss", "compressed-tensors", "deepseek"
+GATE_NAMES, UP_NAMES, DOWN_NAMES = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
+_EXPERT = re.compile(r"^(?P<layer>.*)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
+_CODE_DTYPES = ("U8", "I8")
+_E8M0_DTYPES = ("U8", "F8_E8M0")
+
+
+@dataclass
+class Linear:
+    """One MXFP4 weight [N, K] of module ``module``: source codes and scales, and the source names it replaces."""
+
+    module: str
+    form: str
+    codes: TensorEntry
+    scales: TensorEntry
+    rows: int  # N (outputs)
+    cols: int  # K (inputs)
+    consumed: list[str] = field(default_factory=list)
+
+    @property
+    def role(self) -> str | None:
+        last = self.module.rpartition(".")[2]
+        return "gate" if last in GATE_NAMES else "up" if last in UP_NAMES else "down" if last in DOWN_NAMES else None
+
+    @property
+    def fill_group(self) -> tuple[str, str] | None:
+        """(layer, projection kind) for experts: the experts whose input scales fill a missing one."""
+        match = _EXPERT.match(self.module)
+        if not match:
+            return None
+        role = self.role
+        return match.group("layer"), "gate_up" if role in ("gate", "up") else match.group("proj")
+
+
+@dataclass
+class FusedExperts:
+    """A gpt-oss expert stack ``prefix.proj`` [E, N, K] (``_blocks`` + ``_scales``), one global scale for all."""
+
+    prefix: str  # module, e.g. model.layers.0.mlp.experts
+    proj: str  # gate_up_proj | down_proj
+    codes: TensorEntry
+    scales: TensorEntry
+    experts: int
+    rows: int
+    cols: int
+    form: str = GPT_OSS
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefix}.{self.proj}"
+
+    @property
+    def consumed(self) -> list[str]:
+        return [self.codes.name, self.scales.name]
+
+
+@dataclass
+class Detected:
+    """Conversion units in source order (a Linear, a (gate, up) pair of Linears, or FusedExperts)."""
+
+    units: list
+    consumed: set[str]
+    declined: list[dict]
+    forms: set[str]
+
+
+def _shape_error(entry: TensorEntry, message: str) -> CheckpointError:
+    return CheckpointError(f"{entry.shard}: tensor {entry.name!r}: {message}")
+
+
+def _need_scales(tensors: dict, codes: TensorEntry, scales_name: str) -> TensorEntry:
+    if scales_name not in tensors:
+        raise _shape_error(codes, f"MXFP4 codes without their scales tensor {scales_name!r}")
+    return tensors[scales_name]
+
+
+def _packed_pair(codes: TensorEntry, scales: TensorEntry) -> tuple[int, int]:
+    """(N, K) of packed codes [N, K/2] + E8M0 scales [N, K/32], or a CheckpointError naming what differs."""
+    if len(codes.shape) != 2 or len(scales.shape) != 2 or codes.shape[0] != scales.shape[0] \
+            or codes.shape[1] != scales.shape[1] * 16:
+        raise _shape_error(codes, f"packed codes {list(codes.shape)} do not match scales {scales.name!r} "
+                                  f"{list(scales.shape)} (expected [N, K/2] and [N, K/32])")
+    return codes.shape[0], codes.shape[1] * 2
+
+
+def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
+    """Find the MXFP4 weights of ``tensors`` (name -> entry, in file order)."""
+    units_at: dict[str, object] = {}  # first source name -> unit, to keep file order
+    consumed: set[str] = set()
+    declined: list[dict] = []
+    forms: set[str] = set()
+    linears: list[Linear] = []
+    deepseek_fp4 = _deepseek_fp4(config)
+    for name, entry in tensors.items():
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            scales = _need_scales(tensors, entry, base + "_scales")
+            if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
+                declined.append({"tensor": name, "reason": f"blocks {entry.dtype} / scales {scales.dtype}: "
+                                                          "not uint8 E2M1 codes with E8M0 scales"})
+                continue
+            if len(entry.shape) < 3 or entry.shape[-1] != 16 or tuple(scales.shape) != tuple(entry.shape[:-1]):
+                raise _shape_error(entry, f"gpt-oss blocks {list(entry.shape)} do not match scales "
+                                          f"{scales.name!r} {list(scales.shape)} (expected [..., N, K/32, 16] "
+                                          "and [..., N, K/32])")
+            k = entry.shape[-2] * 32
+            if len(entry.shape) == 4:
+                prefix, _, proj = base.rpartition(".")
+                unit = FusedExperts(prefix, proj, entry, scales, entry.shape[0], entry.shape[1], k)
+                units_at[name] = unit
+            elif len(entry.shape) == 3:
+                module = base[: -len(".weight")] if base.endswith(".weight") else base
+                linears.append(Linear(module, GPT_OSS, entry, scales, entry.shape[0], k, [name, scales.name]))
+            else:
+                declined.append({"tensor": name, "reason": f"gpt-oss blocks of rank {len(entry.shape)}"})
+                continue
+            consumed.update((name, scales.name))
+            forms.add(GPT_OSS)
+        elif name.endswith(".weight_packed"):
+            module = name[: -len(".weight_packed")]
+            scales = _need_scales(tensors, entry, module + ".weight_scale")
+            if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
+                declined.append({"tensor": name, "reason": f"weight_packed {entry.dtype} with weight_scale "
+                                                          f"{scales.dtype}: not MXFP4 (E8M0 scales)"})
+                continue
+            rows, cols = _packed_pair(entry, scales)
+            used = [name, scales.name] + [n for n in (module + ".weight_shape",) if n in tensors]
+            linears.append(Linear(module, COMPRESSED_TENSORS, entry, scales, rows, cols, used))
+            consumed.update(used)
+            forms.add(COMPRESSED_TENSORS)
+        elif name.endswith(".weight") and entry.dtype in _CODE_DTYPES:
+            module = name[: -len(".weight")]
+            scale_name = module + ".scale"
+            if scale_name not in tensors:
+                if deepseek_fp4 and _EXPERT.match(module):
+                    raise _shape_error(entry, f"MXFP4 expert weight without its scales tensor {scale_name!r}")
+                continue
+            scales = tensors[scale_name]
+            if scales.dtype not in _E8M0_DTYPES:
+                continue
+            try:
+                rows, cols = _packed_pair(entry, scales)
+            except CheckpointError as exc:
+                declined.append({"tensor": name, "reason": str(exc).partition(": ")[2]})
+                continue
+            linears.append(Linear(module, DEEPSEEK, entry, scales, rows, cols, [name, scale_name]))
+            consumed.update((name, scale_name))
+            forms.add(DEEPSEEK)
+    for unit in _pairs(linears):
+        first = unit[0] if isinstance(unit, tuple) else unit
+        units_at[first.codes.name] = unit
+    order = {name: i for i, name in enumerate(tensors)}
+    units = [units_at[k] for k in sorted(units_at, key=order.__getitem__)]
+    return Detected(units, consumed, declined, forms)
+
+
+def _pairs(linears: list[Linear]) -> list:
+    """Linears as units: (gate, up) tuples where both exist with one shape, else single Linears."""
+    by_module = {lin.module: lin for lin in linears}
+    used: set[str] = set()
+    units: list = []
+    for lin in linears:
+        if lin.module in used:
+            continue
+        parent, _, last = lin.module.rpartition(".")
+        partner = None
+        if lin.role in ("gate", "up"):
+            names = UP_NAMES if lin.role == "gate" else GATE_NAMES
+            index = (GATE_NAMES if lin.role == "gate" else UP_NAMES).index(last)
+            other = by_module.get(f"{parent}.{names[index]}" if parent else names[index])
+            if other is not None and (other.rows, other.cols) == (lin.rows, lin.cols) and other.module not in used:
+                partner = other
+        if partner is None:
+            units.append(lin)
+            used.add(lin.module)
+        else:
+            gate, up = (lin, partner) if lin.role == "gate" else (partner, lin)
+            units.append((gate, up))
+            used.update((gate.module, up.module))
+    return units
+
+
+def _deepseek_fp4(config: dict) -> bool:
+    """Whether config.json says the experts are FP4 (DeepSeek-V4: quant_method fp8 with expert_dtype fp4)."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return False
+    return str(config.get("expert_dtype", quant.get("expert_dtype", ""))).lower() in ("fp4", "mxfp4")

@@ -1,0 +1,466 @@
+"""``convert``: a whole checkpoint folder, tensor by tensor, into a new folder; ``inspect``: what it holds.
+
+Order of work in :func:`convert`:
+
+1. read the folder (:class:`~fp4pass.checkpoint.catalog.Catalog`: every shard's header checked first), find
+   the MXFP4 weights (:func:`~fp4pass.checkpoint.detect.detect`), resolve the input scales;
+2. plan: every output tensor's name, dtype and shape, in source order, cut into shards of at most
+   ``max_shard_bytes`` (a unit is never split);
+3. write into a temporary folder beside OUT_DIR (:func:`fp4pass.io.atomic_folder`): each shard's header, then
+   each tensor as it is produced (converted units one at a time; copied tensors straight from the source
+   file), then the index, config.json, hf_quant_config.json and the other files; optionally check it;
+4. fsync everything and rename the folder onto OUT_DIR. Any failure leaves no OUT_DIR; the source folder is
+   only ever opened for reading.
+
+Memory: one unit at a time (its input codes and scales, and its output scales; lossless codes are shared with
+the input), so the peak stays near the largest tensor plus its scales, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp4pass.checkpoint import engine, output_forms
+from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
+from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
+from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
+from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
+from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec, ShardWriter
+from fp4pass.choices import Method, values
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
+from fp4pass.errors import UsageError
+from fp4pass.formats.constants import E8M0_BIAS
+from fp4pass.io import atomic_folder
+
+__all__ = ["convert", "inspect", "CheckFailed", "DEFAULT_SHARD_BYTES"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 5_000_000_000  # as Hugging Face's writer: "5GB"
+
+
+class CheckFailed(Exception):
+    """``check=True`` found an expert that differs from its source beyond the rules; ``report`` says which."""
+
+    def __init__(self, report: dict):
+        super().__init__("check failed")
+        self.report = report
+
+
+@dataclass
+class Item:
+    """One step of the plan: a converted unit or a copied tensor, with the output tensors it writes."""
+
+    unit: object  # Linear | (Linear, Linear) | FusedExperts | None (a copy)
+    specs: list[OutputSpec]
+    copy: str | None = None  # the source tensor copied as it is
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass
+class Plan:
+    items: list[Item]
+    shards: list[list[Item]] = field(default_factory=list)
+
+    def shard_names(self) -> list[str]:
+        n = len(self.shards)
+        if n == 1:
+            return ["model.safetensors"]
+        return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _members(unit) -> list[Linear]:
+    return list(unit) if isinstance(unit, tuple) else [unit]
+
+
+def _specs(unit, fmt: str, with_input: bool) -> list[OutputSpec]:
+    if isinstance(unit, FusedExperts):
+        return output_forms.fused_specs(unit, with_input)
+    return [s for lin in _members(unit) for s in output_forms.linear_specs(lin, fmt, with_input)]
+
+
+def _plan(catalog: Catalog, found, fmt: str, with_input: bool, max_shard_bytes: int) -> Plan:
+    order = {name: i for i, name in enumerate(catalog.tensors)}
+    placed: list[tuple[int, Item]] = []
+    for unit in found.units:
+        names = unit.consumed if isinstance(unit, FusedExperts) else [n for lin in _members(unit) for n in lin.consumed]
+        placed.append((min(order[n] for n in names), Item(unit, _specs(unit, fmt, with_input))))
+    for name, entry in catalog.tensors.items():
+        if name not in found.consumed:
+            placed.append((order[name], Item(None, [OutputSpec(name, entry.dtype, entry.shape)], copy=name)))
+    placed.sort(key=lambda p: p[0])
+    plan = Plan([item for _, item in placed])
+    seen: set[str] = set()
+    for item in plan.items:
+        for spec in item.specs:
+            if spec.name in seen:
+                raise CheckpointError(f"{spec.name}: the converted checkpoint would hold this name twice (the source "
+                                      "has a tensor of that name beside the MXFP4 weight it replaces)")
+            seen.add(spec.name)
+    current: list[Item] = []
+    size = 0
+    for item in plan.items:
+        if current and size + item.nbytes > max_shard_bytes:
+            plan.shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item.nbytes
+    if current:
+        plan.shards.append(current)
+    return plan
+
+
+def _f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _write_linears(catalog: Catalog, writer: ShardWriter, item: Item, conv: engine.Converted, fmt: str,
+                   scales: InputScales) -> None:
+    def write_codes(name: str, i: int, lin: Linear) -> None:
+        if conv.codes is not None:
+            writer.write(name, conv.codes[i])
+        else:  # lossless: the source's bytes, copied file to file
+            writer.copy_from(name, catalog.shards[lin.codes.shard].fd, lin.codes.begin, lin.codes.nbytes)
+
+    for i, lin in enumerate(_members(item.unit)):
+        m = lin.module
+        block = conv.scales[i]
+        if fmt == MODELOPT:
+            write_codes(f"{m}.weight", i, lin)
+            writer.write(f"{m}.weight_scale", block)
+            writer.write(f"{m}.weight_scale_2", _f32(conv.global_scale))
+            if scales.values:
+                writer.write(f"{m}.input_scale", _f32(scales.values[m]))
+        else:
+            write_codes(f"{m}.weight_packed", i, lin)
+            writer.write(f"{m}.weight_scale", block)
+            writer.write(f"{m}.weight_global_scale", _f32(engine.reciprocal(conv.global_scale)).reshape(1))
+            if scales.values:
+                writer.write(f"{m}.input_global_scale", _f32(engine.reciprocal(scales.values[m])).reshape(1))
+
+
+def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv: engine.Converted,
+                 scales: InputScales) -> None:
+    """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert.
+
+    Codes kept as they are (``conv.codes`` None) are read from the source one expert at a time into a reused
+    buffer; each expert is transposed into one of two reused buffers while the other is being written (numpy's
+    copy and the write both release the GIL), so memory stays at a few experts and no page is faulted twice.
+    """
+    p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
+    source = catalog.shards[unit.codes.shard]
+    staging = np.empty((n, k // 2), dtype=np.uint8) if conv.codes is None else None
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
+            buffers = [np.empty((width, n), dtype=np.uint8) for _ in range(2)]
+            for i in range(e):
+                if stack is None:
+                    source.read_bytes(unit.codes.name, i * n * (k // 2), staging)
+                    block = staging
+                else:
+                    block = stack[i].numpy()
+                out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
+                np.copyto(out, block.T)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(writer.write_part, name, out)
+            pending.result()
+            pending = None
+    writer.write(f"{p}_weight_scale_2", _f32(conv.global_scale))
+    if scales.values:
+        writer.write(f"{p}_input_scale", _f32(scales.values[p]))
+
+
+def _report_entry(unit, lin_or_unit, part_list: list[dict], conv: engine.Converted, fmt: str, scales: InputScales,
+                  partner: str | None) -> dict:
+    if isinstance(unit, FusedExperts):
+        totals = _totals(part_list)
+        entry = {"name": unit.name, "form": unit.form, "source": [unit.codes.name, unit.scales.name],
+                 "shard": unit.codes.shard, "shape": [unit.experts, unit.rows, unit.cols], "experts": unit.experts,
+                 **totals, "global_scale": [conv.global_scale],
+                 "experts_lossless": sum(p["lossless"] for p in part_list), "per_expert": part_list,
+                 "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
+        if scales.values:
+            entry["input_scale"] = scales.values[unit.name]
+        return entry
+    lin = lin_or_unit
+    entry = {"name": lin.module, "form": lin.form, "source": [lin.codes.name, lin.scales.name],
+             "shard": lin.codes.shard, "shape": [lin.rows, lin.cols], "experts": 1, **part_list[0],
+             "experts_lossless": int(part_list[0]["lossless"]),
+             "outputs": [s.name for s in output_forms.linear_specs(lin, fmt, bool(scales.values))]}
+    if partner:
+        entry["shares_scales_with"] = partner
+    if scales.values:
+        entry["input_scale"] = scales.values[lin.module]
+    return entry
+
+
+def _totals(parts: list[dict]) -> dict:
+    total = sum(p["blocks16_total"] for p in parts)
+    verbatim = sum(p["blocks16_verbatim"] for p in parts)
+    mse = sum(p["mse"] * p["blocks16_total"] for p in parts) / total if total else 0.0
+    snrs = [p["snr_db"] for p in parts if p["snr_db"] is not None]
+    return {"blocks16_total": total, "blocks16_verbatim": verbatim, "blocks16_requantized": total - verbatim,
+            "mse": mse, "max_abs_err": max((p["max_abs_err"] for p in parts), default=0.0),
+            "snr_db": min(snrs) if snrs else None, "method_used": parts[0]["method_used"] if parts else None,
+            "lossless": total == verbatim}
+
+
+def _kept_modules(catalog: Catalog, found) -> list[str]:
+    out = []
+    for name in catalog.tensors:
+        if name not in found.consumed and name.endswith(".weight"):
+            out.append(name[: -len(".weight")])
+    return out
+
+
+def _converted_modules(found) -> list[str]:
+    out = []
+    for unit in found.units:
+        out.extend([unit.prefix] if isinstance(unit, FusedExperts) else [lin.module for lin in _members(unit)])
+    return out
+
+
+def _load_scales(scales):
+    if scales is None:
+        return None, None
+    from fp4pass.calib.scales import ActivationScales
+
+    if isinstance(scales, (str, os.PathLike)):
+        return ActivationScales.load(scales), str(scales)
+    return scales, "SCALES.json"
+
+
+def _open(src_dir, fmt: str, method: str):
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if method not in values(Method):
+        raise UsageError(f"unknown method {method!r}; choose one of {', '.join(values(Method))}")
+    catalog = Catalog.open(src_dir)
+    try:
+        found = detect(catalog.tensors, catalog.config)
+    except BaseException:
+        catalog.close()
+        raise
+    return catalog, found
+
+
+def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
+            method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
+            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS) -> dict:
+    """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
+
+    ``format``: "modelopt" or "compressed-tensors". ``input_scale``: one activation input_scale (a multiplier,
+    amax / 2688) for every converted module; ``scales``: a SCALES.json path or an ActivationScales mapped onto
+    module names (``fp4pass.checkpoint.input_scales``). Neither: weight-only. ``method``: the conversion
+    method of ``fp4pass.convert`` (auto: lossless where the exponent spread allows, else the searched best).
+    ``check``: read the result back with compressed-tensors and compare (``fp4pass.checkpoint.check``); a
+    failure raises :class:`CheckFailed` and nothing is written. ``effort``, ``threads``: of every unit's
+    conversion (:func:`fp4pass.convert.mxfp4_to_nvfp4`).
+    """
+    fmt = format
+    start = time.perf_counter()
+    if max_shard_bytes < 1:
+        raise UsageError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    scales_obj, scales_path = _load_scales(scales)
+    catalog, found = _open(src_dir, fmt, method)
+    with catalog:
+        if not found.units:
+            raise CheckpointError(f"{src_dir}: no MXFP4 weights found (none of the gpt-oss *_blocks/_scales, "
+                                  "compressed-tensors weight_packed/weight_scale or DeepSeek weight/scale forms)")
+        fused = [u for u in found.units if isinstance(u, FusedExperts)]
+        if fmt == COMPRESSED_TENSORS_FORMAT and fused:
+            raise CheckpointError(f"{fused[0].codes.shard}: tensor {fused[0].codes.name!r}: gpt-oss fused expert "
+                                  "stacks have no standard compressed-tensors NVFP4 form; use --format modelopt")
+        in_scales = resolve_input_scales(found.units, input_scale, scales_obj, scales_path or "SCALES.json")
+        with_input = bool(in_scales.values)
+        plan = _plan(catalog, found, fmt, with_input, max_shard_bytes)
+        exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found))
+        entries: list[dict] = []
+        with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
+            weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
+                                       {"effort": effort, "threads": threads})
+            _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
+            report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start)
+            if check:
+                from fp4pass.checkpoint.check import check_checkpoint
+
+                report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
+                if not report["check"]["passed"]:
+                    raise CheckFailed(report)
+        report["summary"]["seconds"] = time.perf_counter() - start
+    return report
+
+
+def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scales: InputScales,
+                  entries: list[dict], options: dict) -> dict[str, str]:
+    weight_map: dict[str, str] = {}
+    for shard_name, items in zip(plan.shard_names(), plan.shards):
+        writer = ShardWriter(tmp / shard_name, [s for item in items for s in item.specs],
+                             metadata={"format": "pt"})
+        try:
+            for item in items:
+                for spec in item.specs:
+                    weight_map[spec.name] = shard_name
+                if item.copy is not None:
+                    entry = catalog.tensors[item.copy]
+                    writer.copy_from(item.copy, catalog.shards[entry.shard].fd, entry.begin, entry.nbytes)
+                    continue
+                unit = item.unit
+                if isinstance(unit, FusedExperts):
+                    conv = engine.convert_fused(catalog, unit, method, **options)
+                    _write_fused(catalog, writer, unit, conv, in_scales)
+                    entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
+                else:
+                    members = _members(unit)
+                    conv = engine.convert_linears(catalog, members, method, **options)
+                    _write_linears(catalog, writer, item, conv, fmt, in_scales)
+                    for i, lin in enumerate(members):
+                        partner = members[1 - i].module if len(members) == 2 else None
+                        entries.append(_report_entry(unit, lin, [conv.parts[i]], conv, fmt, in_scales, partner))
+                del conv
+            writer.close()
+        finally:
+            writer.abort()
+    return weight_map
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+
+
+def _write_side_files(catalog: Catalog, tmp: Path, fmt: str, exclude: list[str], with_input: bool,
+                      weight_map: dict[str, str], plan: Plan) -> None:
+    if len(plan.shards) > 1:
+        total = sum(s.nbytes for item in plan.items for s in item.specs)
+        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config = dict(catalog.config)
+    config["quantization_config"] = output_forms.quantization_config(fmt, exclude, with_input)
+    _write_json(tmp / CONFIG_NAME, config)
+    if fmt == MODELOPT:
+        _write_json(tmp / QUANT_CONFIG_NAME, output_forms.hf_quant_config(exclude))
+    for name in catalog.other_files:
+        try:
+            shutil.copyfile(catalog.folder / name, tmp / name, follow_symlinks=True)
+        except OSError as exc:
+            raise CheckpointError(f"{catalog.folder / name}: cannot be copied ({exc.strerror})") from None
+
+
+def _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start) -> dict:
+    experts_total = sum(e["experts"] for e in entries)
+    experts_lossless = sum(e["experts_lossless"] for e in entries)
+    copied = [item.copy for item in plan.items if item.copy is not None]
+    return {
+        "source": str(src_dir), "output": str(out_dir), "format": fmt, "method": method,
+        "input_forms": sorted(found.forms), "tensors": entries, "declined": found.declined,
+        "input_scales": in_scales.to_json(), "exclude_modules": exclude,
+        "shards": [{"file": name, "tensors": sum(len(i.specs) for i in items),
+                    "bytes": sum(i.nbytes for i in items)} for name, items in zip(plan.shard_names(), plan.shards)],
+        "files_copied": list(catalog.other_files), "not_copied": list(catalog.skipped),
+        "summary": {"tensors_converted": len(entries), "experts_total": experts_total,
+                    "experts_lossless": experts_lossless, "tensors_copied": len(copied),
+                    "bytes_written": sum(i.nbytes for i in plan.items),
+                    "seconds": time.perf_counter() - start},
+    }
+
+
+def inspect(src_dir) -> dict:
+    """What ``src_dir`` holds: input forms, every MXFP4 weight with its shape, exponent spread and lossless
+    forecast per expert (from the scales alone: a spread <= 17 over all blocks is lossless under ``auto``),
+    the tensors that would be copied, the files around them."""
+    catalog, found = _open(src_dir, MODELOPT, "auto")
+    with catalog:
+        weights = []
+        for unit in found.units:
+            for group in ([unit] if isinstance(unit, FusedExperts) else [_members(unit)]):
+                weights.extend(_inspect_group(catalog, group))
+        lossless = sum(w["experts_lossless_forecast"] for w in weights)
+        total = sum(w["experts"] for w in weights)
+        return {"source": str(src_dir), "input_forms": sorted(found.forms), "weights": weights,
+                "declined": found.declined,
+                "copied": [n for n in catalog.tensors if n not in found.consumed],
+                "shards": sorted(catalog.shards), "files": catalog.other_files, "not_copied": catalog.skipped,
+                "compressed_tensors_possible": not any(isinstance(u, FusedExperts) for u in found.units),
+                "summary": {"weights": len(weights), "experts_total": total, "experts_lossless_forecast": lossless}}
+
+
+def _spread(scales: torch.Tensor) -> tuple[int, int]:
+    arr = scales.numpy()
+    return int(arr.min()) - E8M0_BIAS, int(arr.max()) - E8M0_BIAS
+
+
+def _inspect_group(catalog: Catalog, group) -> list[dict]:
+    if isinstance(group, FusedExperts):
+        scales = catalog.read(group.scales.name).view(torch.uint8)
+        lo, hi = _spread(scales)
+        per = [_spread(scales[e]) for e in range(group.experts)]
+        return [{"name": group.name, "form": group.form, "shape": [group.experts, group.rows, group.cols],
+                 "experts": group.experts, "k_min": lo, "k_max": hi, "spread": hi - lo,
+                 "global_scale": "one for all experts",
+                 "experts_lossless_forecast": group.experts if hi - lo <= 17 else 0,
+                 "per_expert_spread": [h - l for l, h in per]}]
+    ranges = [_spread(catalog.read(lin.scales.name).view(torch.uint8)) for lin in group]
+    lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    out = []
+    for lin, (l, h) in zip(group, ranges):
+        entry = {"name": lin.module, "form": lin.form, "shape": [lin.rows, lin.cols], "experts": 1, "k_min": l,
+                 "k_max": h, "spread": h - l, "experts_lossless_forecast": int(hi - lo <= 17)}
+        if len(group) == 2:
+            entry["shared_spread"] = hi - lo
+            entry["shares_scales_with"] = [g.module for g in group if g is not lin][0]
+        out.append(entry)
+    return out
+
+
+def format_inspection(info: dict) -> str:
+    """A table of ``inspect``'s result for the terminal."""
+    lines = [f"{info['source']}: input forms {', '.join(info['input_forms']) or 'none'}; "
+             f"{len(info['shards'])} shard(s); {len(info['copied'])} tensors copied as they are"]
+    lines.append(f"{'weight':<60} {'form':<18} {'shape':<20} {'spread':>6}  lossless")
+    for w in info["weights"]:
+        shape = "x".join(map(str, w["shape"]))
+        spread = w.get("shared_spread", w["spread"])
+        lines.append(f"{w['name']:<60} {w['form']:<18} {shape:<20} {spread:>6}  "
+                     f"{w['experts_lossless_forecast']}/{w['experts']}")
+    for d in info["declined"]:
+        lines.append(f"declined {d['tensor']}: {d['reason']}")
+    if info["not_copied"]:
+        lines.append(f"not copied: {', '.join(info['not_copied'])}")
+    s = info["summary"]
+    lines.append(f"{s['weights']} MXFP4 weights, {s['experts_lossless_forecast']}/{s['experts_total']} experts "
+                 "forecast lossless" + ("" if info["compressed_tensors_possible"] else
+                                        "; gpt-oss fused experts: --format modelopt only"))
+    return "\n".join(lines)
+
+
+def format_report(report: dict) -> str:
+    """One line per converted weight and a summary line."""
+    lines = []
+    for t in report["tensors"]:
+        snr = "lossless" if t["lossless"] else f"snr {t['snr_db']:.2f} dB"
+        lines.append(f"{t['name']:<60} {t['experts_lossless']}/{t['experts']} lossless  S={t['global_scale'][0]:.6g}"
+                     f"  {snr}")
+    lines.append(summary_line(report))
+    return "\n".join(lines)
+
+
+def summary_line(report: dict) -> str:
+    s = report["summary"]
+    return (f"{s['tensors_converted']} weights converted ({s['experts_lossless']}/{s['experts_total']} experts "
+            f"lossless), {s['tensors_copied']} tensors copied, {len(report['shards'])} shard(s), "
+            f"{s['bytes_written'] / 1e6:.1f} MB, format {report['format']}")
+

@@ -1,0 +1,357 @@
+"""The safetensors file format, read and written one tensor at a time.
+
+A safetensors file is ``N`` (little-endian u64), ``N`` bytes of UTF-8 JSON (the header), then the data::
+
+    {"__metadata__": {str: str}, NAME: {"dtype": "U8", "shape": [..], "data_offsets": [begin, end]}, ...}
+
+Offsets count from the first data byte; the tensors cover the data area exactly, without gaps or overlaps,
+and ``end - begin`` is the element count times the dtype's size. :class:`SafetensorsFile` checks all of that
+(and that the file is as long as the header says) before any tensor is read, so a truncated shard or a header
+that lies is refused with the shard and the tensor named, not discovered halfway through a conversion.
+
+Tensors are read with ``os.preadv`` straight into a buffer the caller may provide (w1 and w3 of one expert
+land in one [2, out, in/2] buffer without a copy), and written by :class:`ShardWriter`, which writes the header
+first (the plan knows every output's name, dtype and shape) and then each tensor's bytes as it is produced:
+no shard is ever held in memory. The header is padded with spaces to a multiple of 8 bytes, as the reference
+writer does.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp4pass.errors import FP4PassError
+
+__all__ = ["CheckpointError", "DTYPES", "TensorEntry", "SafetensorsFile", "OutputSpec", "ShardWriter", "tensor_bytes"]
+
+#: safetensors dtype name -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 1), "U8": (torch.uint8, 1), "I8": (torch.int8, 1),
+    "I16": (torch.int16, 2), "U16": (torch.uint16, 2), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+    "I32": (torch.int32, 4), "U32": (torch.uint32, 4), "F32": (torch.float32, 4),
+    "I64": (torch.int64, 8), "U64": (torch.uint64, 8), "F64": (torch.float64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1), "F8_E8M0": (torch.float8_e8m0fnu, 1),
+    "F8_E4M3FNUZ": (torch.float8_e4m3fnuz, 1), "F8_E5M2FNUZ": (torch.float8_e5m2fnuz, 1),
+    "C64": (torch.complex64, 8),
+}
+MAX_HEADER = 100 * 1024 * 1024  # the reference reader's own limit
+READ_CHUNK = 1 << 30  # preadv in pieces of at most 1 GiB (Linux caps one call near 2 GiB)
+WRITE_CHUNK = 1 << 24  # os.write in pieces of 16 MiB (one huge write measured slower here)
+WRITEBACK_STEP = 1 << 26  # start the disk writeback of every 64 MiB written
+
+
+class CheckpointError(FP4PassError):
+    """A checkpoint folder or shard that cannot be read or converted (names the shard and the tensor)."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a shard: where its bytes are (absolute file offsets) and what they hold."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute offset in the file
+    end: int
+    shard: str  # the shard's file name, for messages
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+class SafetensorsFile:
+    """A shard's header, checked; tensors read on demand (``read``). Use as a context manager or ``close()``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.name = self.path.name
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"{self.name}: cannot be opened ({exc.strerror})") from None
+        try:
+            self.entries, self.metadata = self._parse()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _fail(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.name}: {message}")
+
+    def _parse(self) -> tuple[dict[str, TensorEntry], dict]:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise self._fail(f"not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise self._fail(f"header length {n} is over the {MAX_HEADER}-byte limit: not a safetensors file")
+        if 8 + n > size:
+            raise self._fail(f"truncated: the header says {n} bytes, the file has {size - 8} after the length")
+        raw = os.pread(self._fd, n, 8)
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise self._fail(f"header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._fail("header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise self._fail("__metadata__ is not an object")
+        data_start = 8 + n
+        entries = {}
+        spans = []
+        for name, info in header.items():
+            entry = self._entry(name, info, data_start)
+            entries[name] = entry
+            spans.append((entry.begin, entry.end, name))
+        spans.sort()
+        cursor = data_start
+        for begin, end, name in spans:
+            if begin != cursor:
+                what = "overlaps the tensor before it" if begin < cursor else f"leaves a gap of {begin - cursor} bytes"
+                raise self._fail(f"tensor {name!r}: data_offsets {what}: the header does not describe the file")
+            cursor = end
+        if cursor > size:
+            last = spans[-1][2]
+            raise self._fail(f"tensor {last!r}: truncated: its data ends at byte {cursor}, the file has {size}")
+        if cursor < size:
+            raise self._fail(f"{size - cursor} bytes after the last tensor: the header does not describe the file")
+        return entries, metadata
+
+    def _entry(self, name: str, info, data_start: int) -> TensorEntry:
+        if not isinstance(info, dict):
+            raise self._fail(f"tensor {name!r}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise self._fail(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise self._fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
+                or offsets[1] < offsets[0]):
+            raise self._fail(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end] with begin <= end")
+        expected = math.prod(shape) * DTYPES[dtype][1]
+        if offsets[1] - offsets[0] != expected:
+            raise self._fail(f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, but {dtype} "
+                             f"{shape} needs {expected}: the header lies")
+        return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], self.name)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``name`` as its own dtype and shape; into ``out`` (contiguous, as many bytes) if given."""
+        entry = self.entries[name]
+        if out is None:
+            out = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        elif out.numel() * out.element_size() != entry.nbytes or not out.is_contiguous():
+            raise ValueError(f"{name}: buffer of {out.numel() * out.element_size()} bytes for {entry.nbytes}")
+        if entry.nbytes:
+            self.read_bytes(name, 0, memoryview(out.view(-1).view(torch.uint8).numpy()))
+        return out.view(entry.torch_dtype).reshape(entry.shape) if entry.shape else out.view(entry.torch_dtype)
+
+    def read_bytes(self, name: str, start: int, view) -> None:
+        """Fill the writable buffer ``view`` with the bytes of tensor ``name`` from byte ``start`` of its data."""
+        entry = self.entries[name]
+        view = memoryview(view).cast("B")
+        if start < 0 or start + len(view) > entry.nbytes:
+            raise ValueError(f"{name}: bytes {start}..{start + len(view)} of {entry.nbytes}")
+        done = 0
+        while done < len(view):
+            piece = view[done:done + READ_CHUNK]
+            try:
+                got = os.preadv(self._fd, [piece], entry.begin + start + done)
+            except OSError as exc:
+                raise self._fail(f"tensor {name!r}: read failed ({exc.strerror})") from None
+            if got == 0:
+                raise self._fail(f"tensor {name!r}: truncated while reading (the file shrank)")
+            done += got
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor (made contiguous), as a flat memoryview (little-endian machines)."""
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """A tensor a shard will hold: its name, safetensors dtype and shape (the bytes come later)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+class ShardWriter:
+    """Writes one shard: the header from ``specs`` at once, then each tensor's bytes in ``specs`` order.
+
+    ``write(name, data)`` takes the next tensor (or ``write_part`` several pieces of it); ``close()`` checks
+    every tensor arrived whole and fsyncs the file. An OSError (a full disk) names the shard and the tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: list[OutputSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.specs = list(specs)
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for spec in self.specs:
+            header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        self.total = offset
+        self._index = 0
+        self._written = 0  # bytes of the current tensor
+        self._position = self._flushed = 0  # bytes in the file; bytes whose writeback has been started
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        if hasattr(os, "posix_fallocate") and self.total:
+            # the whole shard's blocks at once: a full disk shows now, and each append need not allocate
+            try:
+                os.posix_fallocate(self._fd, 0, 8 + len(text) + self.total)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    first = self.specs[0].name
+                    self.abort()
+                    raise CheckpointError(f"{self.path.name}: tensor {first!r} and the {len(self.specs) - 1} after "
+                                          f"it: no room for {8 + len(text) + self.total} bytes "
+                                          f"({exc.strerror})") from None
+        self._write_all(struct.pack("<Q", len(text)) + text, "(header)")
+
+    def _write_all(self, data, what: str) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+        done = 0
+        while done < len(view):
+            try:
+                done += os.write(self._fd, view[done:done + WRITE_CHUNK])
+            except OSError as exc:
+                raise CheckpointError(f"{self.path.name}: tensor {what}: write failed ({exc.strerror})") from None
+        self._advance(len(view))
+
+    def _advance(self, nbytes: int) -> None:
+        """Count bytes written; every WRITEBACK_STEP bytes, ask the kernel to start writing them to disk.
+
+        ``posix_fadvise(DONTNEED)`` on dirty pages starts their writeback without waiting (the pages stay
+        cached until written), so the fsync before the final rename has little left to wait for.
+        """
+        self._position += nbytes
+        if self._position - self._flushed >= WRITEBACK_STEP and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd, self._flushed, self._position - self._flushed, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            self._flushed = self._position
+
+    def write_part(self, name: str, data) -> None:
+        """Append bytes (a tensor or a buffer) of tensor ``name``, which must be the next one in the plan."""
+        spec = self.specs[self._index] if self._index < len(self.specs) else None
+        if spec is None or spec.name != name:
+            raise RuntimeError(f"{self.path.name}: wrote {name!r} where the plan has {spec and spec.name!r}")
+        if isinstance(data, torch.Tensor):
+            view = tensor_bytes(data)
+        else:
+            view = memoryview(np.ascontiguousarray(data)).cast("B")
+        if self._written + len(view) > spec.nbytes:
+            raise RuntimeError(f"{self.path.name}: {name!r} got more than its {spec.nbytes} bytes")
+        self._write_all(view, repr(name))
+        self._written += len(view)
+        if self._written == spec.nbytes:
+            self._index += 1
+            self._written = 0
+
+    def copy_from(self, name: str, src_fd: int, offset: int, nbytes: int) -> None:
+        """Write tensor ``name`` from ``nbytes`` bytes of an open file at ``offset``, inside the kernel where it can
+        (``os.copy_file_range``: no copy through user memory), else in 64 MiB pieces."""
+        spec = self.specs[self._index] if self._index < len(self.specs) else None
+        if spec is None or spec.name != name or spec.nbytes != nbytes or self._written:
+            raise RuntimeError(f"{self.path.name}: copy of {name!r} does not fit the plan")
+        done = 0
+        fast = hasattr(os, "copy_file_range")
+        while done < nbytes:
+            try:
+                if fast:
+                    got = os.copy_file_range(src_fd, self._fd, min(nbytes - done, READ_CHUNK), offset + done)
+                else:
+                    got = 0
+                if got == 0:
+                    fast = False
+                    piece = os.pread(src_fd, min(nbytes - done, 1 << 26), offset + done)
+                    if not piece:
+                        raise CheckpointError(f"{self.path.name}: tensor {name!r}: its source shrank while copied")
+                    self._write_all(piece, repr(name))
+                    got = len(piece)
+                else:
+                    self._advance(got)
+            except OSError as exc:
+                if fast and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    fast = False
+                    continue
+                raise CheckpointError(f"{self.path.name}: tensor {name!r}: write failed ({exc.strerror})") from None
+            done += got
+        self._index += 1
+
+    def write(self, name: str, data) -> None:
+        """Write the whole tensor ``name`` (the next one in the plan)."""
+        before = self._index
+        self.write_part(name, data)
+        if self._index == before:
+            raise RuntimeError(f"{self.path.name}: {name!r} is shorter than its {self.specs[before].nbytes} bytes")
+
+    def close(self) -> None:
+        """Check the shard is complete, fsync it and close it."""
+        try:
+            if self._index != len(self.specs):
+                raise RuntimeError(f"{self.path.name}: {len(self.specs) - self._index} tensors never written")
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise CheckpointError(f"{self.path.name}: fsync failed ({exc.strerror})") from None
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,133 @@
+"""``fp4pass convert`` / ``fp4pass inspect`` when the input is a checkpoint folder (safetensors + config.json).
+
+``convert.py`` and ``inspect.py`` call :func:`convert_if_folder` / :func:`inspect_if_folder` first; these return
+None for an ONNX file, which then goes on as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from fp4pass.commands import _safety
+from fp4pass.errors import UsageError
+
+FORMATS = ("modelopt", "compressed-tensors")
+
+CONVERT_EPILOG = """
+checkpoint folders (config.json + *.safetensors, MXFP4 experts in gpt-oss, compressed-tensors mxfp4-pack-quantized
+or DeepSeek-V4 form) convert into a new folder:
+  fp4pass convert models/checkpoints/kimi -o kimi-nvfp4 --format compressed-tensors --check   # bundled example
+  fp4pass convert gpt-oss-20b -o gpt-oss-20b-nvfp4 --format modelopt --check
+  fp4pass convert kimi-k3 -o kimi-k3-nvfp4 --format compressed-tensors --input-scale 1.0 --report report.json
+  fp4pass convert deepseek-v4 -o deepseek-v4-nvfp4 --scales SCALES.json
+OUT_DIR must not exist or be empty; it appears only when everything is written (and checked). gpt-oss fused
+experts have no compressed-tensors form (exit 2). --check reads the result back with compressed-tensors
+(pip install 'fp4pass[checkpoint]') and exits 1 if an expert differs from its source beyond the rules
+(identical where the exponent spread is <= 17, else no worse than plain requantization).
+"""
+
+INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b        # a checkpoint folder: MXFP4 weights, spread, lossless forecast
+"""
+
+# ONNX-only flags of ``fp4pass convert`` and their defaults: given with a folder they are refused
+_ONNX_ONLY = {"calib": None, "scale_form": "dq", "target": "trt", "external_data": "auto", "snr_min": None,
+              "keep_unchecked": False, "provider": "auto", "strict": False, "allow_invalid": False}
+
+
+def _size(text: str) -> int:
+    import argparse
+
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    number = t.rstrip("KMGIB")
+    unit = t[len(number):]
+    try:
+        value = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return value
+
+
+def add_convert_arguments(p) -> None:
+    """The checkpoint flags of ``fp4pass convert`` (ignored for ONNX files, refused there when given)."""
+    g = p.add_argument_group("checkpoint folders (IN is a folder: CKPT_DIR -o OUT_DIR)")
+    g.add_argument("--format", choices=FORMATS, default=None,
+                   help="modelopt (vLLM modelopt_fp4, TensorRT-LLM; default) or compressed-tensors "
+                        "(nvfp4-pack-quantized)")
+    g.add_argument("--input-scale", type=_safety.finite_float, metavar="X",
+                   help="one activation input_scale (amax/2688, a multiplier) for every converted module")
+    g.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                   help="output shards of at most SIZE (default 5GB)")
+    p.epilog = (p.epilog or "") + CONVERT_EPILOG
+
+
+def _is_folder(path) -> bool:
+    return path is not None and os.path.isdir(path)
+
+
+def convert_if_folder(args) -> int | None:
+    """Run the checkpoint conversion when ``args.model`` is a folder; None otherwise (an ONNX file)."""
+    if not _is_folder(args.model):
+        for flag in ("format", "input_scale", "max_shard_size"):
+            if getattr(args, flag, None) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
+        return None
+    return _convert(args)
+
+
+def _check_flags(args) -> None:
+    for flag, default in _ONNX_ONLY.items():
+        if getattr(args, flag, default) != default:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
+    if args.input_scale is not None and args.scales:
+        raise UsageError("give --input-scale or --scales, not both")
+    if args.input_scale is not None and not args.input_scale > 0:
+        raise UsageError(f"--input-scale {args.input_scale!r} must be positive")
+    if args.report:
+        report = Path(os.path.abspath(args.report))
+        out = Path(os.path.abspath(args.output))
+        if out == report or out in report.parents:
+            raise UsageError(f"--report {args.report}: inside OUT_DIR {args.output}, which must be new or empty")
+    _safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
+
+
+def _convert(args) -> int:
+    _check_flags(args)
+    from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
+    from fp4pass.checkpoint.run import DEFAULT_SHARD_BYTES
+    from fp4pass.io import write_json
+
+    try:
+        report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
+                         scales=args.scales, method=args.method, check=args.check,
+                         max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
+                         threads=args.threads)
+    except CheckFailed as failed:
+        if args.report:
+            write_json(args.report, failed.report)
+        first = failed.report["check"]["failures"][0]
+        print(f"fp4pass convert: check FAILED: {len(failed.report['check']['failures'])} expert(s), first "
+              f"{first['expert']}: {first['reason']}; {args.output} not written", file=sys.stderr)
+        return 1
+    if args.report:
+        write_json(args.report, report)
+    if not args.quiet:
+        print(format_report(report))
+    print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
+    return 0
+
+
+def inspect_if_folder(args) -> int | None:
+    """``fp4pass inspect CKPT_DIR [--json]``; None when ``args.model`` is not a folder."""
+    if not _is_folder(args.model):
+        return None
+    from fp4pass.checkpoint import format_inspection, inspect
+
+    info = inspect(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0

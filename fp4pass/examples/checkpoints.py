@@ -1,0 +1,259 @@
+"""Example MXFP4 checkpoints in the three input forms fp4pass converts, any size, seeded.
+
+``build_checkpoint(folder, form, layers, experts, hidden, intermediate, seed, ...)`` writes a Hugging Face style
+folder (config.json, shards written by the ``safetensors`` package itself, an index when sharded, a tokenizer
+and a generation config to be copied) whose MXFP4 tensors are:
+
+- ``gpt-oss``: ``model.layers.{L}.mlp.experts.gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16] + ``_scales``
+  uint8 [E, 2I, H/32], ``down_proj_*`` [E, H, I/32, 16] / [E, H, I/32], biases, a bf16 router;
+- ``compressed-tensors`` (Kimi-K3 style ``mxfp4-pack-quantized``): ``model.layers.{L}.mlp.experts.{e}.w1|w2|w3
+  .weight_packed`` uint8 [out, in/2] + ``.weight_scale`` uint8 E8M0 [out, in/32], a bf16 ``mlp.gate``;
+- ``deepseek`` (DeepSeek-V4 native): ``layers.{L}.ffn.experts.{e}.w1|w2|w3.weight`` int8 packed E2M1 [out, in/2]
+  + ``.scale`` float8_e8m0fnu [out, in/32], a bf16 ``ffn.gate``.
+
+``dense=True`` adds one MXFP4 dense Linear per layer in the same form (the attention output projection).
+Attention, norms, embeddings and lm_head are bf16 (copied by a conversion).
+
+The MXFP4 bytes are drawn directly (uniform random nibbles; E8M0 exponents around a per-expert base), which
+makes large checkpoints cheap to build: expert e of a layer sits ``expert_step * e`` octaves (modulo 12) above
+expert 0 (block exponents spread +-3 around that), so per-expert global scales differ. ``lossy_expert=(L, e)``
+gives that expert (its w1, or its rows of a gpt-oss stack) a block 20 octaves below the rest (exponent spread
+> 17: converted lossily). gpt-oss-20b's real shapes: ``hidden=2880,
+intermediate=2880, experts=32``.
+
+This module uses numpy, torch's dtypes and the safetensors package only, never fp4pass's conversion code.
+``python -m fp4pass.examples.checkpoints OUT_DIR --form deepseek --layers 2 --experts 4`` builds one;
+``python -m fp4pass.examples.checkpoints models/checkpoints --bundled`` rebuilds the committed tiny examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["build_checkpoint", "build_bundled", "BUNDLED", "FORMS", "main", "TOKENIZER_FILES"]
+
+FORMS = ("gpt-oss", "compressed-tensors", "deepseek")
+TOKENIZER_FILES = {
+    "tokenizer.json": json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}}),
+    "tokenizer_config.json": json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}),
+    "generation_config.json": json.dumps({"do_sample": False, "eos_token_id": 1}),
+    "chat_template.jinja": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}",
+}
+
+
+def _save(tensors: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _mx(rng, shape_rows: tuple, k: int, base: int, lossy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed codes [..., k/2] and E8M0 codes [..., k/32] around exponent ``base``."""
+    codes = rng.integers(0, 256, size=(*shape_rows, k // 2), dtype=np.uint8)
+    scales = (127 + base + rng.integers(-3, 4, size=(*shape_rows, k // 32))).astype(np.uint8)
+    if lossy:
+        flat = scales.reshape(-1, k // 32)
+        flat[0, 0] = 127 + base - 20  # 20 octaves below: spread > 17 within this weight
+        codes.reshape(-1, k // 2)[0, :16] = 0x77  # the block holds values (6.0)
+    return torch.from_numpy(codes), torch.from_numpy(scales)
+
+
+def _bf16(rng, *shape) -> torch.Tensor:
+    return torch.from_numpy((rng.standard_normal(shape) * 0.02).astype(np.float32)).to(torch.bfloat16)
+
+
+class _ShardedWriter:
+    """Collects tensors, writing a shard whenever ``shard_bytes`` is reached; ``finish`` writes the index."""
+
+    def __init__(self, folder: Path, shard_bytes: int | None):
+        self.folder, self.shard_bytes = folder, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor.contiguous()
+        self.size += tensor.numel() * tensor.element_size()
+        if self.shard_bytes is not None and self.size >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"part-{len(self.files):05d}.safetensors"
+        _save(self.pending, self.folder / name)
+        self.files.append((name, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        if self.shard_bytes is None and len(self.files) == 1:
+            (self.folder / self.files[0][0]).rename(self.folder / "model.safetensors")
+            return
+        n = len(self.files)
+        weight_map = {}
+        total = 0
+        for i, (old, names) in enumerate(self.files):
+            new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.folder / old).rename(self.folder / new)
+            total += (self.folder / new).stat().st_size
+            weight_map.update({t: new for t in names})
+        (self.folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts: int = 4, hidden: int = 64,
+                     intermediate: int = 64, seed: int = 0, dense: bool = False, shard_bytes: int | None = None,
+                     lossy_expert: tuple[int, int] | None = None, expert_step: int = 2, vocab: int = 32,
+                     tokenizer: bool = True) -> Path:
+    """Write an example checkpoint into the new folder ``folder`` (module docstring); returns the folder."""
+    if form not in FORMS:
+        raise ValueError(f"form {form!r}: choose one of {', '.join(FORMS)}")
+    if hidden % 32 or intermediate % 32:
+        raise ValueError("hidden and intermediate must be multiples of 32")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=False)
+    rng = np.random.default_rng(seed)
+    out = _ShardedWriter(folder, shard_bytes)
+    h, i = hidden, intermediate
+    top = "model." if form != "deepseek" else ""
+    out.add(f"{top}embed_tokens.weight" if form != "deepseek" else "embed.weight", _bf16(rng, vocab, h))
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}" if form != "deepseek" else f"layers.{layer}"
+        attn = f"{prefix}.self_attn" if form != "deepseek" else f"{prefix}.attn"
+        norm_names = (("input_layernorm", "post_attention_layernorm") if form != "deepseek"
+                      else ("attn_norm", "ffn_norm"))
+        out.add(f"{prefix}.{norm_names[0]}.weight", _bf16(rng, h))
+        for proj in ("q_proj", "k_proj", "v_proj") if form != "deepseek" else ("wq", "wkv"):
+            out.add(f"{attn}.{proj}.weight", _bf16(rng, h, h))
+        o_name = f"{attn}.o_proj" if form != "deepseek" else f"{attn}.wo"
+        if dense:
+            codes, scales = _mx(rng, (h,), h, -6, False)
+            if form == "gpt-oss":
+                out.add(f"{o_name}.weight_blocks", codes.reshape(h, h // 32, 16))
+                out.add(f"{o_name}.weight_scales", scales)
+            elif form == "compressed-tensors":
+                out.add(f"{o_name}.weight_packed", codes)
+                out.add(f"{o_name}.weight_scale", scales)
+            else:
+                out.add(f"{o_name}.weight", codes.view(torch.int8))
+                out.add(f"{o_name}.scale", scales.view(torch.float8_e8m0fnu))
+        else:
+            out.add(f"{o_name}.weight", _bf16(rng, h, h))
+        out.add(f"{prefix}.{norm_names[1]}.weight", _bf16(rng, h))
+        if form == "gpt-oss":
+            out.add(f"{attn}.sinks", _bf16(rng, 4))
+            mlp = f"{prefix}.mlp"
+            out.add(f"{mlp}.router.weight", _bf16(rng, experts, h))
+            out.add(f"{mlp}.router.bias", _bf16(rng, experts))
+            for proj, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+                codes = torch.empty((experts, rows, k // 2), dtype=torch.uint8)
+                scales = torch.empty((experts, rows, k // 32), dtype=torch.uint8)
+                for e in range(experts):
+                    lossy = lossy_expert == (layer, e)
+                    codes[e], scales[e] = _mx(rng, (rows,), k, -8 + (expert_step * e) % 12, lossy)
+                out.add(f"{mlp}.experts.{proj}_blocks", codes.reshape(experts, rows, k // 32, 16))
+                out.add(f"{mlp}.experts.{proj}_scales", scales)
+                out.add(f"{mlp}.experts.{proj}_bias", _bf16(rng, experts, rows))
+            continue
+        mlp = f"{prefix}.mlp" if form != "deepseek" else f"{prefix}.ffn"
+        out.add(f"{mlp}.gate.weight", _bf16(rng, experts, h))
+        for e in range(experts):
+            for proj, rows, k in (("w1", i, h), ("w2", h, i), ("w3", i, h)):
+                lossy = lossy_expert == (layer, e) and proj == "w1"
+                base = -8 + (expert_step * e) % 12 + (1 if proj == "w3" else 0)
+                codes, scales = _mx(rng, (rows,), k, base, lossy)
+                name = f"{mlp}.experts.{e}.{proj}"
+                if form == "compressed-tensors":
+                    out.add(f"{name}.weight_packed", codes)
+                    out.add(f"{name}.weight_scale", scales)
+                else:
+                    out.add(f"{name}.weight", codes.view(torch.int8))
+                    out.add(f"{name}.scale", scales.view(torch.float8_e8m0fnu))
+        for proj, rows, k in (("w1", i, h), ("w2", h, i), ("w3", i, h)):
+            out.add(f"{mlp}.shared_experts.{proj}.weight", _bf16(rng, rows, k))
+    out.add(f"{top}norm.weight" if form != "deepseek" else "norm.weight", _bf16(rng, h))
+    out.add("lm_head.weight" if form != "deepseek" else "head.weight", _bf16(rng, vocab, h))
+    out.finish()
+    (folder / "config.json").write_text(json.dumps(_config(form, layers, experts, h, i, vocab), indent=2))
+    if tokenizer:
+        for name, text in TOKENIZER_FILES.items():
+            (folder / name).write_text(text)
+    return folder
+
+
+def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) -> dict:
+    base = {"num_hidden_layers": layers, "hidden_size": h, "intermediate_size": i, "vocab_size": vocab,
+            "torch_dtype": "bfloat16"}
+    if form == "gpt-oss":
+        return {**base, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "num_local_experts": experts, "experts_per_token": min(4, experts),
+                "quantization_config": {"quant_method": "mxfp4",
+                                        "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                   "model.layers.*.mlp.router",
+                                                                   "model.embed_tokens", "lm_head"]}}
+    if form == "compressed-tensors":
+        return {**base, "architectures": ["KimiK3ForCausalLM"], "model_type": "kimi_k3", "n_routed_experts": experts,
+                "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                                        "config_groups": {"group_0": {"targets": ["re:.*experts.*"], "weights": {
+                                            "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                                            "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
+                                            "format": "mxfp4-pack-quantized"}},
+                                        "ignore": ["lm_head"], "quantization_status": "compressed"}}
+    return {**base, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "n_routed_experts": experts,
+            "expert_dtype": "fp4",
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                    "weight_block_size": [128, 128]}}
+
+
+#: the tiny examples committed under models/checkpoints/ (folder name -> form); each has one lossy expert
+#: (layer 1, expert 2) and, except gpt-oss, a dense MXFP4 Linear per layer; the DeepSeek one is sharded
+BUNDLED = {"gpt_oss": "gpt-oss", "kimi": "compressed-tensors", "deepseek": "deepseek"}
+
+
+def build_bundled(root) -> list[Path]:
+    """Write the committed tiny examples into ``root`` (``python -m fp4pass.examples.checkpoints --bundled DIR``
+    rebuilds models/checkpoints/ byte for byte)."""
+    root = Path(root)
+    return [build_checkpoint(root / name, form, layers=2, experts=3, hidden=64, intermediate=32, seed=0,
+                             dense=form != "gpt-oss", lossy_expert=(1, 2), vocab=16,
+                             shard_bytes=40_000 if form == "deepseek" else None)
+            for name, form in BUNDLED.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp4pass.examples.checkpoints", description=__doc__.split("\n")[0])
+    p.add_argument("folder")
+    p.add_argument("--form", choices=FORMS, default="gpt-oss")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dense", action="store_true")
+    p.add_argument("--shard-bytes", type=int)
+    p.add_argument("--gpt-oss-20b-shapes", action="store_true", help="hidden = intermediate = 2880, 32 experts")
+    p.add_argument("--bundled", action="store_true", help="write the tiny examples of models/checkpoints/ into folder")
+    args = p.parse_args(argv)
+    if args.bundled:
+        for path in build_bundled(args.folder):
+            print(path)
+        return 0
+    hidden, inter, experts = args.hidden, args.intermediate, args.experts
+    if args.gpt_oss_20b_shapes:
+        hidden, inter, experts = 2880, 2880, 32
+    build_checkpoint(args.folder, args.form, layers=args.layers, experts=experts, hidden=hidden, intermediate=inter,
+                     seed=args.seed, dense=args.dense, shard_bytes=args.shard_bytes)
+    print(args.folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""fp4pass.checkpoint.convert on the example checkpoints of every input form, in both output forms.
+
+Oracles: the safetensors package reads every output; numpy + ml_dtypes decode the MXFP4 source and the NVFP4
+output (tests/checkpoint_oracles.py); compressed-tensors 0.20 decompresses the NVFP4 weights (directly for its
+own form, through its ModelOpt reader for ModelOpt's); the gpt-oss package's reference dequant decodes the
+gpt-oss source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint_oracles import Folder, as_bytes, mx_decode, nv_decode, requant_sse, tree_hash
+import fp4pass.checkpoint
+from fp4pass.examples.checkpoints import TOKENIZER_FILES, build_checkpoint
+
+pytest.importorskip("safetensors")
+
+COMBOS = [("gpt-oss", "modelopt"), ("compressed-tensors", "modelopt"), ("compressed-tensors", "compressed-tensors"),
+          ("deepseek", "modelopt"), ("deepseek", "compressed-tensors")]
+
+
+def _sources(src: Folder, form: str):
+    """{module: (codes [N, K/2] uint8, e8m0 [N, K/32] uint8)} of every MXFP4 Linear of a per-Linear form, and
+    {stack: (codes [E, N, K/2], e8m0 [E, N, K/32])} of gpt-oss stacks."""
+    linears, stacks = {}, {}
+    for name in src.keys():
+        if form == "gpt-oss" and name.endswith("_blocks"):
+            blocks, scales = as_bytes(src.get(name)), as_bytes(src.get(name[:-7] + "_scales"))
+            codes = blocks.reshape(*blocks.shape[:-2], -1)
+            if blocks.ndim == 4:
+                stacks[name[:-7]] = (codes, scales)
+            else:
+                linears[name[: -len(".weight_blocks")]] = (codes, scales)
+        elif form == "compressed-tensors" and name.endswith(".weight_packed"):
+            m = name[: -len(".weight_packed")]
+            linears[m] = (as_bytes(src.get(name)), as_bytes(src.get(m + ".weight_scale")))
+        elif form == "deepseek" and name.endswith(".scale"):
+            m = name[: -len(".scale")]
+            linears[m] = (as_bytes(src.get(m + ".weight")), as_bytes(src.get(name)))
+    return linears, stacks
+
+
+def _decoded_linear(out: Folder, module: str, fmt: str) -> tuple[np.ndarray, float]:
+    """(float64 weight, global multiplier) of one converted Linear, decoded independently."""
+    if fmt == "modelopt":
+        assert out.dtype(f"{module}.weight") == "U8" and out.dtype(f"{module}.weight_scale") == "F8_E4M3"
+        assert out.shape(f"{module}.weight_scale_2") == [] and out.dtype(f"{module}.weight_scale_2") == "F32"
+        s2 = float(out.get(f"{module}.weight_scale_2"))
+        return nv_decode(as_bytes(out.get(f"{module}.weight")), as_bytes(out.get(f"{module}.weight_scale")), s2), s2
+    assert out.shape(f"{module}.weight_global_scale") == [1]
+    divisor = float(out.get(f"{module}.weight_global_scale")[0])
+    return nv_decode(as_bytes(out.get(f"{module}.weight_packed")), as_bytes(out.get(f"{module}.weight_scale")),
+                     1.0 / divisor), 1.0 / divisor
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for form in ("gpt-oss", "compressed-tensors", "deepseek"):
+        out[form] = build_checkpoint(root / form, form, layers=2, experts=3, hidden=64, intermediate=96, seed=7,
+                                     dense=True, shard_bytes=60_000)
+    return out
+
+
+@pytest.mark.parametrize("form,fmt", COMBOS)
+def test_lossless_experts_bit_exact(examples, tmp_path, form, fmt):
+    src_dir = examples[form]
+    before = tree_hash(src_dir)
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format=fmt)
+    assert tree_hash(src_dir) == before  # the source folder is never written
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    linears, stacks = _sources(src, form)
+    assert linears  # every form has dense or per-expert Linears here
+    for module, (codes, e8m0) in linears.items():
+        y, _ = _decoded_linear(out, module, fmt)
+        np.testing.assert_array_equal(y, mx_decode(codes, e8m0), err_msg=module)
+        for suffix in (".weight_blocks", ".weight_scales", ".weight_packed", ".scale"):
+            assert f"{module}{suffix}" not in out or suffix == ".weight_packed" and fmt == "compressed-tensors"
+    for stack, (codes, e8m0) in stacks.items():
+        x = mx_decode(codes, e8m0)
+        w = as_bytes(out.get(stack))
+        s = as_bytes(out.get(f"{stack}_weight_scale"))
+        e, n, k = x.shape
+        assert list(w.shape) == [e, k // 2, n] and list(s.shape) == [e, k // 16, n]
+        s2 = float(out.get(f"{stack}_weight_scale_2"))
+        assert out.shape(f"{stack}_weight_scale_2") == []
+        for i in range(e):
+            np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i], err_msg=f"{stack}[{i}]")
+        assert f"{stack}_blocks" not in out and f"{stack}_scales" not in out
+    s = report["summary"]
+    assert s["experts_lossless"] == s["experts_total"] > 0
+
+
+def test_gpt_oss_source_matches_reference_dequant(examples, tmp_path):
+    weights = pytest.importorskip("gpt_oss.torch.weights", reason="gpt-oss package not installed")
+    src_dir = examples["gpt-oss"]
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "out")
+    out = Folder(tmp_path / "out")
+    ref = weights.Checkpoint(str(src_dir), torch.device("cpu"))
+    stack = "model.layers.1.mlp.experts.gate_up_proj"
+    x = ref._get_mxfp4_tensor(f"{stack}_blocks", f"{stack}_scales", dtype=torch.float32).double().numpy()
+    w, s = as_bytes(out.get(stack)), as_bytes(out.get(f"{stack}_weight_scale"))
+    s2 = float(out.get(f"{stack}_weight_scale_2"))
+    for i in range(x.shape[0]):
+        np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i])
+
+
+@pytest.mark.parametrize("form,fmt", [c for c in COMBOS if c[0] != "gpt-oss"])
+def test_compressed_tensors_decompressor_reads_it(examples, tmp_path, form, fmt):
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.entrypoints.convert import ModelOptNvfp4Converter
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    assert ct is not None
+    fp4pass.checkpoint.convert(examples[form], tmp_path / "out", format=fmt, input_scale=0.25)
+    src, out = Folder(examples[form]), Folder(tmp_path / "out")
+    linears, _ = _sources(src, form)
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    for module, (codes, e8m0) in linears.items():
+        if fmt == "modelopt":
+            names = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+            t = ModelOptNvfp4Converter(targets=["Linear"]).process({f"{module}.{p}": out.get(f"{module}.{p}")
+                                                                      for p in names})
+            t = {k.rpartition(".")[2]: v for k, v in t.items()}
+        else:
+            t = {p: out.get(f"{module}.{p}") for p in ("weight_packed", "weight_scale", "weight_global_scale",
+                                                        "input_global_scale")}
+        assert float(t["input_global_scale"].reshape(())) == 4.0  # 1 / input_scale, a divisor
+        y = NVFP4PackedCompressor.decompress(t, scheme)["weight"].double().numpy()
+        np.testing.assert_array_equal(y, mx_decode(codes, e8m0), err_msg=module)
+
+
+@pytest.mark.parametrize("form,fmt", [("compressed-tensors", "modelopt"), ("deepseek", "compressed-tensors")])
+def test_gate_and_up_share_global_and_input_scale(tmp_path, form, fmt):
+    # the builder puts w3 one octave above w1: sharing must take k_max over both
+    src_dir = build_checkpoint(tmp_path / "src", form, layers=1, experts=2, hidden=64, intermediate=64, seed=3)
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format=fmt, input_scale=0.5)
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    linears, _ = _sources(src, form)
+    pairs = sorted({m.rpartition(".")[0] for m in linears if m.endswith((".w1", ".w3"))})
+    assert pairs
+    for parent in pairs:
+        _, s1 = _decoded_linear(out, f"{parent}.w1", fmt)
+        _, s3 = _decoded_linear(out, f"{parent}.w3", fmt)
+        k_max = max(int(linears[f"{parent}.{p}"][1].max()) for p in ("w1", "w3")) - 127
+        own_w1 = int(linears[f"{parent}.w1"][1].max()) - 127
+        assert own_w1 < k_max  # the pair's S is not w1's own
+        assert s1 == s3 == math.ldexp(1.0, k_max - 8)
+        name = "input_scale" if fmt == "modelopt" else "input_global_scale"
+        assert float(out.get(f"{parent}.w1.{name}").reshape(())) == float(out.get(f"{parent}.w3.{name}").reshape(()))
+
+
+def test_per_expert_global_scales_differ(examples, tmp_path):
+    fp4pass.checkpoint.convert(examples["deepseek"], tmp_path / "out")
+    out = Folder(tmp_path / "out")
+    scales = [float(out.get(f"layers.0.ffn.experts.{e}.w2.weight_scale_2")) for e in range(3)]
+    assert len(set(scales)) == 3
+
+
+def test_copied_tensors_and_files_identical(examples, tmp_path):
+    src_dir = examples["compressed-tensors"]
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format="compressed-tensors")
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    converted = {t["name"] for t in report["tensors"]}
+    copied = [n for n in src.keys() if n.rpartition(".")[0] not in converted]
+    assert len(copied) == report["summary"]["tensors_copied"] > 0
+    for name in copied:
+        a, b = src.get(name), out.get(name)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert as_bytes(a).tobytes() == as_bytes(b).tobytes(), name
+    for name, text in TOKENIZER_FILES.items():
+        assert (tmp_path / "out" / name).read_text() == text
+
+
+def test_shards_and_index(examples, tmp_path):
+    report = fp4pass.checkpoint.convert(examples["deepseek"], tmp_path / "out", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    out = Folder(tmp_path / "out")
+    assert len(out.files) == len(report["shards"]) > 2
+    assert index["weight_map"] == out.where
+    assert index["metadata"]["total_size"] == sum(s["bytes"] for s in report["shards"])
+    one = fp4pass.checkpoint.convert(examples["deepseek"], tmp_path / "one", max_shard_bytes=10**9)
+    assert [s["file"] for s in one["shards"]] == ["model.safetensors"]
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_configs(examples, tmp_path, fmt):
+    fp4pass.checkpoint.convert(examples["compressed-tensors"], tmp_path / "w", format=fmt)
+    fp4pass.checkpoint.convert(examples["compressed-tensors"], tmp_path / "a", format=fmt, input_scale=1.0)
+    for name, with_input in (("w", False), ("a", True)):
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        q = config["quantization_config"]
+        group = q["config_groups"]["group_0"]
+        assert (group["input_activations"] is not None) == with_input
+        assert config["hidden_size"] == 64  # the rest of config.json kept
+        ignore = q["exclude_modules"] if fmt == "modelopt" else q["ignore"]
+        text = " ".join(ignore).replace("\\", "")
+        for kept in ("lm_head", "embed_tokens", "mlp.gate", "layernorm", "norm"):
+            assert kept in text
+        assert not any("experts" in i and "shared" not in i for i in ignore)
+        if fmt == "modelopt":
+            assert q["quant_method"] == "modelopt" and q["quant_algo"] == "NVFP4"
+            hf = json.loads((tmp_path / name / "hf_quant_config.json").read_text())
+            assert set(hf["quantization"]) == {"quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"}
+            assert hf["quantization"]["kv_cache_quant_algo"] is None and hf["quantization"]["group_size"] == 16
+            assert set(hf["producer"]) == {"name", "version"}
+        else:
+            assert q["quant_method"] == "compressed-tensors" and q["format"] == "nvfp4-pack-quantized"
+            assert not (tmp_path / name / "hf_quant_config.json").exists()
+
+
+def test_ct_ignore_matches_with_compressed_tensors(examples, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.utils.match import match_name
+
+    fp4pass.checkpoint.convert(examples["compressed-tensors"], tmp_path / "o", format="compressed-tensors")
+    ignore = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["ignore"]
+    out = Folder(tmp_path / "o")
+    converted = {n.rpartition(".")[0] for n in out.keys() if n.endswith(".weight_packed")}
+    kept = {n.rpartition(".")[0] for n in out.keys() if n.endswith(".weight")}
+    assert converted and kept
+    for module in converted:
+        assert not any(match_name(module, i) for i in ignore), module
+    for module in kept:
+        assert any(match_name(module, i) for i in ignore), module
+
+
+def test_scales_json_fills_missing_experts(examples, tmp_path):
+    from fp4pass.calib import ActivationScales
+    from fp4pass.calib.scales import ActivationScale
+
+    def entry(scale):
+        return ActivationScale(amax=scale * 2688, g_amax=scale * 2688, input_scale=scale, b_min=0.0, b_max=1.0,
+                               blocks=1)
+
+    layer = "model.layers.0.mlp.experts"
+    tensors = {f"{layer}.0.w1": entry(0.5), f"{layer}.0.w3": entry(0.75), f"{layer}.1.w2": entry(2.0),
+               f"{layer}.0.w2": entry(3.0), "model_layers_0_self_attn_o_proj": entry(0.125),
+               "model.layers.1.self_attn.o_proj": entry(0.0625), "some.other.activation": entry(9.0)}
+    for e in range(3):
+        for p in ("w1", "w2"):
+            tensors.setdefault(f"model.layers.1.mlp.experts.{e}.{p}", entry(0.01 * (e + 1)))
+    path = tmp_path / "scales.json"
+    ActivationScales("max", tensors).save(path)
+    report = fp4pass.checkpoint.convert(examples["compressed-tensors"], tmp_path / "out", scales=path)
+    out = Folder(tmp_path / "out")
+    values = {n[: -len(".input_scale")]: float(out.get(n)) for n in out.keys() if n.endswith(".input_scale")}
+    assert all(math.isfinite(v) and v > 0 for v in values.values())
+    assert len(values) == report["summary"]["tensors_converted"]
+    assert values[f"{layer}.0.w1"] == values[f"{layer}.0.w3"] == 0.75  # the pair takes the larger
+    assert values[f"{layer}.1.w1"] == values[f"{layer}.2.w3"] == 0.75  # never routed: the layer's max
+    assert values[f"{layer}.2.w2"] == 3.0 and values[f"{layer}.1.w2"] == 2.0
+    assert values["model.layers.0.self_attn.o_proj"] == 0.125
+    filled = {f["module"] for f in report["input_scales"]["filled_from_layer_max"]}
+    assert f"{layer}.1.w1" in filled and f"{layer}.2.w2" in filled and f"{layer}.0.w1" not in filled
+    assert report["input_scales"]["unmatched_keys"] == ["some.other.activation"]
+
+
+def test_lossy_expert_keeps_neighbours_exact_and_beats_requant(tmp_path):
+    src_dir = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=3, hidden=64, intermediate=64,
+                               seed=5, lossy_expert=(0, 1))
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", check=True)
+    assert report["check"]["passed"]
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    linears, _ = _sources(src, "deepseek")
+    lossy = "layers.0.ffn.experts.1.w1"
+    for module, (codes, e8m0) in linears.items():
+        x = mx_decode(codes, e8m0)
+        y, _ = _decoded_linear(out, module, "modelopt")
+        if module == lossy:
+            sse = float(((y - x) ** 2).sum())
+            assert 0 < sse <= requant_sse(x)
+        else:
+            np.testing.assert_array_equal(y, x, err_msg=module)
+    entry = {t["name"]: t for t in report["tensors"]}
+    assert not entry[lossy]["lossless"] and entry[lossy]["snr_db"] > 0
+    assert report["summary"]["experts_lossless"] == report["summary"]["experts_total"] - 1
+
+
+def test_lossy_gpt_oss_stack_figures_per_expert(tmp_path):
+    src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", layers=1, experts=3, hidden=64, intermediate=64, seed=5,
+                               lossy_expert=(0, 2), expert_step=4)
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", check=True)
+    stack = [t for t in report["tensors"] if t["name"].endswith("gate_up_proj")][0]
+    assert [p["lossless"] for p in stack["per_expert"]] == [True, True, False]
+    assert stack["experts_lossless"] == 2 and report["check"]["passed"]
+
+
+def test_inspect(examples):
+    info = fp4pass.checkpoint.inspect(examples["gpt-oss"])
+    assert info["input_forms"] == ["gpt-oss"] and not info["compressed_tensors_possible"]
+    names = {w["name"] for w in info["weights"]}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.o_proj" in names
+    assert "lm_head.weight" in info["copied"]
+
+
+@pytest.mark.parametrize("method", ["requant", "hybrid"])
+def test_other_methods_pass_the_check(tmp_path, method):
+    src_dir = build_checkpoint(tmp_path / "src", "compressed-tensors", layers=1, experts=2, hidden=64,
+                               intermediate=64, seed=4, lossy_expert=(0, 1))
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", method=method, check=True)
+    assert report["check"]["passed"]
+    lossless = report["summary"]["experts_lossless"]
+    assert lossless == (0 if method == "requant" else report["summary"]["experts_total"] - 1)
+
+
+def test_exclude_list_never_covers_a_converted_module():
+    import fnmatch
+
+    from fp4pass.checkpoint.output_forms import exclude_list
+
+    converted = [f"model.layers.{i}.mlp.experts.{e}.w{p}" for i in range(3) for e in range(4) for p in (1, 2, 3)]
+    converted.append("model.layers.0.self_attn.o_proj")  # layer 0's o_proj is MXFP4, layer 1's and 2's are not
+    kept = [f"model.layers.{i}.{m}" for i in range(3) for m in ("self_attn.q_proj", "mlp.gate", "input_layernorm")]
+    kept += ["model.layers.1.self_attn.o_proj", "model.layers.2.self_attn.o_proj", "lm_head", "model.embed_tokens"]
+    patterns = exclude_list(kept, converted)
+    assert "model.layers.*.self_attn.q_proj" in patterns and "model.layers.1.self_attn.o_proj" in patterns
+    for module in kept:
+        assert any(fnmatch.fnmatchcase(module, p) for p in patterns), module
+    for module in converted:
+        assert not any(fnmatch.fnmatchcase(module, p) for p in patterns), module
+
+
+def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):
+    """``fp4pass.checkpoint.convert(effort=, threads=)`` names both to each unit's conversion; a later call
+    that names neither gets the defaults (no process-wide setting)."""
+    import fp4pass.checkpoint.engine as engine
+    from fp4pass.examples.checkpoints import build_checkpoint
+
+    seen = []
+    real = engine.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((kwargs.get("effort"), kwargs.get("threads")))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
+    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=2, hidden=64, intermediate=32)
+    fp4pass.checkpoint.convert(src, tmp_path / "a", effort="fast", threads=2)
+    assert seen and set(seen) == {("fast", 2)}
+    seen.clear()
+    fp4pass.checkpoint.convert(src, tmp_path / "b")
+    assert seen and set(seen) == {("best", 1)}
