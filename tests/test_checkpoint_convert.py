@@ -212,7 +212,8 @@ def test_configs(examples, tmp_path, fmt):
             hf = json.loads((tmp_path / name / "hf_quant_config.json").read_text())
             assert set(hf["quantization"]) == {"quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"}
             assert hf["quantization"]["kv_cache_quant_algo"] is None and hf["quantization"]["group_size"] == 16
-            assert set(hf["producer"]) == {"name", "version"}
+            assert hf["producer"] == {"name": "fp4pass", "version": fp4pass.__version__}
+            assert q["producer"] == hf["producer"]
         else:
             assert q["quant_method"] == "compressed-tensors" and q["format"] == "nvfp4-pack-quantized"
             assert not (tmp_path / name / "hf_quant_config.json").exists()
