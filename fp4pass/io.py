@@ -496,7 +496,7 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]
         raise UsageError(f"{path}: folder {parent} is not writable")
     remove_stale(parent)
     tmp = temp_name(target)
-    os.mkdir(tmp, 0o700)
+    os.mkdir(tmp, stat.S_IRWXU)  # private while it is written
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())

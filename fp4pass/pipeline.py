@@ -19,6 +19,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fp4pass.calib import ActivationScales, calibrate_model
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
 from fp4pass.onnx import pipeline as onnx_stages
@@ -95,6 +96,8 @@ def convert(
     check_shapes: dict | None = None,
     past_length: int = 0,
     base_dir: str | os.PathLike | None = None,
+    effort: str = DEFAULT_EFFORT,
+    threads: int | None = DEFAULT_THREADS,
 ):
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
@@ -113,6 +116,8 @@ def convert(
     ``allow_invalid``: True when the input may fail the ONNX checker (then so may the output, with a
     warning); False when it was checked (an output the checker refuses is a bug: nothing is written);
     None: the input is checked here when ``output`` is given (:func:`fp4pass.onnx.loading.save`).
+    ``effort`` ("best" | "fast") and ``threads`` (torch intra-op threads, None: the caller's): of every
+    weight's conversion (:func:`fp4pass.convert.mxfp4_to_nvfp4`).
     ``base_dir``: the folder external data resolves against when the model is not a path (a
     ``ModelProto`` or graphsurgeon ``Graph`` with external data is refused without it; nothing is read from
     outside that folder). A check that cannot run raises :class:`~fp4pass.errors.CheckError`.
@@ -151,7 +156,8 @@ def convert(
         log.info("%d initializers were also listed as graph inputs; converted as initializers and no longer "
                  "listed as inputs", len(listed_inputs))
     records, declined = find_weights(model, folder)
-    convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None) for r in records]
+    convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None, effort=effort,
+                              threads=threads) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
     rewrite, fold_quark, set_versions, group = onnx_stages.weight_passes(
         records, convs, scale_form, calibrated=calib is not None or scales is not None, declined=declined)

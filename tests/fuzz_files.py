@@ -13,11 +13,13 @@ a description. Every mutation is a pure function of the seed. Families (``seed %
   Infinity, strings, nesting), a key given twice, truncated, bytes flipped (not UTF-8), deep nesting, a
   FIFO or /dev/zero in its place. Run through ``convert --scales``.
 - ``dims``: a model whose input has static dims drawn from 0, 1, 2^k up to 2^63 - 1 (and symbolic ones with a
-  ``--shape``); what is drawn stays at most 2^24 elements, so that each case stays fast: ``diff`` draws random inputs for it.
+  ``--shape``); what is drawn stays at most 2^24 elements, so that each case stays fast: ``diff`` draws
+  random inputs for it.
 - ``qmoe``: a QMoE 'fp4' model (tests/onnx_builders.py) with its attributes (quant_type, block_size,
   swiglu_fusion, activation_type, k, expert_weight_bits, hidden_size, inter_size) changed, or its
-  fc*_global_scale inputs (length, type, values, pointing at another input). Run through ``inspect`` and
-  ``convert --target ort`` (whose output, on exit 0, must pass the full ONNX checker: tests/test_fuzz.py).
+  fc*_global_scale inputs (length, type, values, pointing at another input). Run through ``inspect``,
+  ``diff`` (the lowering) and ``convert --target ort`` (whose output, on exit 0, must pass the full ONNX
+  checker: tests/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def _npz_bytes(rng: np.random.Generator) -> tuple[bytes, str]:
             else:
                 names = [["x.npy", "x.npy"], ["x.npy", "extra.npy"], ["y.npy"], ["x", "x.npy"], ["dir/x.npy"]]
                 for name in names[int(rng.integers(len(names)))]:
-                    archive.writestr(name, member if name != "x.npy" or rng.integers(2) else _npy(x.shape, "<f4", x.tobytes()))
+                    good = _npy(x.shape, "<f4", x.tobytes())
+                    archive.writestr(name, member if name != "x.npy" or rng.integers(2) else good)
         return out.getvalue(), f"{what} {list(shape)} {descr}"
     if kind == "empty":
         out = io.BytesIO()
@@ -255,5 +258,6 @@ def _qmoe_case(rng: np.random.Generator, folder: Path):
     onnx.save(model, folder / "m.onnx")
     model_path = str(folder / "m.onnx")
     argv = [["inspect", model_path, "--quiet"],
-            ["convert", model_path, "-o", "{out}/o.onnx", "--target", "ort", "--quiet"]]
+            ["convert", model_path, "-o", "{out}/o.onnx", "--target", "ort", "--quiet"],
+            ["diff", model_path, model_path, "--quiet", "--provider", "cpu"]]
     return argv, ["o.onnx"], "qmoe " + "; ".join(changes)

@@ -240,6 +240,44 @@ MUTANTS = [
         ("fp4pass/onnx/numerics.py", "rng.standard_normal(dims, dtype=np.float32).astype(dtype, copy=False)",
          "rng.standard_normal(dims).astype(np.float32).astype(dtype)"),
     ], ["tests/test_random_inputs.py"]),
+    # -- reading only inside a model's folder, writing only what is ours ----------------------------------
+    Mutant("external-data-prefix-check", "external data is inside the folder when its path starts with it", [
+        ("fp4pass/onnx/loading.py", "    return os.path.commonpath([real, base_real]) == base_real",
+         "    return real.startswith(base_real)"),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("proto-external-data-unchecked", "a ModelProto's external data is read without a location check", [
+        ("fp4pass/onnx/loading.py", "        check_external_data(loaded.model, tensor.base_dir, where, only=tensor)",
+         "        pass"),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("function-constants-unwalked", "Constant values in local functions are not among the external tensors", [
+        ("fp4pass/onnx/loading.py",
+         '    scopes = [("", model.graph)] + [(f"function {f.name!r} ", f) for f in model.functions.values()]',
+         '    scopes = [("", model.graph)]'),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("output-data-file-not-an-input-check", "the output's .data file is not checked against the input's", [
+        ("fp4pass/pipeline.py",
+         '        refuse_overwrite(Path(output).with_name(Path(output).name + ".data"), *input_files)', ""),
+        ("fp4pass/onnx/loading.py", "        if os.path.realpath(data_path) in external_data_files(model) or any(",
+         "        if False and any("),
+    ], ["tests/test_loading_external.py"]),
+    Mutant("rename-over-symlink", "an output that is a symlink out of its folder is renamed over", [
+        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
+        ("fp4pass/io.py", "        output_target(out, label)\n", ""),
+        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
+    ], ["tests/test_io.py", "tests/test_loading_external.py"]),
+    Mutant("rollback-by-name", "a failed run removes whatever file now has its output's name", [
+        ("fp4pass/io.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
+    ], ["tests/test_io.py"]),
+    Mutant("stale-by-pid-only", "temporaries of another host or pid namespace are judged by their pid here", [
+        ("fp4pass/io.py", "    if match.group(2) == token and not _pid_alive", "    if not _pid_alive"),
+    ], ["tests/test_io.py"]),
+    Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
+        ("fp4pass/io.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n    os.replace(tmp, target)",
+         "    os.chmod(tmp, 0o666 & ~_umask())\n    os.replace(tmp, target)\n    _fsync_path(target)"),
+    ], ["tests/test_io.py"]),
+    Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
+        ("fp4pass/io.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
+    ], ["tests/test_io.py"]),
 ]
 
 

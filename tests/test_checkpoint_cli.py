@@ -204,7 +204,10 @@ def test_full_disk(ckpt, tmp_path, capsys, monkeypatch, after):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full)
-    monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    def no_room(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "copy_file_range", no_room)
     _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=("model.safetensors", "No space left", "tensor"))
 
 
@@ -269,3 +272,21 @@ def test_every_file_fsynced_before_the_rename(ckpt, tmp_path, monkeypatch):
         assert os.path.join(tmp, name) in synced_before, name
     assert tmp in synced_before  # the folder itself
     assert ("fsync", str(tmp_path)) in events[renames[0]:]  # the parent, after the rename
+
+
+def test_interrupted_run_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    from fp4pass.checkpoint import engine
+
+    calls = {"n": 0}
+    real = engine.convert_linears
+
+    def interrupt(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "convert_linears", interrupt)
+    code, _, err = _run(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    assert code == 130 and calls["n"] == 3
+    _nothing_left(tmp_path / "o")

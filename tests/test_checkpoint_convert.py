@@ -212,7 +212,8 @@ def test_configs(examples, tmp_path, fmt):
             hf = json.loads((tmp_path / name / "hf_quant_config.json").read_text())
             assert set(hf["quantization"]) == {"quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"}
             assert hf["quantization"]["kv_cache_quant_algo"] is None and hf["quantization"]["group_size"] == 16
-            assert set(hf["producer"]) == {"name", "version"}
+            assert hf["producer"] == {"name": "fp4pass", "version": fp4pass.__version__}
+            assert q["producer"] == hf["producer"]
         else:
             assert q["quant_method"] == "compressed-tensors" and q["format"] == "nvfp4-pack-quantized"
             assert not (tmp_path / name / "hf_quant_config.json").exists()
@@ -301,3 +302,70 @@ def test_inspect(examples):
     names = {w["name"] for w in info["weights"]}
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.o_proj" in names
     assert "lm_head.weight" in info["copied"]
+
+
+@pytest.mark.parametrize("method", ["requant", "hybrid"])
+def test_other_methods_pass_the_check(tmp_path, method):
+    src_dir = build_checkpoint(tmp_path / "src", "compressed-tensors", layers=1, experts=2, hidden=64,
+                               intermediate=64, seed=4, lossy_expert=(0, 1))
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", method=method, check=True)
+    assert report["check"]["passed"]
+    lossless = report["summary"]["experts_lossless"]
+    assert lossless == (0 if method == "requant" else report["summary"]["experts_total"] - 1)
+
+
+def test_exclude_list_never_covers_a_converted_module():
+    import fnmatch
+
+    from fp4pass.checkpoint.output_forms import exclude_list
+
+    converted = [f"model.layers.{i}.mlp.experts.{e}.w{p}" for i in range(3) for e in range(4) for p in (1, 2, 3)]
+    converted.append("model.layers.0.self_attn.o_proj")  # layer 0's o_proj is MXFP4, layer 1's and 2's are not
+    kept = [f"model.layers.{i}.{m}" for i in range(3) for m in ("self_attn.q_proj", "mlp.gate", "input_layernorm")]
+    kept += ["model.layers.1.self_attn.o_proj", "model.layers.2.self_attn.o_proj", "lm_head", "model.embed_tokens"]
+    patterns = exclude_list(kept, converted)
+    assert "model.layers.*.self_attn.q_proj" in patterns and "model.layers.1.self_attn.o_proj" in patterns
+    for module in kept:
+        assert any(fnmatch.fnmatchcase(module, p) for p in patterns), module
+    for module in converted:
+        assert not any(fnmatch.fnmatchcase(module, p) for p in patterns), module
+
+
+def test_gpt_oss_stack_taller_than_two_strips(tmp_path):
+    """N = 2I = 576 rows: the transposition runs in strips of 256 rows split between two threads, the last strip
+    ragged; every expert's bytes are the source's transposed, byte for byte, and its scales decode alike."""
+    src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", seed=7, layers=1, experts=3, hidden=64, intermediate=288)
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format="modelopt")
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    _, stacks = _sources(src, "gpt-oss")
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    codes, e8m0 = stacks[stack]
+    assert codes.shape == (3, 576, 32)
+    w, s = as_bytes(out.get(stack)), as_bytes(out.get(f"{stack}_weight_scale"))
+    x = mx_decode(codes, e8m0)
+    s2 = float(out.get(f"{stack}_weight_scale_2"))
+    for i in range(3):
+        np.testing.assert_array_equal(w[i], np.ascontiguousarray(codes[i].T), err_msg=f"{stack}[{i}]")
+        np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i], err_msg=f"{stack}[{i}]")
+
+
+def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):
+    """``fp4pass.checkpoint.convert(effort=, threads=)`` names both to each unit's conversion; a later call
+    that names neither gets the defaults (no process-wide setting)."""
+    import fp4pass.checkpoint.engine as engine
+    from fp4pass.examples.checkpoints import build_checkpoint
+
+    seen = []
+    real = engine.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((kwargs.get("effort"), kwargs.get("threads")))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
+    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=2, hidden=64, intermediate=32)
+    fp4pass.checkpoint.convert(src, tmp_path / "a", effort="fast", threads=2)
+    assert seen and set(seen) == {("fast", 2)}
+    seen.clear()
+    fp4pass.checkpoint.convert(src, tmp_path / "b")
+    assert seen and set(seen) == {("best", 1)}

@@ -365,8 +365,9 @@ def test_every_method_converts_the_whole_e8m0_range(seed, k_low, spread_, zero, 
 
 
 def test_threads_and_effort_are_set_for_the_call_and_restored(monkeypatch):
-    """torch's intra-op threads are the call's ``threads`` during it and back to the caller's after it;
-    set_defaults reaches calls that name neither; bad values are usage errors."""
+    """torch's intra-op threads are the call's ``threads`` during it and back to the caller's after it; a
+    call that names neither gets the documented defaults, whatever an earlier call named (no process-wide
+    setting); bad values are usage errors."""
     from fp4pass import convert as convert_mod
 
     seen = []
@@ -377,14 +378,14 @@ def test_threads_and_effort_are_set_for_the_call_and_restored(monkeypatch):
     other = 2 if before == 1 else 1
     fp4pass.mxfp4_to_nvfp4(mx, "auto", threads=other, effort="fast")
     assert seen[-1] == (other, "fast") and torch.get_num_threads() == before
-    monkeypatch.setitem(convert_mod._SETTINGS, "threads", other)
-    monkeypatch.setitem(convert_mod._SETTINGS, "effort", "fast")
     fp4pass.mxfp4_to_nvfp4(mx, "auto")
-    assert seen[-1] == (other, "fast") and torch.get_num_threads() == before
+    assert seen[-1] == (convert_mod.DEFAULT_THREADS, convert_mod.DEFAULT_EFFORT) == (1, "best")
+    assert torch.get_num_threads() == before
+    assert not hasattr(convert_mod, "set_defaults") and not hasattr(convert_mod, "_SETTINGS")
     with pytest.raises(UsageError, match="effort"):
         fp4pass.mxfp4_to_nvfp4(mx, "auto", effort="max")
     with pytest.raises(UsageError, match="threads"):
-        convert_mod.set_defaults(threads=0)
+        fp4pass.mxfp4_to_nvfp4(mx, "auto", threads=0)
 
 
 def _mixed_group(seed: int):

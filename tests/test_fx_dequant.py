@@ -55,8 +55,10 @@ def test_mxfp4_matches_ml_dtypes_bit_for_bit(chunk):
     assert np.isinf(want).any() and (want.view(np.uint32) == 0x80000000).any()
 
 
-@pytest.mark.parametrize("g_shape", [(), (3,), (3, 10)])
-def test_nvfp4_matches_ml_dtypes_bit_for_bit(g_shape):
+@pytest.mark.parametrize("g_shape, tables", [((), 256), ((3,), 256), ((3, 10), 256), ((3, 10), 0), ((3,), 0)])
+def test_nvfp4_matches_ml_dtypes_bit_for_bit(g_shape, tables, monkeypatch):
+    """A table per global-scale group, or (past ``_MAX_TABLES`` groups) a multiply pass: the same bits."""
+    monkeypatch.setattr(dequant, "_MAX_TABLES", tables)
     rng = np.random.default_rng(len(g_shape))
     codes = rng.integers(0, 256, (3, 10, 48), dtype=np.uint8)
     scales = rng.integers(0, 0x7F, (3, 10, 6), dtype=np.uint8)  # every finite E4M3 code, subnormals included

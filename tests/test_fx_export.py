@@ -290,3 +290,52 @@ def test_each_weight_keeps_its_own_named_global_scale():
     assert sorted(readers) == ["global_scale0", "global_scale1", "global_scale2"]  # one reader each
     results = ReferenceEvaluator(proto).run(None, {"x": x.numpy()})
     np.testing.assert_allclose(results[0], model(x).numpy(), rtol=1e-4, atol=1e-3)
+
+
+class _TwoLinears(torch.nn.Module):
+    """Two MXFP4 linears whose weights hold the same values in another row order: equal NVFP4 global scales."""
+
+    def __init__(self):
+        super().__init__()
+        from fp4pass.fx.mxfp4 import MXFP4Linear
+
+        g = torch.Generator().manual_seed(4)
+        first = torch.nn.Linear(64, 64, bias=False)
+        second = torch.nn.Linear(64, 64, bias=False)
+        with torch.no_grad():
+            first.weight.copy_(torch.randn(64, 64, generator=g))
+            second.weight.copy_(first.weight.flip(0))
+        self.a, self.b = MXFP4Linear.from_linear(first), MXFP4Linear.from_linear(second)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("form", ["dq", "alpha"])
+def test_a_converted_program_exports_each_weights_own_scales(form):
+    """After fx.convert (whose node names torch.onnx renumbers), each weight's DQ and alpha Mul read the
+    scales named after that weight: global_scale (dq), scale_one and alpha (alpha), with the program's values."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    program, _ = fp4pass.fx.convert(torch.export.export(_TwoLinears(), (x,)), scale_form=form)
+    kinds = ["global_scale"] if form == "dq" else ["scale_one", "alpha"]
+    state = program.state_dict
+    for kind in kinds:
+        assert torch.equal(state[f"a.weight_nvfp4_{kind}"], state[f"b.weight_nvfp4_{kind}"])  # merge bait
+    proto = ir.serde.serialize_model(fp4pass.fx.export(program, (x,)))
+    onnx.checker.check_model(proto, full_check=True)
+    readers, initializers = {}, {t.name for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        for name in node.input:
+            if name in initializers and "_nvfp4_" in name and not name.endswith(("_codes", "_scales")):
+                readers.setdefault(name, []).append(node)
+    assert sorted(readers) == sorted(f"{w}.weight_nvfp4_{k}" for w in "ab" for k in kinds)
+    for name, nodes in readers.items():
+        assert len(nodes) == 1  # one reader each, its own weight's
+        weight = name.split(".")[0]
+        if name.endswith("_alpha"):
+            assert nodes[0].op_type == "Mul"
+        else:
+            assert nodes[0].op_type == "DequantizeLinear" and nodes[0].input[0] == f"{weight}.weight_nvfp4_scales"
+        np.testing.assert_array_equal(numpy_helper.to_array(_initializer(proto, name)), state[name].numpy())
+    got = ReferenceEvaluator(proto).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(got, program.module()(x).detach().numpy(), rtol=1e-4, atol=1e-3)

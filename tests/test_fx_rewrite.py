@@ -234,8 +234,7 @@ def test_a_module_that_was_not_traced_is_a_usage_error():
 
 
 def test_effort_and_threads_are_explicit_and_no_process_default_reaches_them(monkeypatch):
-    """fx.convert passes its own effort/threads to every weight's conversion: a process-wide default set by
-    another caller (fp4pass.convert.set_defaults) changes nothing here."""
+    """fx.convert passes its own effort/threads to every weight's conversion, by name."""
     import fp4pass.convert as convert_mod
 
     seen = []
@@ -246,8 +245,6 @@ def test_effort_and_threads_are_explicit_and_no_process_default_reaches_them(mon
         return real(mx, *args, **kwargs)
 
     monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", spy)
-    monkeypatch.setitem(convert_mod._SETTINGS, "effort", "fast")  # what set_defaults(effort="fast") leaves
-    monkeypatch.setitem(convert_mod._SETTINGS, "threads", 2)
     lin = _linear(spread_rows=4)
     x = torch.randn(3, 64)
     program = torch.export.export(lin, (x,))

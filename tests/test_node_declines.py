@@ -25,6 +25,12 @@ def cli(capsys, *argv):
     return code, capsys.readouterr().err
 
 
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 def replace_init(model: onnx.ModelProto, name: str, array: np.ndarray) -> None:
     tensor = B.init(model, name)
     tensor.CopyFrom(numpy_helper.from_array(array, name))
@@ -43,7 +49,7 @@ def qmoe_dequant_in(model: onnx.ModelProto, name: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fc1_prior, fc2_prior", [([1.0, 0.5], [4.0, 0.125]), ([2.0, 1.0], [1.0, 1.0]),
-                                                  ([1.0, 1.0], [0.25, 8.0])])
+                                                  ([1.0, 1.0], [0.25, 8.0]), ([2.0, 2.0], [0.5, 0.5])])
 def test_each_qmoe_projection_keeps_its_own_prior_global_scale(fc1_prior, fc2_prior):
     """Every dequantized value after the rewrite equals the input's, per projection, with priors that differ
     between fc1 and fc2 (and one of them all ones, which the rewrite treats as absent): reading fc2's prior
@@ -58,6 +64,52 @@ def test_each_qmoe_projection_keeps_its_own_prior_global_scale(fc1_prior, fc2_pr
         g_out = numpy_helper.to_array(B.init(out, f"{name}.global_scale"))
         assert np.array_equal(before, qmoe_nvfp4_kernel_dequant(w_out, s_out, g_out)), name
     assert [t["name"] for t in report["tensors"]] == ["fc1.weight", "fc2.weight"]
+    assert not {"fc1.scales", "fc2.scales"} & {t.name for t in out.graph.initializer}  # E8M0 scales dropped
+
+
+@pytest.mark.parametrize("inputs", [17, 15])
+def test_the_rewritten_qmoe_values_carry_their_types_and_shapes(inputs):
+    """Through the onnx_ir API the model comes back as an onnx_ir.Model: each value the rewrite set (the
+    weights in the kernel layout, the E4M3 scales, the global scales, kept or added) has the type and shape
+    of its tensor, as a later pass (or the caller) reads them."""
+    import onnx_ir as ir
+
+    proto = B.qmoe_model(e=3, global_scale=[1.0, 0.5, 2.0], fc2_global_scale=[2.0, 0.25, 1.0])
+    del proto.graph.node[0].input[inputs:]
+    model, _ = convert(ir.serde.deserialize_model(proto), target="ort")
+    node = next(n for n in model.graph if n.op_type == "QMoE")
+    want = {2: (ir.DataType.UINT8, [3, 64, 32]), 3: (ir.DataType.FLOAT8E4M3FN, [3, 64, 4]),
+            5: (ir.DataType.UINT8, [3, 32, 32]), 6: (ir.DataType.FLOAT8E4M3FN, [3, 64, 2]),
+            15: (ir.DataType.FLOAT, [3]), 16: (ir.DataType.FLOAT, [3])}
+    for index, (dtype, shape) in want.items():
+        value = node.inputs[index]
+        assert value.dtype == dtype and value.shape is not None and list(value.shape) == shape, index
+        assert list(value.const_value.shape) == shape and value.const_value.dtype == dtype, index
+
+
+@pytest.mark.parametrize("inputs", [15, 16, 8])
+def test_a_qmoe_without_trailing_global_scale_inputs_gets_them(inputs):
+    """The node's input list may end before fc1_global_scale (15 inputs or fewer) or before fc2's (16): the
+    rewrite appends the missing ones, and every value dequantizes as before (priors of 1 where absent)."""
+    original = B.qmoe_model(global_scale=[1.0, 0.5], fc2_global_scale=[2.0, 0.25])
+    node = original.graph.node[0]
+    del node.input[inputs:]
+    kept = {name for name in node.input}
+    for tensor in list(original.graph.initializer):
+        if tensor.name.endswith("global_scale") and tensor.name not in kept:
+            original.graph.initializer.remove(tensor)
+            original.graph.initializer.append(numpy_helper.from_array(np.ones(2, np.float32), tensor.name))
+    out, report = convert(original, target="ort")
+    onnx.checker.check_model(out, full_check=True)
+    assert len(out.graph.node[0].input) == 17
+    for name in ("fc1", "fc2"):
+        before = qmoe_dequant_in(original, name)  # absent inputs read as the ones written above
+        names = list(out.graph.node[0].input)
+        g_name = names[15 if name == "fc1" else 16]
+        w_out = numpy_helper.to_array(B.init(out, f"{name}.weight"))
+        s_out = numpy_helper.to_array(B.init(out, f"{name}.weight_scale_e4m3"))
+        g_out = numpy_helper.to_array(B.init(out, g_name))
+        assert np.array_equal(before, qmoe_nvfp4_kernel_dequant(w_out, s_out, g_out)), name
 
 
 # -- QMoE: the global scale inputs are validated, the node declined with the reason ---------------------------
@@ -102,6 +154,17 @@ def test_a_qmoe_with_bad_global_scale_inputs_is_declined_with_its_reason(case):
     assert declined["pattern"] == "qmoe" and declined["node"] == "moe"
     assert reason in declined["reason"], declined["reason"]
     assert [a.s for a in out.graph.node[0].attribute if a.name == "quant_type"] == [b"fp4"]
+
+
+@pytest.mark.parametrize("case", ["wrong_length", "names_own_weight"])
+def test_diff_leaves_such_a_qmoe_unlowered_and_exits_2(tmp_path, capsys, caplog, case):
+    """diff lowers QMoE 'fp4' for onnxruntime; a global scale of the wrong size was an exit 3 there (a reshape
+    error). It is left unlowered with the reason, and the runtime's refusal is the one error line."""
+    onnx.save(qmoe_with(CASES[case][0]), tmp_path / "m.onnx")
+    code, err = cli(capsys, "diff", tmp_path / "m.onnx", tmp_path / "m.onnx", "--quiet")
+    assert code == 2 and "Traceback" not in err, err
+    assert "m.onnx" in one_line(err)  # the runtime's refusal of the unlowered QMoE, in one line
+    assert "values for 2 experts" in caplog.text  # the lowering's warning names the reason
 
 
 def test_zero_experts_is_declined(tmp_path, capsys):

@@ -300,3 +300,29 @@ def test_every_expert_is_within_its_oracle_bound_and_reported_exactly(method):
         # expert 1: the block at k_max - 18 is requantized to the same values with other nibbles
         assert entry["per_expert"][1]["blocks16_verbatim"] < entry["per_expert"][1]["blocks16_total"]
 
+
+
+def test_effort_and_threads_reach_every_weight_conversion_by_argument(monkeypatch, tmp_path):
+    """``fp4pass.onnx.convert`` and the ``convert`` command name effort and threads to each weight's
+    conversion; one run's choice leaves nothing behind for the next (no process-wide setting)."""
+    import fp4pass.convert as convert_mod
+    import fp4pass.onnx
+    from fp4pass.cli import main
+
+    seen = []
+    real = convert_mod.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((kwargs.get("effort"), kwargs.get("threads")))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", spy)
+    fp4pass.onnx.convert("models/moe.onnx", effort="fast", threads=2)
+    assert seen == [("fast", 2)] * 2
+    seen.clear()
+    assert main(["convert", "models/moe.onnx", "-o", str(tmp_path / "a.onnx"), "--effort", "fast", "--threads", "3",
+                 "--quiet"]) == 0
+    assert seen == [("fast", 3)] * 2
+    seen.clear()
+    assert main(["convert", "models/moe.onnx", "-o", str(tmp_path / "b.onnx"), "--quiet"]) == 0
+    assert seen == [("best", 1)] * 2

@@ -17,7 +17,7 @@ from tests.oracles import qmoe_kernel_codes
 
 
 def _qmoe(hidden: int, inter: int, layout: str, fused: bool = True, experts: int = 2, producer: str = "",
-          node_layout: str | None = None, bias: bool = True, codes=None):
+          node_layout: str | None = None, bias: bool = True, codes=None, fusion_attribute: bool = True):
     """A QMoE 'fp4' model; weights written in ``layout`` by this test's own packing (no fp4pass code)."""
     rng = np.random.default_rng(0)
     n1 = 2 * inter if fused else inter
@@ -41,7 +41,7 @@ def _qmoe(hidden: int, inter: int, layout: str, fused: bool = True, experts: int
     ins += [""] * 7 + ["fc1.g", "fc2.g"]
     attrs = dict(k=1, activation_type="swiglu" if fused else "relu", expert_weight_bits=4, quant_type="fp4",
                  block_size=32)
-    if fused:
+    if fused and fusion_attribute:
         attrs["swiglu_fusion"] = 1
     node = helper.make_node("QMoE", ins, ["y"], name="moe", domain="com.microsoft", **attrs)
     if node_layout:
@@ -68,6 +68,15 @@ def test_fused_swiglu_layout_is_told_by_the_shapes(hidden, inter, layout):
         assert "fc1 alone fits both" in found.reason
     if hidden == inter:
         assert "fc2 alone fits both" in found.reason
+
+
+@pytest.mark.parametrize("layout", [SCHEMA, KERNEL])
+def test_swiglu_without_the_fusion_attribute_is_fused(layout):
+    """activation_type 'swiglu' alone means fc1 holds gate and up (onnxruntime reads swiglu_fusion 0 as 1):
+    N1 = 2 x inter_size. Read as unfused, the sizes would not chain and the node would be declined."""
+    model, _ = _qmoe(128, 96, layout, fusion_attribute=False)
+    found = detect(_node(model), 32)
+    assert found.layout == layout and found.dims == {"fc1": (192, 128), "fc2": (128, 96)}, found.reason
 
 
 def test_unfused_square_node_is_declined_without_a_hint():
@@ -159,7 +168,8 @@ def test_lossless_conversion_writes_the_same_codes_in_the_kernel_layout(layout, 
 _HINT_SOURCES = ["node", "model_metadata", "producer", "genai_config"]
 _ONLY_KERNEL = ("producer", "genai_config")
 _PRECEDENCE_CASES = [(high, low, says) for i, high in enumerate(_HINT_SOURCES) for low in _HINT_SOURCES[i + 1:]
-                     if high not in _ONLY_KERNEL for says in ((SCHEMA, KERNEL) if low not in _ONLY_KERNEL else (SCHEMA,))]
+                     if high not in _ONLY_KERNEL
+                     for says in ((SCHEMA, KERNEL) if low not in _ONLY_KERNEL else (SCHEMA,))]
 
 
 @pytest.mark.parametrize("high, low, high_says", _PRECEDENCE_CASES)
@@ -181,3 +191,110 @@ def test_a_higher_hint_wins_over_a_lower_one_that_contradicts_it(high, low, high
     assert found.layout == high_says, found.reason
     records, declined = find_mxfp4(model, model_dir)
     assert not declined and [r.layout for r in records] == [high_says, high_says]
+
+
+@pytest.mark.parametrize("layout", [SCHEMA, KERNEL])
+def test_a_node_whose_inputs_end_after_fc2s_scales_is_read(layout):
+    """Inputs 7 (fc2 bias) and later are optional and may be cut off, not just left empty."""
+    model, _ = _qmoe(128, 96, layout)
+    node = _node(model)
+    node.resize_inputs(7)
+    found = detect(node, 32)
+    assert found.layout == layout and found.dims == {"fc1": (192, 128), "fc2": (128, 96)}, found.reason
+
+
+@pytest.mark.parametrize("what, reason", [
+    ("features", "input has 80 features, not hidden_size=128"),
+    ("hidden_size", "attribute hidden_size=130, not 128"),
+    ("inter_size", "attribute inter_size=98, not 96"),
+    ("fc1_bias", "fc1 bias has 190 outputs, not N=192"),
+])
+def test_the_sizes_a_node_states_elsewhere_must_agree(what, reason):
+    """The input's last dim, the hidden_size / inter_size attributes and the biases each state a size the
+    weights must agree with; one that disagrees declines the node, naming it (shapes that fit one layout)."""
+    model, _ = _qmoe(128, 96, KERNEL)
+    node = _node(model)
+    if what == "features":
+        node.inputs[0].shape = ir.Shape(["t", 80])
+    elif what == "fc1_bias":
+        node.inputs[4].const_value = ir.tensor(np.zeros((2, 190), np.float32))
+    else:
+        node.attributes[what] = ir.AttrInt64(what, 130 if what == "hidden_size" else 98)
+    found = detect(node, 32)
+    assert found.layout is None and reason in found.reason, found.reason
+
+
+def test_the_reasons_name_what_decided():
+    """The reason strings a report shows, in full, for the shapes alone, the shapes with one ambiguous
+    projection, a genai_config.json hint, and shapes that fit neither layout."""
+    model, _ = _qmoe(128, 96, KERNEL)
+    assert detect(_node(model), 32).reason == "shapes"
+    model, _ = _qmoe(128, 64, SCHEMA)
+    assert detect(_node(model), 32).reason == "shapes; fc1 alone fits both layouts, the other projection decides"
+    model, _ = _qmoe(64, 64, KERNEL, fused=False)
+    assert detect(_node(model), 32, Hints(genai_config=True)).reason == (
+        "shapes fit both layouts; genai_config.json beside the model (onnxruntime-genai writes the kernel layout)")
+    model, _ = _qmoe(128, 96, KERNEL)
+    node = _node(model)
+    node.inputs[3].const_value = ir.tensor(np.zeros((2, 192, 3), np.uint8))  # fc1 scales: K/32 = 3, not 4
+    assert detect(node, 32).reason == (
+        "weights fit neither QMoE layout (fc1 weights [2, 128, 96] scales [2, 192, 3]; fc2 weights [2, 96, 64] "
+        "scales [2, 128, 3]): schema [E, N, K/2]: fc1, fc2 shapes do not fit; kernel [E, K, N/2]: fc1 shapes do "
+        "not fit")
+
+
+@pytest.mark.parametrize("cut, reason", [
+    ("inputs_5", "fc2 weights None / scales None are not 3-D"),
+    ("inputs_6", "fc2 weights (2, 96, 64) / scales None are not 3-D"),
+    ("no_fc1_weight", "fc1 weights None / scales (2, 192, 4) are not 3-D"),
+    ("weight_2d", "fc1 weights (128, 96) / scales (2, 192, 4) are not 3-D"),
+    ("experts_differ", "fc1 weights (2, 128, 96) / scales (3, 192, 4) are not 3-D"),
+    ("symbolic", "fc1 weights None / scales (2, 192, 4) are not 3-D"),
+])
+def test_weights_of_unknown_or_wrong_shape_are_declined(cut, reason):
+    """detect (also run by the lowering, before any pattern check) on nodes with weights or scales missing,
+    cut off, 2-D, with different expert counts, or graph inputs of symbolic shape."""
+    model, _ = _qmoe(128, 96, KERNEL)
+    node = _node(model)
+    if cut == "inputs_5":
+        node.resize_inputs(5)
+    elif cut == "inputs_6":
+        node.resize_inputs(6)
+    elif cut == "no_fc1_weight":
+        node.replace_input_with(2, None)
+    elif cut == "weight_2d":
+        node.inputs[2].const_value = ir.tensor(np.zeros((128, 96), np.uint8))
+    elif cut == "experts_differ":
+        node.inputs[3].const_value = ir.tensor(np.zeros((3, 192, 4), np.uint8))
+    else:
+        w = ir.Value(name="w_in", shape=ir.Shape(["e", 128, 96]), type=ir.TensorType(ir.DataType.UINT8))
+        model.graph.inputs.append(w)
+        node.replace_input_with(2, w)
+    found = detect(node, 32)
+    assert found.layout is None and reason in found.reason, found.reason
+
+
+def test_weights_given_as_graph_inputs_are_read_from_their_declared_shapes():
+    """Weights that are graph inputs of static shape: the layout is told from the declared shapes (the
+    pattern then declines them, as they are not stored; the lowering reads the layout the same way)."""
+    model, _ = _qmoe(128, 96, KERNEL)
+    node = _node(model)
+    for index in (2, 5):
+        old = node.inputs[index]
+        w = ir.Value(name=f"{old.name}_in", shape=ir.Shape(list(old.const_value.shape)),
+                     type=ir.TensorType(ir.DataType.UINT8))
+        model.graph.inputs.append(w)
+        node.replace_input_with(index, w)
+    found = detect(node, 32)
+    assert found.layout == KERNEL and found.dims == {"fc1": (192, 128), "fc2": (128, 96)}, found.reason
+
+
+def test_a_scale_shape_that_fits_half_of_a_layouts_rule_is_no_fit():
+    """The kernel rule needs both c == 2b and d * B == a: scales whose first dim fits (c == 2b) but whose
+    last does not are refused, as are the schema rule's halves."""
+    model, _ = _qmoe(128, 96, KERNEL)
+    node = _node(model)
+    node.inputs[3].const_value = ir.tensor(np.zeros((2, 192, 5), np.uint8))  # c = 192 = 2b; d * 32 = 160 != 128
+    node.inputs[6].const_value = ir.tensor(np.zeros((2, 128, 5), np.uint8))  # c = 128 = 2b; d * 32 = 160 != 96
+    found = detect(node, 32)
+    assert found.layout is None and "fit neither" in found.reason, found.reason

@@ -141,8 +141,8 @@ def bench_fx(device: torch.device, quick: bool) -> list[BenchResult]:
                                "one forward of each program", plain, goal=3.0, extra=stages))
 
     eager(False), eager(True)  # warm-up
-    dense_s = _seconds(lambda: eager(False), repeat=2)
-    routed_s = _seconds(lambda: eager(True), repeat=2)
+    dense_s = _seconds(lambda: eager(False))
+    routed_s = _seconds(lambda: eager(True))
     results.append(BenchResult(f"fx routed experts forward [1,{TOKENS}] [{shape}]", routed_s,
                                "dense experts forward (eager)", dense_s, goal=0.25))
 

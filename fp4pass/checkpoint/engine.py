@@ -31,7 +31,7 @@ from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
-from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPREAD
+from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, E8M0_NAN, LOSSLESS_SPREAD
 from fp4pass.metrics import snr_db
 
 __all__ = ["Converted", "convert_linears", "convert_fused", "convert_experts", "measure", "stats_entry"]
@@ -69,10 +69,10 @@ def takes_lossless_path(scales: torch.Tensor, method: str) -> bool:
         return False
     flat = scales.reshape(-1).numpy()
     lo, hi = int(flat.min()), int(flat.max())
-    return hi != 255 and hi - lo <= LOSSLESS_SPREAD and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
+    return hi != E8M0_NAN and hi - lo <= LOSSLESS_SPREAD and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
 
 
-def stats_entry(stats, experts: int = 1) -> dict:
+def stats_entry(stats) -> dict:
     """The report's keys of a :class:`fp4pass.convert.ConversionStats` (or a dict of them)."""
     d = stats.to_json() if hasattr(stats, "to_json") else dict(stats)
     d["lossless"] = d["blocks16_requantized"] == 0
@@ -120,13 +120,14 @@ def _lossless_part(halves: int, global_scale: float, method: str) -> dict:
             "lossless": True}
 
 
-def _convert(mx: MXFP4Tensor, method: str, where: list) -> tuple[NVFP4Tensor, object]:
-    """mxfp4_to_nvfp4 with one group; an error names the source tensors' shard and name."""
+def _convert(mx: MXFP4Tensor, method: str, where: list, options: dict) -> tuple[NVFP4Tensor, object]:
+    """mxfp4_to_nvfp4 with one group (``options``: its effort and threads); an error names the source tensors'
+    shard and name."""
     try:
-        return mxfp4_to_nvfp4(mx, method, group_dims=0)
+        return mxfp4_to_nvfp4(mx, method, group_dims=0, **options)
     except FP4PassError as exc:
         for entry, buffer in where:
-            bad = (buffer == 255).nonzero()
+            bad = (buffer == E8M0_NAN).nonzero()
             if bad.numel():
                 index = tuple(int(i) for i in bad[0].tolist())
                 raise CheckpointError(f"{entry.shard}: tensor {entry.name!r}: E8M0 code 255 (NaN) at index "
@@ -134,7 +135,7 @@ def _convert(mx: MXFP4Tensor, method: str, where: list) -> tuple[NVFP4Tensor, ob
         raise CheckpointError(f"{where[0][0].shard}: tensor {where[0][0].name!r}: {exc}") from None
 
 
-def convert_linears(catalog, linears: list[Linear], method: str) -> Converted:
+def convert_linears(catalog, linears: list[Linear], method: str, **options) -> Converted:
     """Convert one Linear or a gate/up pair (one shared S) read from ``catalog``.
 
     On ``auto``'s lossless path (decided from the scales, :func:`takes_lossless_path`) the codes are not read:
@@ -154,7 +155,7 @@ def convert_linears(catalog, linears: list[Linear], method: str) -> Converted:
             catalog.read(lin.codes.name, out=codes[i])
     mx = MXFP4Tensor(codes.reshape(n * rows, cols // 2), scales.reshape(n * rows, cols // 32), 32,
                      name=first.codes.name)
-    nv, stats = _convert(mx, method, [(lin.scales, scales[i]) for i, lin in enumerate(linears)])
+    nv, stats = _convert(mx, method, [(lin.scales, scales[i]) for i, lin in enumerate(linears)], options)
     if lossless and (nv.codes.data_ptr() != codes.data_ptr() or stats.blocks16_requantized):
         raise RuntimeError(f"{first.codes.name}: the engine did not keep the codes on its lossless path")
     s = float(nv.global_scale.reshape(()))
@@ -170,7 +171,7 @@ def convert_linears(catalog, linears: list[Linear], method: str) -> Converted:
     return Converted(None if lossless else out_codes, out_scales, s, parts)
 
 
-def convert_fused(catalog, unit: FusedExperts, method: str) -> Converted:
+def convert_fused(catalog, unit: FusedExperts, method: str, **options) -> Converted:
     """Convert a gpt-oss stack [E, N, K] with one S for all experts; figures per expert."""
     e, rows, cols = unit.experts, unit.rows, unit.cols
     scales = torch.empty((e, rows, cols // 32), dtype=torch.uint8)
@@ -182,7 +183,7 @@ def convert_fused(catalog, unit: FusedExperts, method: str) -> Converted:
         codes = torch.empty((e, rows, cols // 2), dtype=torch.uint8)
         catalog.read(unit.codes.name, out=codes)
     mx = MXFP4Tensor(codes, scales, 32, name=unit.codes.name)
-    nv, stats = _convert(mx, method, [(unit.scales, scales)])
+    nv, stats = _convert(mx, method, [(unit.scales, scales)], options)
     if lossless and (nv.codes.data_ptr() != codes.data_ptr() or stats.blocks16_requantized):
         raise RuntimeError(f"{unit.codes.name}: the engine did not keep the codes on its lossless path")
     s = float(nv.global_scale.reshape(()))
@@ -194,7 +195,7 @@ def convert_fused(catalog, unit: FusedExperts, method: str) -> Converted:
     return Converted(None if lossless else nv.codes, nv.scales, s, parts)
 
 
-def convert_experts(mx: MXFP4Tensor, method: str = "auto") -> tuple[NVFP4Tensor, list[dict]]:
+def convert_experts(mx: MXFP4Tensor, method: str = "auto", **options) -> tuple[NVFP4Tensor, list[dict]]:
     """An expert stack [E, N, K] with one S per expert, converted expert by expert.
 
     The result equals ``mxfp4_to_nvfp4(mx, method)`` group for group (per-expert groups); running each expert
@@ -207,7 +208,7 @@ def convert_experts(mx: MXFP4Tensor, method: str = "auto") -> tuple[NVFP4Tensor,
     parts = []
     for i in range(e):
         one = MXFP4Tensor(mx.codes[i], mx.scales[i], mx.block_size, name=f"{mx.name}[{i}]")
-        nv, stats = mxfp4_to_nvfp4(one, method, group_dims=0)
+        nv, stats = mxfp4_to_nvfp4(one, method, group_dims=0, **options)
         codes[i], scales[i] = nv.codes, nv.scales
         global_scale[i] = nv.global_scale.reshape(())
         parts.append(stats_entry(stats))

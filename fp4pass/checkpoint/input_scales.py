@@ -111,8 +111,8 @@ def resolve_input_scales(units, constant: float | None = None, scales=None, scal
             continue
         group = item.fill_group if isinstance(item, Linear) else None
         if group is None:
-            raise CheckpointError(f"{scales_path}: no input scale for {name} (not an expert, so none to borrow); "
-                                  "calibrate it or give --input-scale")
+            raise CheckpointError(f"{scales_path}: no input scale for {name} (not one expert of many, so there "
+                                  "is none to borrow); calibrate it or give --input-scale")
         if group not in layer_max:
             raise CheckpointError(f"{scales_path}: no input scale for any expert of {group[0]} ({group[1]}); "
                                   f"calibrate them or give --input-scale")

@@ -84,19 +84,14 @@ def exclude_list(kept_modules: list[str], converted_modules: list[str]) -> list[
     Layer and expert indices become ``*`` where the pattern then covers no converted module; else the name is
     listed as it is. Glob patterns, as ModelOpt writes them; compressed-tensors takes the ``re:`` form.
     """
-    converted = set(converted_modules)
-    converted_globs = {_glob(m) for m in converted}
-    out: list[str] = []
+    # a pattern (indices as *) matches a module exactly when the module's own pattern is that pattern, so one
+    # set of the converted modules' patterns decides: linear in the number of modules
+    converted_globs = {_glob(m) for m in converted_modules}
+    out: dict[str, None] = {}
     for module in kept_modules:
         pattern = _glob(module)
-        if pattern != module and pattern not in converted_globs and not any(
-                re.fullmatch(_regex(pattern), c) for c in converted if _glob(c) != c):
-            entry = pattern
-        else:
-            entry = module
-        if entry not in out:
-            out.append(entry)
-    return out
+        out.setdefault(pattern if pattern != module and pattern not in converted_globs else module)
+    return list(out)
 
 
 def _regex(pattern: str) -> str:

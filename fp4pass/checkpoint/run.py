@@ -31,13 +31,16 @@ import numpy as np
 import torch
 
 from fp4pass.checkpoint import engine, output_forms
+from fp4pass.checkpoint.byte_transpose import transpose_bytes, transpose_read
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
 from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
 from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec, ShardWriter
 from fp4pass.choices import Method, values
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import UsageError
+from fp4pass.formats.constants import E8M0_BIAS
 from fp4pass.io import atomic_folder
 
 __all__ = ["convert", "inspect", "CheckFailed", "DEFAULT_SHARD_BYTES"]
@@ -154,25 +157,32 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
                  scales: InputScales) -> None:
     """ModelOpt's gpt-oss layout: [E, N, K/2] -> [E, K/2, N] and [E, N, K/16] -> [E, K/16, N], expert by expert.
 
-    Codes kept as they are (``conv.codes`` None) are read from the source one expert at a time into a reused
-    buffer; each expert is transposed into one of two reused buffers while the other is being written (numpy's
-    copy and the write both release the GIL), so memory stays at a few experts and no page is faulted twice.
+    Each expert is transposed (cache-blocked; in two halves on two threads where the machine has two cores) into
+    one of two reused buffers while the other is being written (numpy's copy and the write both release the
+    GIL), so memory stays at a few experts and no page is faulted twice. Codes kept as they are (``conv.codes``
+    None) are read from the source a strip of rows at a time and transposed while in the cache
+    (:func:`transpose_read`); converted ones and the scales from memory (:func:`transpose_bytes`).
     """
     p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
     source = catalog.shards[unit.codes.shard]
-    staging = np.empty((n, k // 2), dtype=np.uint8) if conv.codes is None else None
-    with ThreadPoolExecutor(1) as pool:
+    row_bytes = k // 2
+
+    def reader(expert: int):
+        def read(begin: int, stop: int, rows: np.ndarray) -> None:
+            source.read_bytes(unit.codes.name, (expert * n + begin) * row_bytes, rows)
+        return read
+
+    with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as helper:
+        halves = helper if (os.cpu_count() or 1) > 1 else None
         pending = None
         for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
             buffers = [np.empty((width, n), dtype=np.uint8) for _ in range(2)]
             for i in range(e):
-                if stack is None:
-                    source.read_bytes(unit.codes.name, i * n * (k // 2), staging)
-                    block = staging
-                else:
-                    block = stack[i].numpy()
                 out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
-                np.copyto(out, block.T)
+                if stack is None:
+                    transpose_read(reader(i), out, pool=halves)
+                else:
+                    transpose_bytes(stack[i].numpy(), out, pool=halves)
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(writer.write_part, name, out)
@@ -189,8 +199,9 @@ def _report_entry(unit, lin_or_unit, part_list: list[dict], conv: engine.Convert
         totals = _totals(part_list)
         entry = {"name": unit.name, "form": unit.form, "source": [unit.codes.name, unit.scales.name],
                  "shard": unit.codes.shard, "shape": [unit.experts, unit.rows, unit.cols], "experts": unit.experts,
-                 **totals, "global_scale": [conv.global_scale], "experts_lossless": sum(p["lossless"] for p in part_list),
-                 "per_expert": part_list, "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
+                 **totals, "global_scale": [conv.global_scale],
+                 "experts_lossless": sum(p["lossless"] for p in part_list), "per_expert": part_list,
+                 "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
         if scales.values:
             entry["input_scale"] = scales.values[unit.name]
         return entry
@@ -257,7 +268,8 @@ def _open(src_dir, fmt: str, method: str):
 
 
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
-            method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False) -> dict:
+            method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
+            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``format``: "modelopt" or "compressed-tensors". ``input_scale``: one activation input_scale (a multiplier,
@@ -265,7 +277,8 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     module names (``fp4pass.checkpoint.input_scales``). Neither: weight-only. ``method``: the conversion
     method of ``fp4pass.convert`` (auto: lossless where the exponent spread allows, else the searched best).
     ``check``: read the result back with compressed-tensors and compare (``fp4pass.checkpoint.check``); a
-    failure raises :class:`CheckFailed` and nothing is written.
+    failure raises :class:`CheckFailed` and nothing is written. ``effort``, ``threads``: of every unit's
+    conversion (:func:`fp4pass.convert.mxfp4_to_nvfp4`).
     """
     fmt = format
     start = time.perf_counter()
@@ -287,13 +300,14 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
         exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found))
         entries: list[dict] = []
         with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
-            weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries)
+            weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
+                                       {"effort": effort, "threads": threads})
             _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
             report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start)
             if check:
                 from fp4pass.checkpoint.check import check_checkpoint
 
-                report["check"] = check_checkpoint(catalog, found, tmp, fmt)
+                report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
                 if not report["check"]["passed"]:
                     raise CheckFailed(report)
         report["summary"]["seconds"] = time.perf_counter() - start
@@ -301,7 +315,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
 
 
 def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scales: InputScales,
-                  entries: list[dict]) -> dict[str, str]:
+                  entries: list[dict], options: dict) -> dict[str, str]:
     weight_map: dict[str, str] = {}
     for shard_name, items in zip(plan.shard_names(), plan.shards):
         writer = ShardWriter(tmp / shard_name, [s for item in items for s in item.specs],
@@ -316,12 +330,12 @@ def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scal
                     continue
                 unit = item.unit
                 if isinstance(unit, FusedExperts):
-                    conv = engine.convert_fused(catalog, unit, method)
+                    conv = engine.convert_fused(catalog, unit, method, **options)
                     _write_fused(catalog, writer, unit, conv, in_scales)
                     entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
                 else:
                     members = _members(unit)
-                    conv = engine.convert_linears(catalog, members, method)
+                    conv = engine.convert_linears(catalog, members, method, **options)
                     _write_linears(catalog, writer, item, conv, fmt, in_scales)
                     for i, lin in enumerate(members):
                         partner = members[1 - i].module if len(members) == 2 else None
@@ -394,7 +408,7 @@ def inspect(src_dir) -> dict:
 
 def _spread(scales: torch.Tensor) -> tuple[int, int]:
     arr = scales.numpy()
-    return int(arr.min()) - 127, int(arr.max()) - 127
+    return int(arr.min()) - E8M0_BIAS, int(arr.max()) - E8M0_BIAS
 
 
 def _inspect_group(catalog: Catalog, group) -> list[dict]:

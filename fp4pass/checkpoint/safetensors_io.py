@@ -146,7 +146,7 @@ class SafetensorsFile:
         if not isinstance(info, dict):
             raise self._fail(f"tensor {name!r}: header entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise self._fail(f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise self._fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
@@ -289,7 +289,10 @@ class ShardWriter:
         spec = self.specs[self._index] if self._index < len(self.specs) else None
         if spec is None or spec.name != name:
             raise RuntimeError(f"{self.path.name}: wrote {name!r} where the plan has {spec and spec.name!r}")
-        view = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(np.ascontiguousarray(data)).cast("B")
+        if isinstance(data, torch.Tensor):
+            view = tensor_bytes(data)
+        else:
+            view = memoryview(np.ascontiguousarray(data)).cast("B")
         if self._written + len(view) > spec.nbytes:
             raise RuntimeError(f"{self.path.name}: {name!r} got more than its {spec.nbytes} bytes")
         self._write_all(view, repr(name))

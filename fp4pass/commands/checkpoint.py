@@ -19,6 +19,7 @@ FORMATS = ("modelopt", "compressed-tensors")
 CONVERT_EPILOG = """
 checkpoint folders (config.json + *.safetensors, MXFP4 experts in gpt-oss, compressed-tensors mxfp4-pack-quantized
 or DeepSeek-V4 form) convert into a new folder:
+  fp4pass convert models/checkpoints/kimi -o kimi-nvfp4 --format compressed-tensors --check   # bundled example
   fp4pass convert gpt-oss-20b -o gpt-oss-20b-nvfp4 --format modelopt --check
   fp4pass convert kimi-k3 -o kimi-k3-nvfp4 --format compressed-tensors --input-scale 1.0 --report report.json
   fp4pass convert deepseek-v4 -o deepseek-v4-nvfp4 --scales SCALES.json
@@ -28,7 +29,7 @@ experts have no compressed-tensors form (exit 2). --check reads the result back 
 (identical where the exponent spread is <= 17, else no worse than plain requantization).
 """
 
-INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b            # a checkpoint folder: MXFP4 weights, spread, lossless forecast
+INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b        # a checkpoint folder: MXFP4 weights, spread, lossless forecast
 """
 
 # ONNX-only flags of ``fp4pass convert`` and their defaults: given with a folder they are refused
@@ -99,14 +100,13 @@ def _convert(args) -> int:
     _check_flags(args)
     from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
     from fp4pass.checkpoint.run import DEFAULT_SHARD_BYTES
-    from fp4pass.convert import set_defaults
     from fp4pass.io import write_json
 
-    set_defaults(effort=args.effort, threads=args.threads)
     try:
         report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
                          scales=args.scales, method=args.method, check=args.check,
-                         max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES)
+                         max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
+                         threads=args.threads)
     except CheckFailed as failed:
         if args.report:
             write_json(args.report, failed.report)

@@ -127,16 +127,13 @@ def run(args) -> int:
     from fp4pass.io import write_json
     from fp4pass.pipeline import convert
     from fp4pass.onnx.report import format_report, summary_line
-    from fp4pass.convert import set_defaults
-
-    set_defaults(effort=args.effort, threads=args.threads)  # every weight conversion of this command
     _, report = convert(
         args.model, method=args.method, scale_form=args.scale_form, target=args.target, calib=args.calib,
         calibrator=args.calibrator, scales=args.scales, provider=args.provider, output=args.output,
         external_data=args.external_data, check=args.check, show_progress=None if not args.quiet else False,
         calibrator_options=calibrator_options(args), snr_min=snr_min, allow_invalid=args.allow_invalid,
         check_inputs=args.inputs, check_shapes=dict(parse_shape(s) for s in args.shape),
-        past_length=args.past_length,
+        past_length=args.past_length, effort=args.effort, threads=args.threads,
     )
     if args.report:
         write_json(args.report, report)

@@ -35,7 +35,7 @@ from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPR
 from fp4pass.metrics import snr_db
 
 __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
-           "intra_op_threads", "set_defaults"]
+           "DEFAULT_EFFORT", "DEFAULT_THREADS", "intra_op_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ DEFAULT_EFFORT = "best"
 #: torch intra-op threads during a conversion. One measured fastest on a 2-core machine shared with other
 #: work (the ops are short and memory-bound; a second thread mostly waits at barriers).
 DEFAULT_THREADS = 1
-_SETTINGS = {"effort": DEFAULT_EFFORT, "threads": DEFAULT_THREADS}
 #: E4M3 holds the 18 exact powers of two 2^-9..2^8, so 18 consecutive exponents (spread 17) fit verbatim.
 CHUNK_ELEMENTS = 1 << 22
 
@@ -59,8 +58,8 @@ def mxfp4_to_nvfp4(
     *,
     m_rule: str = "search",
     chunk_elements: int = CHUNK_ELEMENTS,
-    effort: str | None = None,
-    threads: int | None = None,
+    effort: str = DEFAULT_EFFORT,
+    threads: int | None = DEFAULT_THREADS,
 ) -> tuple[NVFP4Tensor, ConversionStats]:
     """Convert ``mx`` to NVFP4 with ``method`` (requant | verbatim | hybrid | auto; see ``methods``).
 
@@ -68,32 +67,16 @@ def mxfp4_to_nvfp4(
     else 0). ``reference``: the original high-precision tensor, for ``stats.mse_vs_reference``.
     ``m_rule`` (verbatim only): "midpoint" or "search". ``effort`` (auto only): "best" (the wide search)
     or "fast" (the narrow one); see ``methods``. ``threads``: torch intra-op threads during the call
-    (restored afterwards). None for either: those of ``set_defaults`` ("best" and 1 unless changed). Returns the NVFP4 tensor
-    (global scale of shape ``shape[:group_dims]``, a dequant multiplier) and its :class:`ConversionStats`.
+    (restored afterwards; None leaves the caller's). Both are arguments of every call that converts (the ONNX
+    pipeline, the fx pass, checkpoints), never process-wide settings. Returns the NVFP4 tensor (global scale
+    of shape ``shape[:group_dims]``, a dequant multiplier) and its :class:`ConversionStats`.
     """
-    effort = _SETTINGS["effort"] if effort is None else effort
-    threads = _SETTINGS["threads"] if threads is None else threads
     if effort not in EFFORTS:
         raise UsageError(f"{mx.name}: unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
     if threads is not None and threads < 1:
         raise UsageError(f"{mx.name}: threads must be >= 1, got {threads}")
     with intra_op_threads(threads):
         return _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort)
-
-
-def set_defaults(*, effort: str | None = None, threads: int | None = None) -> None:
-    """The ``effort``/``threads`` of later conversions that do not name them (None: unchanged).
-
-    How a command (``fp4pass convert --effort fast --threads 2``) reaches every conversion of a model.
-    """
-    if effort is not None and effort not in EFFORTS:
-        raise UsageError(f"unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
-    if threads is not None and threads < 1:
-        raise UsageError(f"threads must be >= 1, got {threads}")
-    if effort is not None:
-        _SETTINGS["effort"] = effort
-    if threads is not None:
-        _SETTINGS["threads"] = threads
 
 
 @contextlib.contextmanager

@@ -127,7 +127,8 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
     for layer in range(layers):
         prefix = f"model.layers.{layer}" if form != "deepseek" else f"layers.{layer}"
         attn = f"{prefix}.self_attn" if form != "deepseek" else f"{prefix}.attn"
-        norm_names = ("input_layernorm", "post_attention_layernorm") if form != "deepseek" else ("attn_norm", "ffn_norm")
+        norm_names = (("input_layernorm", "post_attention_layernorm") if form != "deepseek"
+                      else ("attn_norm", "ffn_norm"))
         out.add(f"{prefix}.{norm_names[0]}.weight", _bf16(rng, h))
         for proj in ("q_proj", "k_proj", "v_proj") if form != "deepseek" else ("wq", "wkv"):
             out.add(f"{attn}.{proj}.weight", _bf16(rng, h, h))
@@ -194,7 +195,8 @@ def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) ->
         return {**base, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                 "num_local_experts": experts, "experts_per_token": min(4, experts),
                 "quantization_config": {"quant_method": "mxfp4",
-                                        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                        "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                   "model.layers.*.mlp.router",
                                                                    "model.embed_tokens", "lm_head"]}}
     if form == "compressed-tensors":
         return {**base, "architectures": ["KimiK3ForCausalLM"], "model_type": "kimi_k3", "n_routed_experts": experts,
@@ -204,7 +206,8 @@ def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) ->
                                             "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
                                             "format": "mxfp4-pack-quantized"}},
                                         "ignore": ["lm_head"], "quantization_status": "compressed"}}
-    return {**base, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "n_routed_experts": experts,
+    return {**base, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "n_routed_experts": experts,
             "expert_dtype": "fp4",
             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                     "weight_block_size": [128, 128]}}

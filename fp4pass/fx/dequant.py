@@ -6,14 +6,16 @@ hold a temporary wider than a chunk:
 
 - the output, float32 [..., K], is allocated once;
 - the packed codes are read ``chunk_elements`` output values at a time (whole rows; for expert weights
-  [E, N, K/2] a chunk is a run of rows of one or a few experts): each byte b (two E2M1 codes, element 2i in
-  the low nibble, 2i+1 in the high) is widened to an int32 index into a 256-entry table of value pairs
-  ``(e2m1(b & 15), e2m1(b >> 4))``, gathered straight into the output's rows (each pair of float32 moved as
-  one 8-byte word: a float64 view used as a bit container, never computed with);
-- the block scales of the chunk come from a 256-entry table too, and multiply the rows in place.
+  [E, N, K/2] a chunk is a run of rows of one or a few experts). Each byte b (two E2M1 codes, element 2i in
+  the low nibble, 2i+1 in the high) and the scale code s of its block form one int32 index ``s * 256 + b``
+  into a table of 256 x 256 value pairs ``(e2m1(b & 15) * m(s), e2m1(b >> 4) * m(s))``, m(s) the block's
+  multiplier in FP32; the pairs are gathered straight into the output's rows, each pair of float32 moved as
+  one 8-byte word (a float64 view used as a bit container, never computed with). One gather per value and no
+  pass over the output afterwards; the table (512 KiB) is built once for MXFP4, once per global-scale group
+  for NVFP4.
 
 Peak extra memory: the output plus about ``chunk_elements`` x 2 bytes of index (8 MiB by default) and the
-chunk's scales. The scales are multipliers applied on dequantize:
+table. The scales are multipliers applied on dequantize:
 
 - MXFP4: ``x = e2m1(code) * 2^(s - 127)``, s the E8M0 code of each 32-block (code 255, NaN, is refused);
 - NVFP4: ``x = e2m1(code) * (e4m3(s) * G)``, s the E4M3 code of each 16-block and G the FP32 global scale
@@ -30,29 +32,45 @@ import torch
 from fp4pass.errors import FormatError, ShapeError
 from fp4pass.formats import MX_BLOCK_SIZE, NV_BLOCK_SIZE
 from fp4pass.formats.codecs import check_e8m0
-from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS
+from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS, E8M0_MAX_EXP
 
 __all__ = ["dequantize_mxfp4", "dequantize_nvfp4", "CHUNK_ELEMENTS"]
 
 #: output values dequantized per step: an int32 index of half as many entries (8 MiB) is the temporary
 CHUNK_ELEMENTS = 1 << 22
 
-_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+_PAIRS: dict[torch.device, torch.Tensor] = {}
+_MX_TABLES: dict[torch.device, torch.Tensor] = {}
+#: NVFP4 global-scale groups up to which each gets its own table (one per expert); more (a scale per row) fall
+#: back to a multiply pass over the output
+_MAX_TABLES = 256
 
 
-def _table(kind: str, device: torch.device) -> torch.Tensor:
-    key = (kind, device)
-    if key not in _TABLES:
-        codes = torch.arange(256, dtype=torch.int32)
-        if kind == "pairs":  # byte -> (low-nibble value, high-nibble value)
-            lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-            table = torch.stack([lut[codes & 15], lut[codes >> 4]], dim=1)
-        elif kind == "e8m0":  # 2^(code - 127); code 255 (NaN) never reaches the table
-            table = torch.ldexp(torch.ones(256), (codes - E8M0_BIAS).clamp(max=127).float())
-        else:  # e4m3fn codes -> float32
-            table = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
-        _TABLES[key] = table.contiguous().to(device)
-    return _TABLES[key]
+def _pairs(device: torch.device) -> torch.Tensor:
+    """float32 [256, 2]: byte -> (e2m1(low nibble), e2m1(high nibble))."""
+    if device not in _PAIRS:
+        codes = torch.arange(256)
+        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        _PAIRS[device] = torch.stack([lut[codes & 15], lut[codes >> 4]], dim=1).to(device)
+    return _PAIRS[device]
+
+
+def _scaled_table(multipliers: torch.Tensor) -> torch.Tensor:
+    """float64 words [256 * 256]: entry ``s * 256 + b`` holds the float32 pair of byte b times multipliers[s]."""
+    pairs = _pairs(multipliers.device)
+    table = pairs.unsqueeze(0) * multipliers.reshape(256, 1, 1)  # [s, b, 2], each product rounded once in FP32
+    return table.contiguous().view(torch.float64).reshape(256 * 256)
+
+
+def _mx_table(device: torch.device) -> torch.Tensor:
+    if device not in _MX_TABLES:  # 2^(s - 127); s = 255 (NaN) is refused before any lookup
+        exponents = (torch.arange(256) - E8M0_BIAS).clamp(max=E8M0_MAX_EXP).float()
+        _MX_TABLES[device] = _scaled_table(torch.ldexp(torch.ones(256), exponents).to(device))
+    return _MX_TABLES[device]
+
+
+def _e4m3_values(device: torch.device) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
 
 
 def _check(codes: torch.Tensor, scales: torch.Tensor, block: int, name: str) -> tuple[int, int]:
@@ -69,22 +87,22 @@ def _check(codes: torch.Tensor, scales: torch.Tensor, block: int, name: str) -> 
     return math.prod(codes.shape[:-1]), k
 
 
-def _dequantize(codes: torch.Tensor, row_scales, rows: int, k: int, block: int, chunk_elements: int) -> torch.Tensor:
-    """The shared loop: ``row_scales(r0, r1)`` gives float32 [r1 - r0, K/block] multipliers of those rows."""
-    out = torch.empty((*codes.shape[:-1], k), dtype=torch.float32, device=codes.device)
-    if out.numel() == 0:
-        return out
-    pairs = _table("pairs", codes.device).view(torch.float64).reshape(256)  # 8-byte words, bits only
-    flat_codes = codes.reshape(rows, k // 2)
-    flat_out = out.view(rows, k)
+def _fill(out_rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, block: int,
+          chunk_elements: int) -> None:
+    """Write ``out_rows`` [R, K] from ``codes`` [R, K/2] and ``scales`` [R, K/block] through ``table``."""
+    rows, k = out_rows.shape
+    if rows == 0 or k == 0:
+        return
     step = max(1, chunk_elements // k)
+    per_block = block // 2  # bytes of codes under one scale
+    index = torch.empty(min(rows, step) * (k // 2), dtype=torch.int32, device=codes.device)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        index = flat_codes[r0:r1].reshape(-1).to(torch.int32)
-        torch.index_select(pairs, 0, index, out=flat_out[r0:r1].view(torch.float64).reshape(-1))
-        del index
-        flat_out[r0:r1].view(r1 - r0, k // block, block).mul_(row_scales(r0, r1).unsqueeze(-1))
-    return out
+        n = (r1 - r0) * (k // 2)
+        scale_part = scales[r0:r1].to(torch.int32).mul_(256).unsqueeze(-1)  # [r, K/block, 1]
+        torch.add(codes[r0:r1].view(r1 - r0, k // block, per_block), scale_part,
+                  out=index[:n].view(r1 - r0, k // block, per_block))
+        torch.index_select(table, 0, index[:n], out=out_rows[r0:r1].view(torch.float64).reshape(-1))
 
 
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, *, chunk_elements: int = CHUNK_ELEMENTS,
@@ -93,13 +111,10 @@ def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, *, chunk_element
     [..., K/32] (module docstring)."""
     rows, k = _check(codes, scales, MX_BLOCK_SIZE, name)
     check_e8m0(scales, f"{name} scales")
-    table = _table("e8m0", codes.device)
-    flat_scales = scales.reshape(rows, -1)
-
-    def row_scales(r0: int, r1: int) -> torch.Tensor:
-        return table[flat_scales[r0:r1].to(torch.int64)]
-
-    return _dequantize(codes, row_scales, rows, k, MX_BLOCK_SIZE, chunk_elements)
+    out = torch.empty((*codes.shape[:-1], k), dtype=torch.float32, device=codes.device)
+    _fill(out.view(rows, k), codes.reshape(rows, k // 2), scales.reshape(rows, -1), _mx_table(codes.device),
+          MX_BLOCK_SIZE, chunk_elements)
+    return out
 
 
 def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
@@ -114,11 +129,25 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, global_scale: to
                          "it must be [] or the leading dims")
     if not bool(torch.isfinite(g).all()) or not bool((g > 0).all()):
         raise FormatError(f"{name}: global scale must be finite and > 0, got {g.flatten()[:4].tolist()}")
-    per_row = g.reshape(*g.shape, *([1] * (len(lead) - g.dim()))).expand(lead).reshape(rows, 1)
-    table = _table("e4m3", codes.device)
-    flat_scales = scales.reshape(rows, -1)
-
-    def row_scales(r0: int, r1: int) -> torch.Tensor:
-        return table[flat_scales[r0:r1].to(torch.int64)] * per_row[r0:r1]
-
-    return _dequantize(codes, row_scales, rows, k, NV_BLOCK_SIZE, chunk_elements)
+    out = torch.empty((*lead, k), dtype=torch.float32, device=codes.device)
+    groups = max(1, g.numel())
+    if rows == 0:
+        return out
+    per_group = rows // groups  # the leading dims of g come first: each group is a run of whole rows
+    flat_g, e4m3 = g.reshape(-1), _e4m3_values(codes.device)
+    flat_out, flat_codes, flat_scales = out.view(rows, k), codes.reshape(rows, k // 2), scales.reshape(rows, -1)
+    if groups > _MAX_TABLES:  # a global scale per row or so: multiply the rows instead of a table per group
+        ones = _scaled_table(torch.ones(256, device=codes.device))
+        _fill(flat_out, flat_codes, torch.zeros_like(flat_scales), ones, NV_BLOCK_SIZE, chunk_elements)
+        per_row = flat_g.repeat_interleave(per_group).reshape(rows, 1)
+        step = max(1, chunk_elements // k)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            scale = e4m3[flat_scales[r0:r1].to(torch.int64)] * per_row[r0:r1]  # fp32(e4m3(s) * G)
+            flat_out[r0:r1].view(r1 - r0, -1, NV_BLOCK_SIZE).mul_(scale.unsqueeze(-1))
+        return out
+    for i in range(groups):
+        table = _scaled_table(e4m3 * flat_g[i])  # fp32(e4m3(s) * G) per scale code, as the format rounds it
+        r0, r1 = i * per_group, (i + 1) * per_group
+        _fill(flat_out[r0:r1], flat_codes[r0:r1], flat_scales[r0:r1], table, NV_BLOCK_SIZE, chunk_elements)
+    return out

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -303,6 +304,81 @@ def _fx_name(node: ir.Node) -> str:
     return last or node.name.removeprefix("node_")
 
 
+_SCALE_NAME = re.compile(r"(.*)_nvfp4_(global_scale|scale_one|alpha(?:_\d+)?)$")
+_CODES_SUFFIX = "_nvfp4_codes"
+_TOWARD_WEIGHT = ("Transpose", "Reshape", "Expand", "Identity", "Unsqueeze", "Squeeze", "Cast", "MatMul", "Gemm")
+
+
+def _weight_of(value: ir.Value | None, depth: int = 6) -> str | None:
+    """The weight W whose NVFP4 dequantize (codes initializer ``W_nvfp4_codes``) ``value`` is computed from,
+    through layout ops and one matmul: the weight a consumer-side scale belongs to."""
+    node = value.producer() if value is not None else None
+    if node is None or depth == 0:
+        return None
+    if node.domain == PLACEHOLDER_DOMAIN and node.op_type == "DequantizeNVFP4":
+        codes = node.inputs[0]
+        name = codes.name if codes is not None else ""
+        return name[: -len(_CODES_SUFFIX)] if name.endswith(_CODES_SUFFIX) else None
+    if node.domain not in ("", "ai.onnx") or node.op_type not in _TOWARD_WEIGHT:
+        return None
+    found = {w for v in node.inputs if v is not None and v.const_value is None
+             for w in [_weight_of(v, depth - 1)] if w is not None}
+    return found.pop() if len(found) == 1 else None
+
+
+def _unshare_scales(graph: ir.Graph, tensors: dict[str, torch.Tensor]) -> int:
+    """Give each reader of a per-weight NVFP4 scale its own initializer, named as in the program, with its values.
+
+    torch.onnx's optimizer merges initializers of equal value, so two weights with equal global scales (and
+    every weight's ``scale_one``, always 1.0; equal ``alpha`` multipliers) would read one tensor under the first
+    weight's name: a tool that edits one weight's scale would edit the other's. Run on the exported graph
+    before lowering: a ``DequantizeNVFP4`` placeholder's weight W is named by its codes (``W_nvfp4_codes``);
+    an ``alpha`` multiplier's weight is the one its other operand is computed from. A scale input named after
+    another weight is replaced by an initializer of its own, ``W_nvfp4_{kind}`` with the program's values; a
+    merged initializer nobody reads any more is dropped. Returns how many inputs were rewired.
+    """
+    shared: list[ir.Value] = []
+    for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+        for i, value in enumerate(node.inputs):
+            if value is None or value.const_value is None or graph.initializers.get(value.name) is not value:
+                continue
+            match = _SCALE_NAME.fullmatch(value.name)
+            if match is None:
+                continue
+            owner, kind = match.group(1), match.group(2)
+            if node.domain == PLACEHOLDER_DOMAIN:
+                codes = node.inputs[0].name if node.inputs[0] is not None else ""
+                weight = codes[: -len(_CODES_SUFFIX)] if codes.endswith(_CODES_SUFFIX) else None
+            else:
+                others = [v for j, v in enumerate(node.inputs) if j != i and v is not None]
+                found = {w for v in others for w in [_weight_of(v)] if w is not None}
+                weight = found.pop() if len(found) == 1 else None
+            if weight is None or weight == owner:
+                continue
+            name = f"{weight}_nvfp4_{kind}"
+            if name not in tensors:
+                candidates = [n for n in tensors if _SCALE_NAME.fullmatch(n) and n.startswith(f"{weight}_nvfp4_")
+                              and _SCALE_NAME.fullmatch(n).group(2).split("_")[0] == kind.split("_")[0]]
+                if len(candidates) != 1:
+                    continue  # the program does not say which of its scales this is: leave it
+                name = candidates[0]
+            own = graph.initializers.get(name)
+            if own is None:
+                array = tensors[name].detach().cpu().numpy()
+                if tuple(array.shape) != tuple(value.const_value.shape):
+                    raise ModelError(f"fx export: scale {name!r} of node {node.name!r} has shape "
+                                     f"{list(array.shape)} in the program, {list(value.const_value.shape)} in ONNX")
+                own = ir.Value(name=name, type=value.type, shape=ir.Shape(array.shape),
+                               const_value=ir.tensor(np.array(array, dtype=np.float32, order="C"), name=name))
+                graph.register_initializer(own)
+            node.replace_input_with(i, own)
+            shared.append(value)
+    for value in shared:
+        if not value.uses() and not value.is_graph_output() and graph.initializers.get(value.name) is value:
+            graph.initializers.pop(value.name)
+    return len(shared)
+
+
 def _unshare_global_scales(graph: ir.Graph, names: dict[str, tuple[str | None, ...]],
                            tensors: dict[str, torch.Tensor]) -> None:
     """Give each NVFP4 placeholder its own global-scale initializer, named as in the program, with its values.
@@ -482,7 +558,9 @@ def export(model, example_inputs, path: str | os.PathLike | None = None, target:
         program, args, kwargs=kwargs or None, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
         opset_version=min(need, FP4_DQ_OPSET), optimize=True, verbose=False)
     onnx_model = onnx_program.model
-    counts = lower_placeholders(onnx_model, target, weight_names(program), {**program.state_dict, **program.constants})
+    tensors = {**program.state_dict, **program.constants}
+    _unshare_scales(onnx_model.graph, tensors)  # a converted program: scales named after their weight
+    counts = lower_placeholders(onnx_model, target, weight_names(program), tensors)  # fx names, any naming
     _widen_rms_norm_inputs(onnx_model)
     if counts["fake_quantize"] and target == "trt":
         onnx_model.opset_imports.setdefault(TRT_DOMAIN, 1)

@@ -142,7 +142,7 @@ def read_config(checkpoint_dir: str | Path, **config_overrides):
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelError(f"{path}: cannot read ({exc})") from None
     if not isinstance(raw, dict):
-        raise ModelError(f"{path}: holds a JSON {type(raw).__name__}, not an object")
+        raise ModelError(f"{path}: holds a JSON {type(raw).__name__}; expected a JSON object")
     quant = raw.pop("quantization_config", None)
     if quant is not None and not isinstance(quant, dict):
         raise ModelError(f"{path}: quantization_config is {type(quant).__name__}, not a JSON object")

@@ -227,12 +227,12 @@ class _Lockstep:
                 continue
             while (step := self._next_b()) is not None:
                 node_b, value = step
-                if node_b.name not in self.names or not isinstance(value, torch.Tensor):
-                    continue
-                if node_b.name == node.name:
-                    yield node.name, value_a, _to_numpy(value)
+                if node_b.name == node.name:  # the partner (not compared when it is no tensor in b)
+                    if isinstance(value, torch.Tensor):
+                        yield node.name, value_a, _to_numpy(value)
                     break
-                self._hold(node_b.name, _to_numpy(value))
+                if node_b.name in self.names and isinstance(value, torch.Tensor):
+                    self._hold(node_b.name, _to_numpy(value))
         while self._next_b() is not None:  # b's remaining nodes (its outputs)
             pass
 

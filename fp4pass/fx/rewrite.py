@@ -94,7 +94,8 @@ class _Conversion:
 
 
 def weight_name(codes_name: str) -> str:
-    """The weight a codes tensor belongs to: ``a.gate_up_proj_blocks`` -> ``a.gate_up_proj``, ``a.codes`` -> ``a.weight``."""
+    """The weight a codes tensor belongs to: ``a.gate_up_proj_blocks`` -> ``a.gate_up_proj``,
+    ``a.codes`` -> ``a.weight``."""
     for suffix in _SUFFIXES:
         if codes_name.endswith(suffix):
             base = codes_name[: -len(suffix)]

@@ -88,8 +88,9 @@ def check_inputs(program, args: tuple, kwargs: dict, what: str) -> None:
                 continue
             low, high = _bound(bounds.lower), _bound(bounds.upper)
             if (low is not None and got < low) or (high is not None and got > high):
-                raise ShapeError(f"{what}: input {node.name!r} dim {dim} is {got}, outside the range "
-                                 f"[{0 if low is None else low}, {'inf' if high is None else high}] the program was exported for (torch.export.Dim min/max)")
+                span = f"[{0 if low is None else low}, {'inf' if high is None else high}]"
+                raise ShapeError(f"{what}: input {node.name!r} dim {dim} is {got}, outside the range {span} the "
+                                 "program was exported for (torch.export.Dim min/max)")
 
 
 def _bound(value) -> int | None:

@@ -365,6 +365,10 @@ class LowerQMoEFP4(NodeLowering):
                 return f"{node_label(node)}: {fc} scales are {scales.dtype}, quant_type '{quant_type}' needs {scale_dtype}"
             if global_scale is not None and global_scale.const_value is None:
                 return f"{node_label(node)}: {fc}_global_scale must be an initializer"
+            experts = weights.const_value.shape[0]
+            if global_scale is not None and global_scale.const_value.size != experts:
+                return (f"{node_label(node)}: {fc}_global_scale {global_scale.name!r} holds "
+                        f"{global_scale.const_value.size} values for {experts} experts")
         detected = qmoe_layout.detect(node, block, self.hints)
         if detected.layout is None:
             return f"{node_label(node)}: {detected.reason}"

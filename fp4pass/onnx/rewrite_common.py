@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import FormatError, ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
@@ -208,9 +209,11 @@ class WeightConversion:
     written global scale is ``prior_global * global_scale`` (FP32 product), the block scales stay E4M3.
     """
 
-    def __init__(self, record: FP4Weight, method: str, prior_global: np.ndarray | None = None) -> None:
+    def __init__(self, record: FP4Weight, method: str, prior_global: np.ndarray | None = None, *,
+                 effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS) -> None:
         self.record = record
         self.method = method
+        self.effort, self.threads = effort, threads  # of mxfp4_to_nvfp4
         self.prior_global = prior_global
         self.group_dims = 1 if len(record.shape) == 3 else 0
         self.stats: dict | None = None
@@ -310,11 +313,13 @@ class WeightConversion:
             else:
                 as_stored = self._codes_untouched()
                 mx = self.mx(as_stored)
-                nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
+                nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims,
+                                           effort=self.effort, threads=self.threads)
                 if as_stored and nv.codes.data_ptr() != mx.codes.data_ptr():  # a code was re-encoded after all
                     as_stored = False
                     mx = self.mx()
-                    nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims)
+                    nv, stats = mxfp4_to_nvfp4(mx, method=self.method, group_dims=self.group_dims,
+                                               effort=self.effort, threads=self.threads)
                 self._codes_layout = KERNEL if as_stored else None
             elapsed = time.perf_counter() - start
             source = self._source
