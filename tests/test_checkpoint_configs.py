@@ -18,6 +18,12 @@ def test_compressed_tensors_config_is_its_own_nvfp4_preset(with_input):
     ct = pytest.importorskip("compressed_tensors.quantization")
     config = forms.quantization_config(forms.COMPRESSED_TENSORS_FORMAT, ["lm_head", "model.layers.*.mlp.gate"],
                                        with_input)
+    # as written (compressed-tensors' parser forgives case; other readers of config.json may not)
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+    assert config["config_groups"]["group_0"]["weights"] == weights
+    assert config["config_groups"]["group_0"]["input_activations"] == (
+        {**weights, "dynamic": "local"} if with_input else None)
     parsed = ct.QuantizationConfig.model_validate(config)
     preset = ct.preset_name_to_scheme("NVFP4", ["Linear"])
     scheme = parsed.config_groups["group_0"]
