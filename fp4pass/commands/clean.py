@@ -13,7 +13,7 @@ EPILOG = f"""examples:
   fp4pass clean                      # the current folder
   fp4pass clean out/
 
-  fp4pass clean shared/ --older-than 24   # also temporaries of other hosts, untouched for a day
+  fp4pass clean /mnt/nfs/out --older-than 24   # also other hosts' temporaries, untouched for a day
 
 Every file fp4pass writes is first written under a temporary name, {TMP_PREFIX}<pid>-h<host>-..., in the
 target's folder. A run killed with SIGKILL cannot remove its own; this removes those made on this host (and
