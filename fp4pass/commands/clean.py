@@ -12,7 +12,6 @@ from fp4pass.io import TMP_PREFIX, remove_stale
 EPILOG = f"""examples:
   fp4pass clean                      # the current folder
   fp4pass clean out/
-
   fp4pass clean /mnt/nfs/out --older-than 24   # also other hosts' temporaries, untouched for a day
 
 Every file fp4pass writes is first written under a temporary name, {TMP_PREFIX}<pid>-h<host>-..., in the
