@@ -45,15 +45,7 @@ def transpose_bytes(src: np.ndarray, out: np.ndarray, strip: int = STRIP_ROWS, p
     rows = src.shape[0]
     if strip < 1:
         raise ValueError(f"transpose_bytes: strip {strip} < 1")
-    half = (rows // strip + 1) // 2 * strip if pool is not None else 0
-    if 0 < half < rows:
-        first = pool.submit(_strips, src, out, 0, half, strip)
-        try:
-            _strips(src, out, half, rows, strip)
-        finally:
-            first.result()
-    else:
-        _strips(src, out, 0, rows, strip)
+    _in_halves(lambda begin, end: _strips(src, out, begin, end, strip), rows, strip, pool)
     return out
 
 
@@ -83,13 +75,18 @@ def transpose_read(read: Callable[[int, int, np.ndarray], None], out: np.ndarray
     rows = out.shape[1]
     if rows == 0:
         return out
-    half = (rows // strip + 1) // 2 * strip if pool is not None else 0
-    if 0 < half < rows:
-        first = pool.submit(_read_strips, read, out, 0, half, strip)
-        try:
-            _read_strips(read, out, half, rows, strip)
-        finally:
-            first.result()
-    else:
-        _read_strips(read, out, 0, rows, strip)
+    _in_halves(lambda begin, end: _read_strips(read, out, begin, end, strip), rows, strip, pool)
     return out
+
+
+def _in_halves(work: Callable[[int, int], None], rows: int, strip: int, pool: Executor | None) -> None:
+    """``work(0, rows)``; with ``pool``, as two halves cut at a strip boundary, the first one in the pool."""
+    half = (rows // strip + 1) // 2 * strip if pool is not None else 0
+    if not 0 < half < rows:
+        work(0, rows)
+        return
+    first = pool.submit(work, 0, half)
+    try:
+        work(half, rows)
+    finally:
+        first.result()

@@ -20,7 +20,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
+from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry, no_duplicate_keys
+from fp4pass.io import read_regular_file
 
 __all__ = ["Catalog", "read_json_file", "INDEX_NAME", "CONFIG_NAME", "QUANT_CONFIG_NAME"]
 
@@ -30,31 +31,12 @@ QUANT_CONFIG_NAME = "hf_quant_config.json"
 JSON_LIMIT = 64 * 1024 * 1024
 
 
-def _no_duplicates(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def read_json_file(path: Path, what: str) -> dict:
-    """A JSON object from a regular file of at most 64 MiB (no FIFO, device or endless file is read)."""
+    """A JSON object from a regular file of at most 64 MiB (no FIFO, device or endless file is read:
+    :func:`fp4pass.io.read_regular_file`); a key given twice is refused."""
+    raw = read_regular_file(path, JSON_LIMIT, CheckpointError)
     try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {what} cannot be read ({exc.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError(f"{path}: {what} is not a regular file")
-    if info.st_size > JSON_LIMIT:
-        raise CheckpointError(f"{path}: {what} is {info.st_size} bytes, over the {JSON_LIMIT}-byte limit")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(JSON_LIMIT + 1)
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {what} cannot be read ({exc.strerror})") from None
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
     if not isinstance(data, dict):

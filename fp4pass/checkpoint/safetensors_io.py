@@ -31,7 +31,8 @@ import torch
 
 from fp4pass.errors import FP4PassError
 
-__all__ = ["CheckpointError", "DTYPES", "TensorEntry", "SafetensorsFile", "OutputSpec", "ShardWriter", "tensor_bytes"]
+__all__ = ["CheckpointError", "DTYPES", "TensorEntry", "SafetensorsFile", "OutputSpec", "ShardWriter", "tensor_bytes",
+           "no_duplicate_keys"]
 
 #: safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -73,7 +74,8 @@ class TensorEntry:
         return DTYPES[self.dtype][0]
 
 
-def _no_duplicates(pairs):
+def no_duplicate_keys(pairs):
+    """``json.loads``' ``object_pairs_hook``: a dict, or ValueError when a key is given twice."""
     out = {}
     for key, value in pairs:
         if key in out:
@@ -113,7 +115,7 @@ class SafetensorsFile:
             raise self._fail(f"truncated: the header says {n} bytes, the file has {size - 8} after the length")
         raw = os.pread(self._fd, n, 8)
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self._fail(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
