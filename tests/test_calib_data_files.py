@@ -21,27 +21,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_builders as B
 from fp4pass.calib.runner import CalibrationDataError, iter_feeds
-from fp4pass.cli import main
+from cli_helpers import cli, one_line
 from fp4pass.errors import UsageError
 from fp4pass.npz import read_npz
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 X = np.random.default_rng(5).standard_normal((4, 64)).astype(np.float32)
-
-
-def cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def good_npz(path: Path, compressed: bool = False) -> Path:

@@ -13,24 +13,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_builders as B
+from cli_helpers import cli, one_line
 from fp4pass.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
-
-
-def cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture

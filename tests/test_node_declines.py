@@ -11,24 +11,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_builders as B
-from fp4pass.cli import main
+from cli_helpers import cli, one_line
 from fp4pass.examples.moe import mxfp4_quantize
 from fp4pass.onnx import convert
 from oracles import qmoe_nvfp4_kernel_dequant
-
-
-def cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def replace_init(model: onnx.ModelProto, name: str, array: np.ndarray) -> None:
