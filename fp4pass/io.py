@@ -52,6 +52,8 @@ __all__ = [
     "check_outputs",
     "fsync_folder",
     "output_target",
+    "read_regular_file",
+    "regular_file_status",
     "OutputSession",
     "refuse_overwrite",
     "remove_stale",
@@ -402,13 +404,26 @@ def write_json(path: str | os.PathLike, data, kind: str = REPORT) -> None:
 
 
 def _file_kind(mode: int) -> str:
-    import stat
-
     for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return kind
     return "not a regular file"
+
+
+def regular_file_status(path: str | os.PathLike, error: type[Exception] = UsageError,
+                        what: str = "files") -> os.stat_result:
+    """``os.stat(path)`` when it is a regular file (symlinks followed); else ``error`` naming the path and what
+    it is instead (a FIFO, a device, a socket, a directory, nothing): "only regular {what} are read"."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path}: {_file_kind(info.st_mode)}; only regular {what} are read")
+    return info
 
 
 def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception] = UsageError) -> bytes:
@@ -419,14 +434,7 @@ def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception
     The type is checked before the file is opened and again on the open descriptor, and at most ``limit + 1``
     bytes are read, so a file swapped or grown in between is refused too.
     """
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except OSError as exc:
-        raise error(f"{path}: cannot be read ({exc.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise error(f"{path}: {_file_kind(info.st_mode)}; only regular files are read")
+    info = regular_file_status(path, error)
     if info.st_size > limit:
         raise error(f"{path}: {info.st_size} bytes; at most {limit} are read from such a file")
     try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import struct
 import zipfile
 import zlib
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from fp4pass.io import regular_file_status
 
 __all__ = ["read_npz", "NPY_MAGIC", "npz_files"]
 
@@ -46,16 +47,7 @@ Check = Callable[[str, tuple, np.dtype], None]
 
 
 def _regular(path: Path, error: type[Exception]) -> None:
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except OSError as exc:
-        raise error(f"{path}: cannot be read ({exc.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode)
-                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a regular file")
-        raise error(f"{path}: {kind}; only regular .npz files are read")
+    regular_file_status(path, error, ".npz files")
 
 
 def npz_files(folder: str | os.PathLike, error: type[Exception]) -> list[Path]:

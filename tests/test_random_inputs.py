@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnx_builders as B
-from fp4pass.cli import main
+from cli_helpers import cli
 from fp4pass.commands.diff import MAX_INPUT_ELEMENTS
 from fp4pass.errors import UsageError
 from fp4pass.onnx.numerics import MAX_RANDOM_ELEMENTS, make_inputs
@@ -21,14 +21,6 @@ from fp4pass.onnx.numerics import MAX_RANDOM_ELEMENTS, make_inputs
 def identity_model(dims, dtype=TensorProto.FLOAT) -> onnx.ModelProto:
     node = helper.make_node("Identity", ["x"], ["y"], name="id")
     return B.make([node], [B.vi("x", dims, dtype)], [B.vi("y", dims, dtype)], [])
-
-
-def cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def test_the_limit_is_the_one_shape_documents():
