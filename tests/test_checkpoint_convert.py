@@ -369,3 +369,105 @@ def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):
     seen.clear()
     fp4pass.checkpoint.convert(src, tmp_path / "b")
     assert seen and set(seen) == {("best", 1)}
+
+
+def test_a_failing_unit_waits_for_the_write_in_flight(tmp_path, monkeypatch):
+    """The writer thread writes unit i while unit i + 1 is converted: when that conversion fails, the shard is
+    closed only after the write in flight has ended (never under it), the conversion's error is the one raised,
+    and no output folder is left."""
+    import threading
+    import time
+
+    import fp4pass.checkpoint.engine as engine
+    from fp4pass.checkpoint import safetensors_io
+    from fp4pass.checkpoint.safetensors_io import CheckpointError
+
+    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=3, hidden=64, intermediate=32)
+    events = []
+    real_copy, real_abort, real_convert = (safetensors_io.ShardWriter.copy_from, safetensors_io.ShardWriter.abort,
+                                           engine.convert_linears)
+    calls = {"n": 0}
+
+    def slow_copy(self, *args, **kwargs):
+        events.append(("start", None))
+        time.sleep(0.3)
+        real_copy(self, *args, **kwargs)
+        events.append(("copied", threading.current_thread() is threading.main_thread()))
+
+    def abort(self):
+        events.append(("abort", None))
+        real_abort(self)
+
+    def convert(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            time.sleep(0.05)  # the first unit's write has started
+            raise CheckpointError("planted failure of the second unit")
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io.ShardWriter, "copy_from", slow_copy)
+    monkeypatch.setattr(safetensors_io.ShardWriter, "abort", abort)
+    monkeypatch.setattr(engine, "convert_linears", convert)
+    with pytest.raises(CheckpointError, match="planted failure"):
+        fp4pass.checkpoint.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    before_close = events[:events.index(("abort", None))]
+    started = before_close.count(("start", None))
+    assert started >= 2, events  # a copied tensor, then the first unit's codes: its write was in flight
+    assert before_close.count(("copied", False)) == started, events  # all ended in the writer thread first
+
+
+def test_at_most_one_unit_waits_for_the_writer(tmp_path, monkeypatch):
+    """Memory holds two units at most: the one being converted and the one being written."""
+    import time
+
+    import fp4pass.checkpoint.engine as engine
+    import fp4pass.checkpoint.run as run
+
+    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=4, hidden=64, intermediate=32)
+    state = {"held": 0, "most": 0}
+    real_convert, real_write = engine.convert_linears, run._write_linears
+
+    def convert(*args, **kwargs):
+        out = real_convert(*args, **kwargs)
+        state["held"] += 1
+        state["most"] = max(state["most"], state["held"])
+        return out
+
+    def write(*args, **kwargs):
+        time.sleep(0.05)  # a slow disk: the converting thread runs ahead if nothing holds it back
+        real_write(*args, **kwargs)
+        state["held"] -= 1
+
+    monkeypatch.setattr(engine, "convert_linears", convert)
+    monkeypatch.setattr(run, "_write_linears", write)
+    report = fp4pass.checkpoint.convert(src, tmp_path / "out")
+    assert report["summary"]["tensors_converted"] >= 8
+    assert state["held"] == 0 and state["most"] == 2
+
+
+def test_units_written_in_plan_order_by_the_writer(tmp_path):
+    """With the writer thread, every tensor still lands where the header says (a reader we did not write reads
+    each one back equal to what a one-thread copy holds)."""
+    from safetensors import safe_open
+
+    src = build_checkpoint(tmp_path / "src", "compressed-tensors", layers=2, experts=3, hidden=64,
+                           intermediate=96, seed=3, dense=True, shard_bytes=40_000)
+    fp4pass.checkpoint.convert(src, tmp_path / "out", format="compressed-tensors")
+    names = {}
+    for shard in sorted((tmp_path / "out").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                names[key] = f.get_tensor(key)
+    source = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                source[key] = f.get_tensor(key)
+    packed = [k for k in source if k.endswith(".weight_packed")]
+    assert len(packed) >= 6
+    for key in packed:  # lossless units: the codes are the source's bytes, whichever unit they belong to
+        assert torch.equal(names[key], source[key]), key
+    for key in source:
+        if not key.endswith((".weight_packed", ".weight_scale")):
+            assert torch.equal(names[key], source[key]), key

@@ -5,6 +5,7 @@ GptOssForCausalLM on those dequantized weights, OpenAI's reference model (gpt_os
 naming, and numpy decoders (tests/conversion_oracle.py) for the NVFP4 result.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +225,30 @@ def test_routed_and_dense_models_give_the_same_logits(model, input_ids):
     torch.testing.assert_close(routed_logits, dense_logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(fp4pass.errors.UsageError, match="experts must be one of routed, dense"):
         fp4pass.fx.load_gpt_oss(CKPT, experts="sparse")
+
+
+def test_sized_builder_writes_shards_and_an_index_that_load_alike(tmp_path):
+    """``build_sized_gpt_oss`` streams shard by shard: cut small, it writes several shards and an index that
+    names every tensor's shard (read back by safetensors), and loads into the same model as one shard."""
+    from safetensors import safe_open
+
+    from fp4pass.examples.gpt_oss_tiny import build_sized_gpt_oss
+
+    config = {"num_hidden_layers": 2, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+              "num_local_experts": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    many = build_sized_gpt_oss(tmp_path / "many", config, seed=3, shard_bytes=20_000)
+    one = build_sized_gpt_oss(tmp_path / "one", config, seed=3)
+    shards = sorted(p.name for p in many.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert [p.name for p in one.glob("*.safetensors")] == ["model.safetensors"]
+    assert not list(many.glob(".*")) and not (one / "model.safetensors.index.json").exists()
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    held = {}
+    for shard in shards:
+        with safe_open(str(many / shard), framework="pt") as f:
+            for key in f.keys():
+                held[key] = shard
+                assert f.get_tensor(key).numel() * f.get_tensor(key).element_size() <= 20_000 or len(f.keys()) == 1
+    assert index["weight_map"] == held
+    a, b = fp4pass.fx.load_gpt_oss(many).state_dict(), fp4pass.fx.load_gpt_oss(one).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

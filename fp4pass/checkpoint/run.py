@@ -316,35 +316,61 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
 
 def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scales: InputScales,
                   entries: list[dict], options: dict) -> dict[str, str]:
+    """Write every shard of the plan; the weight map (output tensor -> shard file).
+
+    Two stages overlap: this thread reads and converts unit i + 1 while one writer thread writes unit i (its
+    scales, and its codes copied file to file inside the kernel); both release the GIL in their long calls
+    (numpy, ``preadv``, ``copy_file_range``, ``write``). At most one unit waits to be written, so memory
+    holds two units at most. gpt-oss stacks are written by this thread (``_write_fused`` runs its own
+    pipeline). A failure in either stage waits for the other before the shard is closed.
+    """
     weight_map: dict[str, str] = {}
-    for shard_name, items in zip(plan.shard_names(), plan.shards):
-        writer = ShardWriter(tmp / shard_name, [s for item in items for s in item.specs],
-                             metadata={"format": "pt"})
-        try:
-            for item in items:
-                for spec in item.specs:
-                    weight_map[spec.name] = shard_name
-                if item.copy is not None:
-                    entry = catalog.tensors[item.copy]
-                    writer.copy_from(item.copy, catalog.shards[entry.shard].fd, entry.begin, entry.nbytes)
-                    continue
-                unit = item.unit
-                if isinstance(unit, FusedExperts):
-                    conv = engine.convert_fused(catalog, unit, method, **options)
-                    _write_fused(catalog, writer, unit, conv, in_scales)
-                    entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
-                else:
-                    members = _members(unit)
-                    conv = engine.convert_linears(catalog, members, method, **options)
-                    _write_linears(catalog, writer, item, conv, fmt, in_scales)
-                    for i, lin in enumerate(members):
-                        partner = members[1 - i].module if len(members) == 2 else None
-                        entries.append(_report_entry(unit, lin, [conv.parts[i]], conv, fmt, in_scales, partner))
-                del conv
-            writer.close()
-        finally:
-            writer.abort()
+    with ThreadPoolExecutor(1, thread_name_prefix="fp4pass-writer") as pool:
+        for shard_name, items in zip(plan.shard_names(), plan.shards):
+            writer = ShardWriter(tmp / shard_name, [s for item in items for s in item.specs],
+                                 metadata={"format": "pt"})
+            pending = None
+            try:
+                for item in items:
+                    for spec in item.specs:
+                        weight_map[spec.name] = shard_name
+                    job = _unit_job(catalog, writer, item, fmt, method, in_scales, entries, options,
+                                    wait=lambda: pending.result() if pending is not None else None)
+                    if pending is not None:
+                        pending.result()  # the writer is free: at most one unit in flight
+                    pending = pool.submit(job) if job is not None else None
+                if pending is not None:
+                    pending.result()
+                pending = None
+                writer.close()
+            finally:
+                if pending is not None:  # a failure here: let the write in flight end before the file closes
+                    pending.exception()
+                writer.abort()
     return weight_map
+
+
+def _unit_job(catalog, writer: ShardWriter, item: Item, fmt: str, method: str, in_scales: InputScales,
+              entries: list[dict], options: dict, wait):
+    """Convert one item of the plan here; the write that is left for the writer thread (or None when it was
+    written here). ``wait()`` waits for the write in flight (called before this thread writes itself)."""
+    if item.copy is not None:
+        entry = catalog.tensors[item.copy]
+        fd = catalog.shards[entry.shard].fd
+        return lambda: writer.copy_from(item.copy, fd, entry.begin, entry.nbytes)
+    unit = item.unit
+    if isinstance(unit, FusedExperts):
+        conv = engine.convert_fused(catalog, unit, method, **options)
+        wait()
+        _write_fused(catalog, writer, unit, conv, in_scales)
+        entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
+        return None
+    members = _members(unit)
+    conv = engine.convert_linears(catalog, members, method, **options)
+    for i, lin in enumerate(members):
+        partner = members[1 - i].module if len(members) == 2 else None
+        entries.append(_report_entry(unit, lin, [conv.parts[i]], conv, fmt, in_scales, partner))
+    return lambda: _write_linears(catalog, writer, item, conv, fmt, in_scales)
 
 
 def _write_json(path: Path, data: dict) -> None:

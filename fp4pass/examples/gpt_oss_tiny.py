@@ -256,26 +256,58 @@ def _sized_tensors(c: dict, seed: int):
     yield "lm_head.weight", normal(c["vocab_size"], h, std=h ** -0.5)
 
 
-def build_sized_gpt_oss(out_dir: str | Path, config: dict | None = None, seed: int = 0) -> Path:
+def build_sized_gpt_oss(out_dir: str | Path, config: dict | None = None, seed: int = 0, *,
+                        shard_bytes: int = 2_000_000_000) -> Path:
     """Write a gpt-oss checkpoint of any size (Hugging Face naming, MXFP4 experts) into ``out_dir``; returns it.
 
     ``config``: GptOssConfig fields over :data:`GPT_OSS_20B_CONFIG` (e.g. ``{"num_hidden_layers": 2,
-    "vocab_size": 4096}`` for two gpt-oss-20b-shaped layers with a small vocabulary). The weights are random
-    (:func:`_sized_tensors`): for memory and speed measurements at real shapes, not for accuracy. Memory: the
-    checkpoint's bytes once (about 0.4 GB of packed experts per layer at gpt-oss-20b's shapes).
+    "vocab_size": 4096}`` for two gpt-oss-20b-shaped layers with a small vocabulary; ``{}`` for the whole
+    24-layer model, about 13 GB). The weights are random (:func:`_sized_tensors`): for memory and speed
+    measurements at real shapes, not for accuracy.
+
+    Written shard by shard: tensors are drawn one at a time and a shard is saved as soon as adding the next
+    tensor would take it past ``shard_bytes``, so memory holds one shard (about 0.4 GB of packed experts per
+    layer at gpt-oss-20b's shapes), whatever the model's size. One shard is ``model.safetensors``; several are
+    ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, as Hugging Face writes them.
     """
     from safetensors.torch import save_file
 
+    if shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
     c = {**GPT_OSS_20B_CONFIG, **(config or {})}
     c.setdefault("layer_types", None)
     if c["layer_types"] is None:
         c["layer_types"] = ["sliding_attention" if n % 2 == 0 else "full_attention"
                             for n in range(c["num_hidden_layers"])]
-    stored = dict(_sized_tensors(c, seed))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / "model.safetensors", lambda p: save_file(stored, p, metadata={"format": "pt"}))
-    del stored
+    parts: list[tuple[Path, list[str], int]] = []  # (written part, its tensor names, its bytes)
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal current, size
+        part = out / f".part-{len(parts):05d}.safetensors"
+        _write_atomic(part, lambda p: save_file(current, p, metadata={"format": "pt"}))
+        parts.append((part, list(current), size))
+        current, size = {}, 0
+
+    for name, tensor in _sized_tensors(c, seed):
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > shard_bytes:
+            flush()
+        current[name], size = tensor, size + nbytes
+    if current:
+        flush()
+    n = len(parts)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for (part, _, _), name in zip(parts, names):
+        os.replace(part, out / name)
+    if n > 1:
+        index = {"metadata": {"total_size": sum(p[2] for p in parts)},
+                 "weight_map": {t: name for (_, tensors, _), name in zip(parts, names) for t in tensors}}
+        _write_atomic(out / "model.safetensors.index.json",
+                      lambda p: Path(p).write_text(json.dumps(index, indent=2) + "\n"))
     _write_atomic(out / "config.json", lambda p: Path(p).write_text(json.dumps(_hf_config(c), indent=2,
                                                                                 sort_keys=True) + "\n"))
     return out

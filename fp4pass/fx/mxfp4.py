@@ -59,8 +59,11 @@ def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
 
 
 def _expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One expert's float weight [N, K] from its blocks [N, K/32, 16] and scales [N, K/32] (eager, no graph node)."""
-    weight = dequant.dequantize_mxfp4(blocks.flatten(-2), scales, chunk_elements=blocks.numel() * 2)  # one step
+    """One expert's float weight [N, K] from its blocks [N, K/32, 16] and scales [N, K/32] (eager, no graph node).
+
+    In chunks of the default size: an index as large as the expert (one step) measured a third slower than
+    chunks whose index stays in the cache."""
+    weight = dequant.dequantize_mxfp4(blocks.flatten(-2), scales)
     return weight if dtype == torch.float32 else weight.to(dtype)
 
 
