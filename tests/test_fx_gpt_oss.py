@@ -252,3 +252,22 @@ def test_sized_builder_writes_shards_and_an_index_that_load_alike(tmp_path):
     assert index["weight_map"] == held
     a, b = fp4pass.fx.load_gpt_oss(many).state_dict(), fp4pass.fx.load_gpt_oss(one).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_real_size_stages_run_and_report_each_stage(tmp_path):
+    """``python -m fp4pass.examples.real_size``'s stages on a small model: every stage reported with its
+    figures, the experts converted losslessly (the builder's scales span 3 octaves), the diff over the
+    intermediates, and a second call reuses the checkpoint instead of building it again."""
+    from fp4pass.examples.real_size import run_stages
+
+    small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    figures = run_stages(tmp_path / "m", layers=2, batches=2, tokens=8, config=small)
+    assert list(figures["stages"]) == ["build", "load", "export", "convert", "calibrate", "diff"]
+    for stage in figures["stages"].values():
+        assert stage["seconds"] >= 0 and stage["rss_peak_gib"] >= stage["rss_before_gib"] > 0
+    assert figures["convert_summary"]["tensors_converted"] == 4
+    assert figures["convert_summary"]["lossless"] == 4
+    assert figures["diff_intermediates"] > 10 and len(figures["diff_output_snr_db"]) == 1
+    again = run_stages(tmp_path / "m", layers=2, batches=1, tokens=8, config=small)
+    assert "build" not in again["stages"]

@@ -320,7 +320,11 @@ def load_gpt_oss(checkpoint_dir: str | Path, *, device: str | torch.device = "cp
 
     ``checkpoint_dir``: a folder with ``config.json`` and MXFP4 ``*.safetensors`` in Hugging Face or OpenAI
     naming (module docstring). ``device``: where the tensors are read to. ``dtype``: the float weights'
-    dtype (the experts' dequantized weights are cast to the activations' dtype). ``experts``: the eager
+    dtype (the experts' dequantized weights are cast to the activations' dtype). On the CPU, safetensors maps
+    each tensor from its file: the MXFP4 experts, and the float weights whenever ``dtype`` is their stored
+    dtype (``torch.bfloat16`` for gpt-oss), are never copied, and their pages are file pages the kernel can
+    drop and read again. That is how a 24-layer gpt-oss-20b-shaped model (13 GB) runs in a few GB of memory
+    in use; a ``dtype`` that casts copies those weights. The files must stay unchanged while the model lives. ``experts``: the eager
     forward of the experts, ``routed`` (each picked expert dequantized alone, top-k work) or ``dense`` (every
     expert on every token); ``torch.export`` traces the dense forward either way (:class:`MXFP4Experts`).
     ``config_overrides``: ``GptOssConfig`` fields, e.g. ``num_hidden_layers=2`` to load the first two layers
