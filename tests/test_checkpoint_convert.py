@@ -142,11 +142,15 @@ def test_compressed_tensors_decompressor_reads_it(examples, tmp_path, form, fmt)
 def test_gate_and_up_share_global_and_input_scale(tmp_path, form, fmt):
     # the builder puts w3 one octave above w1: sharing must take k_max over both
     src_dir = build_checkpoint(tmp_path / "src", form, layers=1, experts=2, hidden=64, intermediate=64, seed=3)
-    fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format=fmt, input_scale=0.5)
+    report = fp4pass.checkpoint.convert(src_dir, tmp_path / "out", format=fmt, input_scale=0.5)
     src, out = Folder(src_dir), Folder(tmp_path / "out")
     linears, _ = _sources(src, form)
     pairs = sorted({m.rpartition(".")[0] for m in linears if m.endswith((".w1", ".w3"))})
     assert pairs
+    partners = {t["name"]: t.get("shares_scales_with") for t in report["tensors"]}
+    for parent in pairs:  # the report says which Linears share their scales, and only those
+        assert partners[f"{parent}.w1"] == f"{parent}.w3" and partners[f"{parent}.w3"] == f"{parent}.w1"
+        assert partners[f"{parent}.w2"] is None
     for parent in pairs:
         _, s1 = _decoded_linear(out, f"{parent}.w1", fmt)
         _, s3 = _decoded_linear(out, f"{parent}.w3", fmt)
@@ -363,12 +367,14 @@ def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):
         return real(mx, *args, **kwargs)
 
     monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
-    src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=2, hidden=64, intermediate=32)
-    fp4pass.checkpoint.convert(src, tmp_path / "a", effort="fast", threads=2)
-    assert seen and set(seen) == {("fast", 2)}
-    seen.clear()
-    fp4pass.checkpoint.convert(src, tmp_path / "b")
-    assert seen and set(seen) == {("best", 1)}
+    for form in ("deepseek", "gpt-oss"):  # Linears and gpt-oss stacks
+        src = build_checkpoint(tmp_path / f"src-{form}", form, layers=1, experts=2, hidden=64, intermediate=32)
+        seen.clear()
+        fp4pass.checkpoint.convert(src, tmp_path / f"a-{form}", effort="fast", threads=2)
+        assert seen and set(seen) == {("fast", 2)}, form
+        seen.clear()
+        fp4pass.checkpoint.convert(src, tmp_path / f"b-{form}")
+        assert seen and set(seen) == {("best", 1)}, form
 
 
 def test_a_failing_unit_waits_for_the_write_in_flight(tmp_path, monkeypatch):
@@ -471,3 +477,57 @@ def test_units_written_in_plan_order_by_the_writer(tmp_path):
     for key in source:
         if not key.endswith((".weight_packed", ".weight_scale")):
             assert torch.equal(names[key], source[key]), key
+
+
+@pytest.mark.parametrize("form,fmt", COMBOS)
+def test_report_outputs_and_shard_metadata_are_what_the_files_hold(examples, tmp_path, form, fmt):
+    """Every output the report names for a converted weight is in the written shards (safetensors' own reader),
+    every shard says ``{"format": "pt"}`` (transformers refuses a safetensors file without it), and the
+    index maps every tensor to the shard that holds it."""
+    from safetensors import safe_open
+
+    report = fp4pass.checkpoint.convert(examples[form], tmp_path / "out", format=fmt, input_scale=0.25,
+                                        max_shard_bytes=30_000)
+    held = {}
+    for shard in sorted((tmp_path / "out").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}, shard.name
+            held.update({key: shard.name for key in f.keys()})
+    named = [name for t in report["tensors"] for name in t["outputs"]]
+    assert named and set(named) <= set(held)
+    suffixes = {name.rpartition(".")[2] for name in named}
+    assert ("weight_packed" in suffixes) == (fmt == "compressed-tensors")
+    assert len(set(held.values())) > 1
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == held
+
+
+def test_a_gpt_oss_stack_waits_for_the_write_before_it(tmp_path, monkeypatch):
+    """gpt-oss stacks are written by the converting thread itself: it must wait for the writer thread's unit
+    in flight first (a slow copy just before the stack), or the two would write the shard at once."""
+    import time
+
+    from fp4pass.checkpoint import safetensors_io
+
+    src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", layers=2, experts=3, hidden=64, intermediate=32, seed=5)
+    real_copy = safetensors_io.ShardWriter.copy_from
+
+    def slow_copy(self, *args, **kwargs):
+        time.sleep(0.05)
+        real_copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io.ShardWriter, "copy_from", slow_copy)
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "out")
+    src, out = Folder(src_dir), Folder(tmp_path / "out")
+    _, stacks = _sources(src, "gpt-oss")
+    assert stacks
+    for stack, (codes, scales) in stacks.items():
+        w = as_bytes(out.get(stack))
+        s2 = float(out.get(f"{stack}_weight_scale_2"))
+        s = as_bytes(out.get(f"{stack}_weight_scale"))
+        x = mx_decode(codes, scales)
+        for i in range(codes.shape[0]):
+            np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i], err_msg=f"{stack}[{i}]")
+    for name in src.keys():  # the copied tensors around the stacks, byte for byte
+        if not name.endswith(("_blocks", "_scales")):
+            np.testing.assert_array_equal(as_bytes(out.get(name)), as_bytes(src.get(name)), err_msg=name)

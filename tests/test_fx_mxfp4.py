@@ -257,3 +257,25 @@ def test_subclasses_with_their_own_forward_are_skipped_with_the_reason(caplog):
     assert skipped[1][1] == "in_features 10 is not a multiple of 32 (the MXFP4 block)"
     warning = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warning) == 1 and "2 linear layer(s) left in float" in warning[0].getMessage()
+
+
+def test_routed_forward_in_bfloat16_matches_dense_on_bfloat16_weights():
+    """Loaded with ``dtype=torch.bfloat16`` (how a real-size model fits), the routed forward casts each expert's
+    weight to the activations' dtype, as the dense one does: both run in bf16 and agree within bf16 rounding,
+    and the oracle (float64 over the bf16-rounded MXFP4 weights) is close to both."""
+    e, h, i = 4, 64, 32
+    dense = _random_experts(e, h, i, routed=False, seed=5).to(torch.bfloat16)
+    routed = MXFP4Experts(e, h, i, routed=True, dtype=torch.bfloat16)
+    routed.load_state_dict(dense.state_dict())
+    x = (torch.randn(6, h, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
+    indices = torch.tensor([[0, 3], [1, 0], [3, 2], [2, 1], [0, 1], [3, 0]])
+    weights = torch.softmax(torch.randn(6, 2, generator=torch.Generator().manual_seed(3)), -1).to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = routed(x, indices, weights), dense(x, indices, weights)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.1)
+    oracle = _loop_experts(x.float(), _decoded(dense.gate_up_proj_blocks, dense.gate_up_proj_scales),
+                           dense.gate_up_proj_bias.detach().float(),
+                           _decoded(dense.down_proj_blocks, dense.down_proj_scales),
+                           dense.down_proj_bias.detach().float(), indices, weights.float())
+    torch.testing.assert_close(got.double(), oracle, rtol=0.05, atol=0.2)

@@ -193,22 +193,24 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
         writer.write(f"{p}_input_scale", _f32(scales.values[p]))
 
 
-def _report_entry(unit, lin_or_unit, part_list: list[dict], conv: engine.Converted, fmt: str, scales: InputScales,
-                  partner: str | None) -> dict:
-    if isinstance(unit, FusedExperts):
-        totals = _totals(part_list)
-        entry = {"name": unit.name, "form": unit.form, "source": [unit.codes.name, unit.scales.name],
-                 "shard": unit.codes.shard, "shape": [unit.experts, unit.rows, unit.cols], "experts": unit.experts,
-                 **totals, "global_scale": [conv.global_scale],
-                 "experts_lossless": sum(p["lossless"] for p in part_list), "per_expert": part_list,
-                 "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
-        if scales.values:
-            entry["input_scale"] = scales.values[unit.name]
-        return entry
-    lin = lin_or_unit
+def _fused_entry(unit: FusedExperts, conv: engine.Converted, scales: InputScales) -> dict:
+    """The report's entry of a gpt-oss stack: totals over its experts, and each expert's figures."""
+    parts = conv.parts
+    entry = {"name": unit.name, "form": unit.form, "source": [unit.codes.name, unit.scales.name],
+             "shard": unit.codes.shard, "shape": [unit.experts, unit.rows, unit.cols], "experts": unit.experts,
+             **_totals(parts), "global_scale": [conv.global_scale],
+             "experts_lossless": sum(p["lossless"] for p in parts), "per_expert": parts,
+             "outputs": [s.name for s in output_forms.fused_specs(unit, bool(scales.values))]}
+    if scales.values:
+        entry["input_scale"] = scales.values[unit.name]
+    return entry
+
+
+def _linear_entry(lin: Linear, part: dict, fmt: str, scales: InputScales, partner: str | None) -> dict:
+    """The report's entry of one Linear; ``partner``: the other half of its gate/up pair (shared scales)."""
     entry = {"name": lin.module, "form": lin.form, "source": [lin.codes.name, lin.scales.name],
-             "shard": lin.codes.shard, "shape": [lin.rows, lin.cols], "experts": 1, **part_list[0],
-             "experts_lossless": int(part_list[0]["lossless"]),
+             "shard": lin.codes.shard, "shape": [lin.rows, lin.cols], "experts": 1, **part,
+             "experts_lossless": int(part["lossless"]),
              "outputs": [s.name for s in output_forms.linear_specs(lin, fmt, bool(scales.values))]}
     if partner:
         entry["shares_scales_with"] = partner
@@ -363,13 +365,13 @@ def _unit_job(catalog, writer: ShardWriter, item: Item, fmt: str, method: str, i
         conv = engine.convert_fused(catalog, unit, method, **options)
         wait()
         _write_fused(catalog, writer, unit, conv, in_scales)
-        entries.append(_report_entry(unit, unit, conv.parts, conv, fmt, in_scales, None))
+        entries.append(_fused_entry(unit, conv, in_scales))
         return None
     members = _members(unit)
     conv = engine.convert_linears(catalog, members, method, **options)
     for i, lin in enumerate(members):
         partner = members[1 - i].module if len(members) == 2 else None
-        entries.append(_report_entry(unit, lin, [conv.parts[i]], conv, fmt, in_scales, partner))
+        entries.append(_linear_entry(lin, conv.parts[i], fmt, in_scales, partner))
     return lambda: _write_linears(catalog, writer, item, conv, fmt, in_scales)
 
 
