@@ -531,3 +531,28 @@ def test_a_gpt_oss_stack_waits_for_the_write_before_it(tmp_path, monkeypatch):
     for name in src.keys():  # the copied tensors around the stacks, byte for byte
         if not name.endswith(("_blocks", "_scales")):
             np.testing.assert_array_equal(as_bytes(out.get(name)), as_bytes(src.get(name)), err_msg=name)
+
+
+@pytest.mark.parametrize("form,fmt", COMBOS)
+def test_report_entries_name_their_source(examples, tmp_path, form, fmt):
+    """Each converted weight's report entry names its input form, its source tensors, the shard that holds them
+    and their shape, as the source folder has them (read through safetensors and the source's index); with an
+    input scale it lists that scale, and its outputs include the input-scale tensor."""
+    src = examples[form]
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    report = fp4pass.checkpoint.convert(src, tmp_path / "out", format=fmt, input_scale=0.25)
+    source = Folder(src)
+    assert report["tensors"]
+    for t in report["tensors"]:
+        assert t["form"] == form
+        codes, scales = t["source"]
+        assert index[codes] == t["shard"] and codes in source.keys() and scales in source.keys()
+        shape = source.shape(codes)
+        if form == "gpt-oss":
+            want = [*shape[:-2], shape[-2] * shape[-1] * 2]  # blocks [.., N, K/32, 16] hold K values per row
+        else:
+            want = [*shape[:-1], shape[-1] * 2]  # packed [N, K/2]
+        assert t["shape"] == want, t["name"]
+        assert t["input_scale"] == 0.25
+        wanted = {"modelopt": "input_scale", "compressed-tensors": "input_global_scale"}[fmt]
+        assert any(o.endswith(wanted) for o in t["outputs"]), t["outputs"]

@@ -1,0 +1,46 @@
+"""The memory probes of ``python -m fp4pass.examples.real_size``, against readers we did not write."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fp4pass.examples import real_size
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def test_rss_in_gib_matches_statm():
+    """VmRSS in GiB against /proc/self/statm's resident pages times the page size (another kernel view)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    statm = pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    assert real_size._status_gib("VmRSS") == pytest.approx(statm, rel=0.1)
+    with pytest.raises(RuntimeError, match="NoSuchKey"):
+        real_size._status_gib("NoSuchKey")
+
+
+@pytest.mark.skipif(shutil.which("free") is None, reason="procps' free is not installed")
+def test_memory_in_use_matches_free():
+    """MemTotal - MemAvailable in GiB against procps' ``free -b`` (total minus available)."""
+    fields = subprocess.run(["free", "-b"], capture_output=True, text=True, check=True).stdout.splitlines()[1].split()
+    total, available = int(fields[1]), int(fields[6])
+    ours = real_size._in_use_gib()
+    assert ours == pytest.approx((total - available) / 2**30, abs=0.05)
+    assert 0 < ours < total / 2**30
+
+
+def test_sampler_sees_memory_taken_while_it_runs():
+    """The highest memory in use while the block runs: 512 MiB taken (and touched) inside it shows."""
+    with real_size._Sampler(period=0.02) as sampler:
+        start = sampler.high
+        block = np.ones(512 * 2**20, dtype=np.uint8)
+        time.sleep(0.3)
+        del block
+    assert sampler.high - start > 0.3
