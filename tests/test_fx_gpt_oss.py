@@ -260,14 +260,40 @@ def test_real_size_stages_run_and_report_each_stage(tmp_path):
     intermediates, and a second call reuses the checkpoint instead of building it again."""
     from fp4pass.examples.real_size import run_stages
 
+    import resource
+    import time
+
     small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2}
-    figures = run_stages(tmp_path / "m", layers=2, batches=2, tokens=8, config=small)
+    start = time.perf_counter()
+    figures = run_stages(tmp_path / "m", layers=2, batches=3, tokens=8, config=small)
+    wall = time.perf_counter() - start
+    lifetime_peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    assert (figures["layers"], figures["batches"], figures["tokens"]) == (2, 3, 8)
     assert list(figures["stages"]) == ["build", "load", "export", "convert", "calibrate", "diff"]
+    keys = {"seconds", "rss_before_gib", "rss_peak_gib", "rss_after_gib", "machine_in_use_peak_gib"}
     for stage in figures["stages"].values():
-        assert stage["seconds"] >= 0 and stage["rss_peak_gib"] >= stage["rss_before_gib"] > 0
+        assert set(stage) == keys
+        assert 0 < stage["rss_before_gib"] <= stage["rss_peak_gib"] <= lifetime_peak_gib + 0.01
+        assert stage["rss_after_gib"] <= stage["rss_peak_gib"] + 0.01
+        assert 0 < stage["machine_in_use_peak_gib"]
+    assert 0 <= sum(stage["seconds"] for stage in figures["stages"].values()) <= wall + 0.5
     assert figures["convert_summary"]["tensors_converted"] == 4
     assert figures["convert_summary"]["lossless"] == 4
     assert figures["diff_intermediates"] > 10 and len(figures["diff_output_snr_db"]) == 1
     again = run_stages(tmp_path / "m", layers=2, batches=1, tokens=8, config=small)
     assert "build" not in again["stages"]
+
+
+def test_real_size_prints_each_stage_as_it_ends(tmp_path, capsys):
+    """One stderr line per stage, ``name: {json}``, as it ends (a long run shows its progress)."""
+    from fp4pass.examples.real_size import run_stages
+
+    small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    figures = run_stages(tmp_path / "m", layers=1, batches=1, tokens=4, config=small)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.split(":")[0] in figures["stages"]]
+    assert [line.split(":")[0] for line in lines] == list(figures["stages"])
+    for line in lines:
+        name, _, text = line.partition(": ")
+        assert json.loads(text) == figures["stages"][name]
