@@ -228,30 +228,42 @@ def test_routed_and_dense_models_give_the_same_logits(model, input_ids):
 
 
 def test_sized_builder_writes_shards_and_an_index_that_load_alike(tmp_path):
-    """``build_sized_gpt_oss`` streams shard by shard: cut small, it writes several shards and an index that
-    names every tensor's shard (read back by safetensors), and loads into the same model as one shard."""
+    """``build_sized_gpt_oss`` streams shard by shard: cut small, it writes several shards (never over the size
+    unless one tensor is larger), an index naming every tensor's shard and their total size (read back by
+    safetensors), no leftover part files, and the same model as one shard; cut just under the total, exactly
+    two shards."""
     from safetensors import safe_open
 
     from fp4pass.examples.gpt_oss_tiny import build_sized_gpt_oss
 
     config = {"num_hidden_layers": 2, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
               "num_local_experts": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
-    many = build_sized_gpt_oss(tmp_path / "many", config, seed=3, shard_bytes=20_000)
     one = build_sized_gpt_oss(tmp_path / "one", config, seed=3)
-    shards = sorted(p.name for p in many.glob("*.safetensors"))
-    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert [p.name for p in one.glob("*.safetensors")] == ["model.safetensors"]
-    assert not list(many.glob(".*")) and not (one / "model.safetensors.index.json").exists()
-    index = json.loads((many / "model.safetensors.index.json").read_text())
-    held = {}
-    for shard in shards:
-        with safe_open(str(many / shard), framework="pt") as f:
-            for key in f.keys():
-                held[key] = shard
-                assert f.get_tensor(key).numel() * f.get_tensor(key).element_size() <= 20_000 or len(f.keys()) == 1
-    assert index["weight_map"] == held
-    a, b = fp4pass.fx.load_gpt_oss(many).state_dict(), fp4pass.fx.load_gpt_oss(one).state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (one / "model.safetensors.index.json").exists()
+    with safe_open(str(one / "model.safetensors"), framework="pt") as f:
+        total = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    reference = fp4pass.fx.load_gpt_oss(one).state_dict()
+    for cut, count in ((20_000, None), (total - 1, 2)):
+        folder = build_sized_gpt_oss(tmp_path / f"cut-{cut}", config, seed=3, shard_bytes=cut)
+        shards = sorted(p.name for p in folder.glob("*.safetensors"))
+        n = len(shards)
+        assert n == count if count else n > 2
+        assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        assert sorted(p.name for p in folder.iterdir()) == sorted([*shards, "config.json",
+                                                                    "model.safetensors.index.json"])
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        held = {}
+        for shard in shards:
+            with safe_open(str(folder / shard), framework="pt") as f:
+                sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()]
+                held.update({key: shard for key in f.keys()})
+            assert sum(sizes) <= cut or len(sizes) == 1, shard
+        assert index["weight_map"] == held and index["metadata"]["total_size"] == total
+        loaded = fp4pass.fx.load_gpt_oss(folder).state_dict()
+        assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in loaded)
+    with pytest.raises(ValueError, match="shard_bytes"):
+        build_sized_gpt_oss(tmp_path / "zero", config, shard_bytes=0)
 
 
 def test_real_size_stages_run_and_report_each_stage(tmp_path):
