@@ -297,13 +297,24 @@ def test_real_size_stages_run_and_report_each_stage(tmp_path):
     assert "build" not in again["stages"]
 
 
-def test_real_size_prints_each_stage_as_it_ends(tmp_path, capsys):
-    """One stderr line per stage, ``name: {json}``, as it ends (a long run shows its progress)."""
+def test_real_size_prints_each_stage_as_it_ends(tmp_path, capsys, monkeypatch):
+    """One stderr line per stage, ``name: {json}``, as it ends (a long run shows its progress); a stage made
+    1.6 s slower shows it in its seconds."""
+    import time
+
     from fp4pass.examples.real_size import run_stages
 
+    real_convert = fp4pass.fx.convert
+
+    def slow_convert(*args, **kwargs):
+        time.sleep(1.6)
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(fp4pass.fx, "convert", slow_convert)
     small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2}
     figures = run_stages(tmp_path / "m", layers=1, batches=1, tokens=4, config=small)
+    assert figures["stages"]["convert"]["seconds"] >= 1.6
     lines = [line for line in capsys.readouterr().err.splitlines() if line.split(":")[0] in figures["stages"]]
     assert [line.split(":")[0] for line in lines] == list(figures["stages"])
     for line in lines:
