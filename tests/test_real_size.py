@@ -44,3 +44,15 @@ def test_sampler_sees_memory_taken_while_it_runs():
         time.sleep(0.3)
         del block
     assert sampler.high - start > 0.3
+
+
+def test_a_folder_that_does_not_fit_is_one_line_and_exit_2(tmp_path, capsys):
+    """A checkpoint folder with fewer layers than asked for: one error line naming it, exit 2, no traceback."""
+    from fp4pass.examples.gpt_oss_tiny import build_sized_gpt_oss
+
+    small = {"num_hidden_layers": 1, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+             "num_local_experts": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    folder = build_sized_gpt_oss(tmp_path / "m", small)
+    assert real_size.main([str(folder), "--layers", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_hidden_layers" in err[0] and str(folder) in err[0] and "Traceback" not in err[0]

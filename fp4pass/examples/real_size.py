@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.layers, args.batches) < 1 or args.tokens < 2:
         p.error("--layers and --batches must be >= 1, --tokens >= 2")
-    figures = run_stages(args.folder, args.layers, args.batches, args.tokens, args.seed)
+    from fp4pass.errors import FP4PassError
+
+    try:
+        figures = run_stages(args.folder, args.layers, args.batches, args.tokens, args.seed)
+    except FP4PassError as exc:  # a folder whose checkpoint does not fit: one line, as the CLI does
+        print(f"python -m fp4pass.examples.real_size: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     text = json.dumps(figures, indent=2)
     print(text)
     if args.json:
