@@ -12,8 +12,9 @@ Order of work in :func:`convert`:
 4. fsync everything and rename the folder onto OUT_DIR. Any failure leaves no OUT_DIR; the source folder is
    only ever opened for reading.
 
-Memory: one unit at a time (its input codes and scales, and its output scales; lossless codes are shared with
-the input), so the peak stays near the largest tensor plus its scales, whatever the model's size.
+Memory: two units at most, the one being converted and the one a writer thread is writing (each: its input
+scales, its output scales, and its codes where they were re-encoded; lossless codes are copied file to file),
+so the peak stays near two of the largest tensors, whatever the model's size.
 """
 
 from __future__ import annotations
