@@ -278,8 +278,20 @@ def test_real_size_stages_run_and_report_each_stage(tmp_path):
     small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2}
     start = time.perf_counter()
-    figures = run_stages(tmp_path / "m", layers=2, batches=3, tokens=8, config=small)
+    figures = run_stages(tmp_path / "m", layers=2, batches=3, tokens=8, config=small, seed=1)
     wall = time.perf_counter() - start
+    from safetensors.torch import load_file
+
+    from fp4pass.examples.gpt_oss_tiny import build_sized_gpt_oss
+    from fp4pass.fx.gpt_oss import checkpoint_layers
+
+    # the checkpoint built is the one asked for: the small shapes, 2 layers, seed 1
+    direct = build_sized_gpt_oss(tmp_path / "direct", {**small, "num_hidden_layers": 2}, seed=1)
+    built, want = load_file(tmp_path / "m" / "model.safetensors"), load_file(direct / "model.safetensors")
+    assert built.keys() == want.keys() and all(torch.equal(built[k], want[k]) for k in built)
+    assert checkpoint_layers(tmp_path / "m") == 2
+    size = (tmp_path / "m" / "model.safetensors").stat().st_size
+    assert figures["checkpoint_gib"] == round(size / 2**30, 2) and size < 2**30 / 100
     lifetime_peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     assert (figures["layers"], figures["batches"], figures["tokens"]) == (2, 3, 8)
     assert list(figures["stages"]) == ["build", "load", "export", "convert", "calibrate", "diff"]
