@@ -364,19 +364,30 @@ def _unshare_scales(graph: ir.Graph, tensors: dict[str, torch.Tensor]) -> int:
                 name = candidates[0]
             own = graph.initializers.get(name)
             if own is None:
-                array = tensors[name].detach().cpu().numpy()
-                if tuple(array.shape) != tuple(value.const_value.shape):
-                    raise ModelError(f"fx export: scale {name!r} of node {node.name!r} has shape "
-                                     f"{list(array.shape)} in the program, {list(value.const_value.shape)} in ONNX")
-                own = ir.Value(name=name, type=value.type, shape=ir.Shape(array.shape),
-                               const_value=ir.tensor(np.array(array, dtype=np.float32, order="C"), name=name))
-                graph.register_initializer(own)
+                own = _own_initializer(graph, name, tensors[name].detach().cpu().numpy(), value, node, "scale")
             node.replace_input_with(i, own)
             shared.append(value)
-    for value in shared:
+    _drop_unread(graph, shared)
+    return len(shared)
+
+
+def _own_initializer(graph: ir.Graph, name: str, array: np.ndarray, merged: ir.Value, node: ir.Node,
+                     what: str) -> ir.Value:
+    """A float32 initializer ``name`` holding ``array``, typed like the ``merged`` one it replaces in ``node``."""
+    if tuple(array.shape) != tuple(merged.const_value.shape):
+        raise ModelError(f"fx export: {what} {name!r} of node {node.name!r} has shape {list(array.shape)} in the "
+                         f"program, {list(merged.const_value.shape)} in ONNX")
+    own = ir.Value(name=name, type=merged.type, shape=ir.Shape(array.shape),
+                   const_value=ir.tensor(np.array(array, dtype=np.float32, order="C"), name=name))
+    graph.register_initializer(own)
+    return own
+
+
+def _drop_unread(graph: ir.Graph, merged: list[ir.Value]) -> None:
+    """Remove the merged initializers that nothing reads any more."""
+    for value in merged:
         if not value.uses() and not value.is_graph_output() and graph.initializers.get(value.name) is value:
             graph.initializers.pop(value.name)
-    return len(shared)
 
 
 def _unshare_global_scales(graph: ir.Graph, names: dict[str, tuple[str | None, ...]],
@@ -402,17 +413,10 @@ def _unshare_global_scales(graph: ir.Graph, names: dict[str, tuple[str | None, .
         if own is None:
             source = tensors.get(name)
             array = source.detach().cpu().numpy() if source is not None else value.const_value.numpy().copy()
-            if tuple(array.shape) != tuple(value.const_value.shape):
-                raise ModelError(f"fx export: global scale {name!r} of node {node.name!r} has shape "
-                                 f"{list(array.shape)} in the program, {list(value.const_value.shape)} in ONNX")
-            own = ir.Value(name=name, type=value.type, shape=ir.Shape(array.shape),
-                           const_value=ir.tensor(np.array(array, dtype=np.float32, order="C"), name=name))
-            graph.register_initializer(own)
+            own = _own_initializer(graph, name, array, value, node, "global scale")
         node.replace_input_with(2, own)
         shared.append(value)
-    for value in shared:
-        if not value.uses() and not value.is_graph_output() and graph.initializers.get(value.name) is value:
-            graph.initializers.pop(value.name)
+    _drop_unread(graph, shared)
 
 
 def lower_placeholders(model: ir.Model, target: str = "trt",
