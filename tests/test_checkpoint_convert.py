@@ -18,6 +18,7 @@ import torch
 from checkpoint_oracles import Folder, as_bytes, mx_decode, nv_decode, requant_sse, tree_hash
 import fp4pass.checkpoint
 from fp4pass.examples.checkpoints import TOKENIZER_FILES, build_checkpoint
+from spies import spy_conversion_options  # noqa: E402
 
 pytest.importorskip("safetensors")
 
@@ -359,14 +360,7 @@ def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):
     import fp4pass.checkpoint.engine as engine
     from fp4pass.examples.checkpoints import build_checkpoint
 
-    seen = []
-    real = engine.mxfp4_to_nvfp4
-
-    def spy(mx, *args, **kwargs):
-        seen.append((kwargs.get("effort"), kwargs.get("threads")))
-        return real(mx, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
+    seen = spy_conversion_options(monkeypatch, engine)
     for form in ("deepseek", "gpt-oss"):  # Linears and gpt-oss stacks
         src = build_checkpoint(tmp_path / f"src-{form}", form, layers=1, experts=2, hidden=64, intermediate=32)
         seen.clear()

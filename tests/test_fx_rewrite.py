@@ -13,6 +13,7 @@ from conversion_oracle import mx_dequant, nv_dequant, unpack
 from fp4pass import MXFP4Tensor
 from fp4pass.errors import UsageError
 from fp4pass.fx.mxfp4 import MXFP4Experts, MXFP4Linear
+from spies import spy_conversion_options  # noqa: E402
 
 MXFP4 = torch.ops.fp4pass.dequantize_mxfp4.default
 NVFP4 = torch.ops.fp4pass.dequantize_nvfp4.default
@@ -237,14 +238,7 @@ def test_effort_and_threads_are_explicit_and_no_process_default_reaches_them(mon
     """fx.convert passes its own effort/threads to every weight's conversion, by name."""
     import fp4pass.convert as convert_mod
 
-    seen = []
-    real = convert_mod.mxfp4_to_nvfp4
-
-    def spy(mx, *args, **kwargs):
-        seen.append((kwargs.get("effort"), kwargs.get("threads")))
-        return real(mx, *args, **kwargs)
-
-    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", spy)
+    seen = spy_conversion_options(monkeypatch, convert_mod)
     lin = _linear(spread_rows=4)
     x = torch.randn(3, 64)
     program = torch.export.export(lin, (x,))

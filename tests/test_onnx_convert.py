@@ -15,6 +15,7 @@ import onnx_builders as B
 from oracles import qmoe_nvfp4_kernel_dequant
 from fp4pass.onnx import convert
 from oracles import mx_dq_model
+from spies import spy_conversion_options  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -309,14 +310,7 @@ def test_effort_and_threads_reach_every_weight_conversion_by_argument(monkeypatc
     import fp4pass.onnx
     from fp4pass.cli import main
 
-    seen = []
-    real = convert_mod.mxfp4_to_nvfp4
-
-    def spy(mx, *args, **kwargs):
-        seen.append((kwargs.get("effort"), kwargs.get("threads")))
-        return real(mx, *args, **kwargs)
-
-    monkeypatch.setattr(convert_mod, "mxfp4_to_nvfp4", spy)
+    seen = spy_conversion_options(monkeypatch, convert_mod)
     fp4pass.onnx.convert("models/moe.onnx", effort="fast", threads=2)
     assert seen == [("fast", 2)] * 2
     seen.clear()

@@ -28,8 +28,9 @@ import time
 import torch
 
 from fp4pass.bench import BenchResult
+from fp4pass.examples.real_size import reset_peak, status_mib
 
-__all__ = ["BENCHMARKS", "bench_fx", "SIZED", "QUICK"]
+__all__ = ["BENCHMARKS", "bench_fx", "SIZED", "QUICK", "peak_growth_mib"]
 
 #: the model of the full run: 2 layers of gpt-oss-20b's shapes, vocabulary 4096
 SIZED = {"num_hidden_layers": 2, "vocab_size": 4096}
@@ -42,34 +43,14 @@ DECODE_TOKENS = 4
 TARGET_MIB_PER_LAYER = 1536
 
 
-def _status_mib(key: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_growth_mib(fn) -> float | None:
     """MiB the peak RSS rose over the RSS before ``fn()`` (None where /proc gives no peak to reset)."""
     gc.collect()
-    if not _reset_peak():
+    if not reset_peak():
         return None
-    before = _status_mib("VmRSS")
+    before = status_mib("VmRSS")
     fn()
-    peak = _status_mib("VmHWM")
+    peak = status_mib("VmHWM")
     return None if before is None or peak is None else max(0.0, peak - before)
 
 
@@ -115,11 +96,11 @@ def bench_fx(device: torch.device, quick: bool) -> list[BenchResult]:
         start = time.perf_counter()
         build_sized_gpt_oss(folder, config, seed=0)
         gc.collect()
-        rss_start = _status_mib("VmRSS")
+        rss_start = status_mib("VmRSS")
         model = fp4pass.fx.load_gpt_oss(folder)
         load_s = time.perf_counter() - start
     gc.collect()
-    resident = _status_mib("VmRSS") or 0.0
+    resident = status_mib("VmRSS") or 0.0
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (1, TOKENS), generator=generator) for _ in range(4)]

@@ -29,15 +29,36 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["run_stages", "main"]
+__all__ = ["run_stages", "main", "status_mib", "reset_peak"]
+
+
+def status_mib(key: str) -> float | None:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``: kB) in MiB; None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _status_gib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 2**20
-    raise RuntimeError(f"/proc/self/status has no {key}")
+    mib = status_mib(key)
+    if mib is None:
+        raise RuntimeError(f"/proc/self/status has no {key}")
+    return mib / 1024
 
 
 def _in_use_gib() -> float:
@@ -71,8 +92,8 @@ class _Sampler:
 
 def _stage(figures: dict, name: str, fn):
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+    if not reset_peak():  # VmHWM back to the current RSS
+        raise RuntimeError("/proc/self/clear_refs cannot be written: no peak RSS per stage")
     before = _status_gib("VmRSS")
     start = time.perf_counter()
     with _Sampler() as sampler:
