@@ -56,3 +56,13 @@ def test_a_folder_that_does_not_fit_is_one_line_and_exit_2(tmp_path, capsys):
     assert real_size.main([str(folder), "--layers", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_hidden_layers" in err[0] and str(folder) in err[0] and "Traceback" not in err[0]
+
+
+def test_a_json_output_that_is_a_fifo_is_refused_before_the_run(tmp_path, capsys):
+    """``--json`` naming a FIFO: one error line and exit 2 before anything is built or run."""
+    fifo = tmp_path / "figures.json"
+    os.mkfifo(fifo)
+    assert real_size.main([str(tmp_path / "m"), "--layers", "1", "--json", str(fifo)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "figures.json" in err[0]
+    assert not (tmp_path / "m").exists()

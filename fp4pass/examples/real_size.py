@@ -158,16 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.batches) < 1 or args.tokens < 2:
         p.error("--layers and --batches must be >= 1, --tokens >= 2")
     from fp4pass.errors import FP4PassError
+    from fp4pass.io import output_target, write_json
 
     try:
+        if args.json:
+            output_target(args.json, "--json")  # refused now (a device, a FIFO, a symlink out), not after the run
         figures = run_stages(args.folder, args.layers, args.batches, args.tokens, args.seed)
-    except FP4PassError as exc:  # a folder whose checkpoint does not fit: one line, as the CLI does
+        print(json.dumps(figures, indent=2))
+        if args.json:
+            write_json(args.json, figures)
+    except FP4PassError as exc:  # a folder whose checkpoint does not fit, an output that is not ours: one line
         print(f"python -m fp4pass.examples.real_size: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
     return 0
 
 
