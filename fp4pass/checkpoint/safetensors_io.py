@@ -247,7 +247,8 @@ class ShardWriter:
         self.total = offset
         self._index = 0
         self._written = 0  # bytes of the current tensor
-        self._position = self._flushed = 0  # bytes in the file; bytes whose writeback has been started
+        # bytes in the file; bytes whose writeback has been started; bytes whose pages have been dropped
+        self._position = self._flushed = self._dropped = 0
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         if hasattr(os, "posix_fallocate") and self.total:
             # the whole shard's blocks at once: a full disk shows now, and each append need not allocate
@@ -273,18 +274,24 @@ class ShardWriter:
         self._advance(len(view))
 
     def _advance(self, nbytes: int) -> None:
-        """Count bytes written; every WRITEBACK_STEP bytes, ask the kernel to start writing them to disk.
+        """Count bytes written; every WRITEBACK_STEP bytes, start writing them to disk and drop the step before.
 
-        ``posix_fadvise(DONTNEED)`` on dirty pages starts their writeback without waiting (the pages stay
-        cached until written), so the fsync before the final rename has little left to wait for.
+        ``posix_fadvise(DONTNEED)`` on dirty pages starts their writeback without waiting (the pages stay cached
+        until written), so the fsync before the final rename has little left to wait for. The same call one step
+        later drops those pages once written (pages still being written are left alone): the shard keeps about
+        two steps in the page cache whatever its size, and the next writes reuse the pages just freed instead
+        of taking memory the kernel (or a virtual machine's host) must first provide.
         """
         self._position += nbytes
         if self._position - self._flushed >= WRITEBACK_STEP and hasattr(os, "posix_fadvise"):
             try:
                 os.posix_fadvise(self._fd, self._flushed, self._position - self._flushed, os.POSIX_FADV_DONTNEED)
+                if self._dropped < self._flushed:
+                    os.posix_fadvise(self._fd, self._dropped, self._flushed - self._dropped,
+                                     os.POSIX_FADV_DONTNEED)
             except OSError:
                 pass
-            self._flushed = self._position
+            self._dropped, self._flushed = self._flushed, self._position
 
     def write_part(self, name: str, data) -> None:
         """Append bytes (a tensor or a buffer) of tensor ``name``, which must be the next one in the plan."""
