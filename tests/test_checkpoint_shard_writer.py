@@ -7,6 +7,7 @@ arrived (one write, parts, a file-to-file copy). The expected calls are spelled 
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -93,3 +94,195 @@ def test_a_refused_hint_changes_nothing(tmp_path, monkeypatch):
     writer.close()
     back = load_file(tmp_path / "shard.safetensors")
     assert [int(back[f"t{i}"][0]) for i in range(3)] == [0, 1, 2]
+
+
+def _writer(tmp_path, sizes=(4, 6)):
+    return ShardWriter(tmp_path / "shard.safetensors", [OutputSpec(f"t{i}", "U8", (n,)) for i, n in enumerate(sizes)])
+
+
+def test_tensors_arrive_in_plan_order_only(tmp_path):
+    writer = _writer(tmp_path)
+    with pytest.raises(RuntimeError, match=r"shard.safetensors: wrote 't1' where the plan has 't0'"):
+        writer.write("t1", np.zeros(6, dtype=np.uint8))
+    writer.write("t0", np.zeros(4, dtype=np.uint8))
+    writer.write("t1", np.zeros(6, dtype=np.uint8))
+    with pytest.raises(RuntimeError, match=r"wrote 't1' where the plan has None"):  # past the last tensor
+        writer.write_part("t1", np.zeros(1, dtype=np.uint8))
+    writer.close()
+
+
+def test_no_tensor_takes_more_or_fewer_bytes_than_planned(tmp_path):
+    writer = _writer(tmp_path)
+    with pytest.raises(RuntimeError, match=r"'t0' got more than its 4 bytes"):
+        writer.write("t0", np.zeros(5, dtype=np.uint8))
+    with pytest.raises(RuntimeError, match=r"'t0' is shorter than its 4 bytes"):
+        writer.write("t0", np.zeros(3, dtype=np.uint8))
+    writer.abort()
+
+
+def test_close_names_how_many_tensors_never_came(tmp_path):
+    writer = _writer(tmp_path, sizes=(4, 6, 2))
+    writer.write("t0", np.zeros(4, dtype=np.uint8))
+    with pytest.raises(RuntimeError, match=r"^shard.safetensors: 2 tensors never written$"):
+        writer.close()
+
+
+def test_a_failed_fsync_is_one_line_naming_the_shard(tmp_path, monkeypatch):
+    writer = _writer(tmp_path, sizes=(4,))
+    writer.write("t0", np.zeros(4, dtype=np.uint8))
+
+    def fail(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(safetensors_io.CheckpointError, match=r"^shard.safetensors: fsync failed \(Input/output error\)$"):
+        writer.close()
+    assert writer._fd == -1  # closed all the same
+
+
+def test_a_copy_must_fill_exactly_its_planned_tensor(tmp_path):
+    source = tmp_path / "source.bin"
+    source.write_bytes(bytes(range(10)))
+    writer = _writer(tmp_path)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with pytest.raises(RuntimeError, match=r"copy of 't0' does not fit the plan"):
+            writer.copy_from("t0", fd, 0, 5)  # the plan has 4 bytes
+        with pytest.raises(RuntimeError, match=r"copy of 't1' does not fit the plan"):
+            writer.copy_from("t1", fd, 0, 6)  # not the next tensor
+        writer.write_part("t0", np.zeros(2, dtype=np.uint8))
+        with pytest.raises(RuntimeError, match=r"copy of 't0' does not fit the plan"):
+            writer.copy_from("t0", fd, 0, 4)  # half written already
+        writer.write_part("t0", np.zeros(2, dtype=np.uint8))
+        writer.copy_from("t1", fd, 3, 6)
+    finally:
+        os.close(fd)
+    writer.close()
+    assert load_file(tmp_path / "shard.safetensors")["t1"].tolist() == [3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("refusal", ["missing", "zero", errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_copy_the_kernel_will_not_do_goes_through_memory(tmp_path, monkeypatch, refusal):
+    """Without copy_file_range (another platform), with a call that copies nothing, or with one refused for
+    another file system, the bytes are read and written instead; they arrive the same."""
+    payload = bytes(range(256)) * 40
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"ab" + payload)
+    if refusal == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        def refuse(*args):
+            if refusal == "zero":
+                return 0
+            raise OSError(refusal, os.strerror(refusal))
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    writer = _writer(tmp_path, sizes=(len(payload),))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        writer.copy_from("t0", fd, 2, len(payload))
+    finally:
+        os.close(fd)
+    writer.close()
+    assert load_file(tmp_path / "shard.safetensors")["t0"].tobytes() == payload
+
+
+def test_a_source_that_shrank_is_one_line_naming_shard_and_tensor(tmp_path, monkeypatch):
+    source = tmp_path / "source.bin"
+    source.write_bytes(bytes(8))  # the plan expects 10 bytes from offset 0
+    monkeypatch.delattr(os, "copy_file_range")
+    writer = _writer(tmp_path, sizes=(10,))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with pytest.raises(safetensors_io.CheckpointError,
+                           match=r"^shard.safetensors: tensor 't0': its source shrank while copied$"):
+            writer.copy_from("t0", fd, 0, 10)
+    finally:
+        os.close(fd)
+        writer.abort()
+
+
+def test_another_copy_error_is_one_line(tmp_path, monkeypatch):
+    def fail(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "copy_file_range", fail)
+    source = tmp_path / "source.bin"
+    source.write_bytes(bytes(4))
+    writer = _writer(tmp_path, sizes=(4,))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with pytest.raises(safetensors_io.CheckpointError,
+                           match=r"^shard.safetensors: tensor 't0': write failed \(Input/output error\)$"):
+            writer.copy_from("t0", fd, 0, 4)
+    finally:
+        os.close(fd)
+        writer.abort()
+
+
+def test_short_kernel_copies_resume_where_they_stopped(tmp_path, monkeypatch):
+    """copy_file_range may copy fewer bytes than asked: 1000 at a time here, then nothing (the rest goes through
+    memory). The tensor sits between other bytes in its source, and exactly its bytes arrive."""
+    payload = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"head" * 10 + payload + b"tail" * 10)
+    real = os.copy_file_range
+    calls = []
+
+    def short(src, dst, count, offset_src=None, offset_dst=None):
+        calls.append((count, offset_src))
+        return real(src, dst, min(count, 1000), offset_src) if len(calls) <= 3 else 0
+
+    monkeypatch.setattr(os, "copy_file_range", short)
+    writer = _writer(tmp_path, sizes=(len(payload), 3))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        writer.copy_from("t0", fd, 40, len(payload))
+    finally:
+        os.close(fd)
+    writer.write("t1", np.array([7, 8, 9], dtype=np.uint8))
+    writer.close()
+    assert calls == [(5000, 40), (4000, 1040), (3000, 2040), (2000, 3040)]
+    back = load_file(tmp_path / "shard.safetensors")
+    assert back["t0"].tobytes() == payload and back["t1"].tolist() == [7, 8, 9]
+
+
+def test_a_copy_must_name_the_next_tensor_even_when_sizes_agree(tmp_path):
+    source = tmp_path / "source.bin"
+    source.write_bytes(bytes(8))
+    writer = _writer(tmp_path, sizes=(4, 4))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with pytest.raises(RuntimeError, match=r"copy of 't1' does not fit the plan"):
+            writer.copy_from("t1", fd, 0, 4)
+        writer.copy_from("t0", fd, 0, 4)
+        writer.copy_from("t1", fd, 4, 4)
+        with pytest.raises(RuntimeError, match=r"copy of 't1' does not fit the plan"):  # past the last tensor
+            writer.copy_from("t1", fd, 4, 4)
+    finally:
+        os.close(fd)
+    writer.close()
+
+
+@pytest.mark.parametrize("how", ["write", "copy through memory"])
+def test_a_failed_write_names_the_shard_and_the_tensor(tmp_path, monkeypatch, how):
+    writer = _writer(tmp_path, sizes=(4, 6))
+    writer.write("t0", np.zeros(4, dtype=np.uint8))
+    source = tmp_path / "source.bin"
+    source.write_bytes(bytes(6))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with pytest.raises(safetensors_io.CheckpointError,
+                           match=r"^shard.safetensors: tensor 't1': write failed \(No space left on device\)$"):
+            if how == "write":
+                writer.write("t1", np.zeros(6, dtype=np.uint8))
+            else:
+                monkeypatch.delattr(os, "copy_file_range")
+                writer.copy_from("t1", fd, 0, 6)
+    finally:
+        os.close(fd)
+        writer.abort()
