@@ -286,3 +286,75 @@ def test_a_failed_write_names_the_shard_and_the_tensor(tmp_path, monkeypatch, ho
     finally:
         os.close(fd)
         writer.abort()
+
+
+def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
+    """os.write may write fewer bytes than given: 1000 at a time here; every byte arrives once, in order."""
+    real = os.write
+    calls = []
+
+    def short(fd, data):
+        calls.append(len(data))
+        if len(calls) > 100:
+            raise AssertionError("the writer does not advance")
+        return real(fd, bytes(data)[:1000])
+
+    monkeypatch.setattr(os, "write", short)
+    payload = np.random.default_rng(5).integers(0, 256, 4500, dtype=np.uint8)
+    writer = _writer(tmp_path, sizes=(4500,))
+    header_calls = len(calls)
+    writer.write("t0", payload)
+    writer.close()
+    assert calls[header_calls:] == [4500, 3500, 2500, 1500, 500]
+    np.testing.assert_array_equal(load_file(tmp_path / "shard.safetensors")["t0"], payload)
+
+
+@pytest.mark.parametrize("name", ["w", "layer.0.w", "a" * 13, "b" * 30])
+def test_data_starts_on_an_8_byte_boundary_and_the_shard_is_private_while_written(tmp_path, name):
+    """The header is padded with spaces so that the tensors start 8-byte aligned (what safetensors' own writer
+    does, so readers can view the bytes in place); until the finished folder gets its final modes, only the
+    owner can read a shard."""
+    path = tmp_path / "shard.safetensors"
+    writer = ShardWriter(path, [OutputSpec(name, "F32", (3,))])
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    writer.write(name, np.array([1.5, -2.0, 3.25], dtype=np.float32))
+    writer.close()
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert (8 + header_len) % 8 == 0 and raw[8:8 + header_len].rstrip(b" ").endswith(b"}")
+    assert load_file(path)[name].tolist() == [1.5, -2.0, 3.25]
+
+
+@pytest.mark.parametrize("refusal", [errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS])
+def test_a_file_system_without_preallocation_is_written_all_the_same(tmp_path, monkeypatch, refusal):
+    asked = []
+
+    def refuse(fd, offset, length):
+        asked.append((offset, length))
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    writer = _writer(tmp_path, sizes=(4, 6))
+    writer.write("t0", np.arange(4, dtype=np.uint8))
+    writer.write("t1", np.arange(6, dtype=np.uint8))
+    writer.close()
+    size = (tmp_path / "shard.safetensors").stat().st_size
+    assert asked == [(0, size)]  # the whole shard, header included, was asked for at once
+    assert load_file(tmp_path / "shard.safetensors")["t1"].tolist() == list(range(6))
+
+
+def test_no_room_for_the_shard_is_one_line_before_any_byte(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    writes = []
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(len(data)) or len(data))
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(safetensors_io.CheckpointError) as info:
+        _writer(tmp_path, sizes=(4, 6, 2))
+    assert len(os.listdir("/proc/self/fd")) == open_before  # the shard's file was closed
+    size_asked = int(str(info.value).split("no room for ")[1].split(" bytes")[0])
+    assert str(info.value) == (f"shard.safetensors: tensor 't0' and the 2 after it: no room for {size_asked} bytes "
+                               "(No space left on device)")
+    assert (size_asked - 12) % 8 == 0 and size_asked > 12 and writes == []  # header + the 12 bytes

@@ -264,7 +264,7 @@ class ShardWriter:
         self._write_all(struct.pack("<Q", len(text)) + text, "(header)")
 
     def _write_all(self, data, what: str) -> None:
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+        view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
             try:
