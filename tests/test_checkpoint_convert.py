@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -352,6 +353,38 @@ def test_gpt_oss_stack_taller_than_two_strips(tmp_path):
     for i in range(3):
         np.testing.assert_array_equal(w[i], np.ascontiguousarray(codes[i].T), err_msg=f"{stack}[{i}]")
         np.testing.assert_array_equal(nv_decode(w[i].T, s[i].T, s2), x[i], err_msg=f"{stack}[{i}]")
+
+
+@pytest.mark.parametrize("lossy", [None, (0, 1)], ids=["lossless", "lossy"])
+def test_gpt_oss_stacks_written_past_the_page_cache_are_the_same_bytes(tmp_path, monkeypatch, lossy):
+    """Experts of 15360 bytes ([160 * 2, 96 / 2], 3 blocks and a part): their whole 4 KiB blocks go to the disk
+    directly, at a different phase for each expert. The folder is byte for byte the one written all through
+    the page cache, and lossless codes are the source's transposed."""
+    from fp4pass.checkpoint import safetensors_io
+
+    src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", seed=3, layers=1, experts=3, hidden=96,
+                               intermediate=160, lossy_expert=lossy)
+    probe = tmp_path / "probe"
+    probe.touch()
+    fd = safetensors_io._open_direct(probe)
+    if fd < 0:
+        pytest.skip("the test folder's file system takes no O_DIRECT writes")
+    os.close(fd)
+    direct = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: direct.append(len(data)) or real_pwrite(fd, data, offset))
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "direct", format="modelopt")
+    monkeypatch.setattr(safetensors_io, "_open_direct", lambda path: -1)
+    fp4pass.checkpoint.convert(src_dir, tmp_path / "cached", format="modelopt")
+    assert sum(direct) >= 3 * 2 * safetensors_io.DIRECT_ALIGN  # at least two blocks of each gate_up expert
+    contents = [{name: entry[0] for name, entry in tree_hash(tmp_path / d).items()} for d in ("direct", "cached")]
+    assert contents[0] == contents[1] and "model.safetensors" in contents[0]  # sha256 of each file
+    if lossy is None:
+        src, out = Folder(src_dir), Folder(tmp_path / "direct")
+        codes, _ = _sources(src, "gpt-oss")[1]["model.layers.0.mlp.experts.gate_up_proj"]
+        w = as_bytes(out.get("model.layers.0.mlp.experts.gate_up_proj"))
+        for i in range(3):
+            np.testing.assert_array_equal(w[i], np.ascontiguousarray(codes[i].T))
 
 
 def test_effort_and_threads_reach_every_unit_by_argument(tmp_path, monkeypatch):

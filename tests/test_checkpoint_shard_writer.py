@@ -358,3 +358,128 @@ def test_no_room_for_the_shard_is_one_line_before_any_byte(tmp_path, monkeypatch
     assert str(info.value) == (f"shard.safetensors: tensor 't0' and the 2 after it: no room for {size_asked} bytes "
                                "(No space left on device)")
     assert (size_asked - 12) % 8 == 0 and size_asked > 12 and writes == []  # header + the 12 bytes
+
+
+BLOCK = safetensors_io.DIRECT_ALIGN
+
+
+@pytest.fixture
+def takes_direct(tmp_path):
+    """Skip where the test folder's file system does not open files for O_DIRECT."""
+    probe = tmp_path / "probe"
+    probe.touch()
+    fd = safetensors_io._open_direct(probe)
+    if fd < 0:
+        pytest.skip("the test folder's file system takes no O_DIRECT writes")
+    os.close(fd)
+
+
+@pytest.fixture
+def direct_writes(monkeypatch, takes_direct):
+    """The byte counts written past the page cache (``os.pwrite`` is used for nothing else)."""
+    sizes = []
+    real = os.pwrite
+
+    def spy(fd, data, offset):
+        sizes.append(len(data))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", spy)
+    return sizes
+
+
+def _payloads(sizes, seed=11):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+
+
+def test_aligned_view_puts_its_first_byte_at_the_phase_asked(tmp_path):
+    backing = np.empty(3 * BLOCK + BLOCK, dtype=np.uint8)
+    for phase in (0, 1, 100, BLOCK - 1):
+        view = safetensors_io.aligned_view(backing, 3 * BLOCK, phase)
+        assert len(view) == 3 * BLOCK and view.ctypes.data % BLOCK == phase
+        assert backing.ctypes.data <= view.ctypes.data
+        assert view.ctypes.data + len(view) <= backing.ctypes.data + len(backing)
+    with pytest.raises(ValueError, match="need a uint8 backing"):
+        safetensors_io.aligned_view(backing, 3 * BLOCK + 1, 0)
+
+
+@pytest.mark.parametrize("sizes", [(3 * BLOCK + 123, 5 * BLOCK, 2 * BLOCK + 1, 7), (9 * BLOCK - 5, 4 * BLOCK + 77)])
+def test_buffers_placed_as_in_the_file_go_to_the_disk_directly_and_arrive_whole(tmp_path, direct_writes, sizes):
+    """Parts written from :func:`aligned_view` buffers at their file phase: their whole blocks go past the page
+    cache, the head and tail bytes through it, and the file holds every byte where the header says."""
+    payloads = _payloads(sizes)
+    names = [f"t{i}" for i in range(len(sizes))]
+    specs = [OutputSpec(n, "U8", (len(p),)) for n, p in zip(names, payloads)]
+    writer = ShardWriter(tmp_path / "shard.safetensors", specs)
+    expected_direct = 0
+    for name, payload in zip(names, payloads):
+        half = len(payload) // 2
+        for begin, stop in ((0, half), (half, len(payload))):  # two parts each, the second at another phase
+            phase = (writer.file_offset(name) + begin) % BLOCK
+            buf = safetensors_io.aligned_view(np.empty(stop - begin + BLOCK, dtype=np.uint8), stop - begin, phase)
+            buf[:] = payload[begin:stop]
+            if len(buf) >= 2 * BLOCK:
+                expected_direct += (len(buf) - (-phase % BLOCK)) // BLOCK * BLOCK
+            writer.write_part(name, buf)
+    writer.close()
+    assert sum(direct_writes) == expected_direct and expected_direct > 0
+    back = load_file(tmp_path / "shard.safetensors")
+    for name, payload in zip(names, payloads):
+        np.testing.assert_array_equal(back[name], payload)
+
+
+def test_buffers_out_of_phase_go_through_the_page_cache(tmp_path, direct_writes):
+    (payload,) = _payloads([6 * BLOCK])
+    open_before = len(os.listdir("/proc/self/fd"))
+    writer = ShardWriter(tmp_path / "shard.safetensors", [OutputSpec("t", "U8", (len(payload),))])
+    phase = (writer.file_offset("t") + 1) % BLOCK  # one byte off
+    buf = safetensors_io.aligned_view(np.empty(len(payload) + BLOCK, dtype=np.uint8), len(payload), phase)
+    buf[:] = payload
+    writer.write("t", buf)
+    assert len(os.listdir("/proc/self/fd")) == open_before + 2  # the shard, for buffered and for direct writes
+    writer.close()
+    assert len(os.listdir("/proc/self/fd")) == open_before and direct_writes == []
+    np.testing.assert_array_equal(load_file(tmp_path / "shard.safetensors")["t"], payload)
+
+
+@pytest.mark.parametrize("how", ["refused", "no O_DIRECT"])
+def test_without_direct_writes_every_byte_goes_through_the_page_cache(tmp_path, monkeypatch, takes_direct, how):
+    """A file system that refuses O_DIRECT writes (EINVAL at the first one) or a platform without them: the same
+    bytes, all through the page cache, and no second try for the later tensors of the shard."""
+    tries = []
+
+    def refuse(fd, data, offset):
+        tries.append(len(data))
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "pwrite", refuse)
+    if how == "no O_DIRECT":
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    payloads = _payloads([4 * BLOCK + 9, 3 * BLOCK])
+    writer = ShardWriter(tmp_path / "shard.safetensors", [OutputSpec(f"t{i}", "U8", (len(p),))
+                                                          for i, p in enumerate(payloads)])
+    for i, payload in enumerate(payloads):
+        phase = writer.file_offset(f"t{i}") % BLOCK
+        buf = safetensors_io.aligned_view(np.empty(len(payload) + BLOCK, dtype=np.uint8), len(payload), phase)
+        buf[:] = payload
+        writer.write(f"t{i}", buf)
+    writer.close()
+    assert len(tries) == (1 if how == "refused" else 0)
+    back = load_file(tmp_path / "shard.safetensors")
+    for i, payload in enumerate(payloads):
+        np.testing.assert_array_equal(back[f"t{i}"], payload)
+
+
+def test_a_failed_direct_write_names_the_shard_and_the_tensor(tmp_path, monkeypatch, takes_direct):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    writer = ShardWriter(tmp_path / "shard.safetensors", [OutputSpec("big", "U8", (4 * BLOCK,))])
+    phase = writer.file_offset("big") % BLOCK
+    buf = safetensors_io.aligned_view(np.zeros(5 * BLOCK, dtype=np.uint8), 4 * BLOCK, phase)
+    with pytest.raises(safetensors_io.CheckpointError,
+                       match=r"^shard.safetensors: tensor 'big': write failed \(No space left on device\)$"):
+        writer.write("big", buf)
+    writer.abort()

@@ -37,7 +37,7 @@ from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAM
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
 from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
-from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec, ShardWriter
+from fp4pass.checkpoint.safetensors_io import DIRECT_ALIGN, CheckpointError, OutputSpec, ShardWriter, aligned_view
 from fp4pass.choices import Method, values
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import UsageError
@@ -160,7 +160,8 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
 
     Each expert is transposed (cache-blocked; in two halves on two threads where the machine has two cores) into
     one of two reused buffers while the other is being written (numpy's copy and the write both release the
-    GIL), so memory stays at a few experts and no page is faulted twice. Codes kept as they are (``conv.codes``
+    GIL), so memory stays at a few experts and no page is faulted twice. Each buffer is placed in memory as its
+    bytes will lie in the file (:func:`aligned_view`), so that their whole 4 KiB blocks go to the disk directly. Codes kept as they are (``conv.codes``
     None) are read from the source a strip of rows at a time and transposed while in the cache
     (:func:`transpose_read`); converted ones and the scales from memory (:func:`transpose_bytes`).
     """
@@ -177,9 +178,12 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
         halves = helper if (os.cpu_count() or 1) > 1 else None
         pending = None
         for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
-            buffers = [np.empty((width, n), dtype=np.uint8) for _ in range(2)]
+            part, start = width * n, writer.file_offset(name)
+            backings = [np.empty(part + DIRECT_ALIGN, dtype=np.uint8) for _ in range(2)]
             for i in range(e):
-                out = buffers[i % 2]  # the write of expert i - 2, which used it, has finished
+                # the write of expert i - 2, which used this backing, has finished; the view's address matches
+                # its offset in the file, so the writer can send its whole blocks to the disk directly
+                out = aligned_view(backings[i % 2], part, (start + i * part) % DIRECT_ALIGN).reshape(width, n)
                 if stack is None:
                     transpose_read(reader(i), out, pool=halves)
                 else:

@@ -48,6 +48,7 @@ MAX_HEADER = 100 * 1024 * 1024  # the reference reader's own limit
 READ_CHUNK = 1 << 30  # preadv in pieces of at most 1 GiB (Linux caps one call near 2 GiB)
 WRITE_CHUNK = 1 << 24  # os.write in pieces of 16 MiB (one huge write measured slower here)
 WRITEBACK_STEP = 1 << 26  # start the disk writeback of every 64 MiB written
+DIRECT_ALIGN = 4096  # O_DIRECT writes: memory address, file offset and length in whole 4 KiB blocks
 
 
 class CheckpointError(FP4PassError):
@@ -226,29 +227,48 @@ class OutputSpec:
         return math.prod(self.shape) * DTYPES[self.dtype][1]
 
 
+def aligned_view(backing: np.ndarray, nbytes: int, phase: int) -> np.ndarray:
+    """``nbytes`` of the uint8 array ``backing`` (at least ``nbytes + DIRECT_ALIGN`` long) whose first byte lies
+    ``phase`` bytes past a DIRECT_ALIGN boundary of memory: a buffer whose address matches its place in a file
+    (``phase = file offset % DIRECT_ALIGN``), so that :meth:`ShardWriter.write_part` can send its whole blocks to
+    the disk directly."""
+    if backing.dtype != np.uint8 or backing.ndim != 1 or len(backing) < nbytes + DIRECT_ALIGN:
+        raise ValueError(f"aligned_view: {nbytes} bytes need a uint8 backing of {nbytes + DIRECT_ALIGN}")
+    start = (phase - backing.ctypes.data) % DIRECT_ALIGN
+    return backing[start:start + nbytes]
+
+
 class ShardWriter:
     """Writes one shard: the header from ``specs`` at once, then each tensor's bytes in ``specs`` order.
 
     ``write(name, data)`` takes the next tensor (or ``write_part`` several pieces of it); ``close()`` checks
     every tensor arrived whole and fsyncs the file. An OSError (a full disk) names the shard and the tensor.
+
+    Bytes go through the page cache, except the whole 4 KiB blocks of a buffer whose memory address matches
+    its offset in the file (:func:`aligned_view`): those go to the disk directly (``O_DIRECT``, where the file
+    system takes it), which spares the copy into the page cache and the kernel's writeback of it. Where the file
+    system refuses, everything goes through the page cache.
     """
 
     def __init__(self, path: str | os.PathLike, specs: list[OutputSpec], metadata: dict[str, str] | None = None):
         self.path = Path(path)
         self.specs = list(specs)
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-        offset = 0
+        offset, starts = 0, {}
         for spec in self.specs:
             header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
                                  "data_offsets": [offset, offset + spec.nbytes]}
+            starts[spec.name] = offset
             offset += spec.nbytes
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)
         self.total = offset
+        self._offsets = {name: 8 + len(text) + start for name, start in starts.items()}
         self._index = 0
         self._written = 0  # bytes of the current tensor
         # bytes in the file; bytes whose writeback has been started; bytes whose pages have been dropped
         self._position = self._flushed = self._dropped = 0
+        self._direct = -1
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         if hasattr(os, "posix_fallocate") and self.total:
             # the whole shard's blocks at once: a full disk shows now, and each append need not allocate
@@ -261,7 +281,12 @@ class ShardWriter:
                     raise CheckpointError(f"{self.path.name}: tensor {first!r} and the {len(self.specs) - 1} after "
                                           f"it: no room for {8 + len(text) + self.total} bytes "
                                           f"({exc.strerror})") from None
+        self._direct = _open_direct(self.path)
         self._write_all(struct.pack("<Q", len(text)) + text, "(header)")
+
+    def file_offset(self, name: str) -> int:
+        """Where tensor ``name``'s first byte goes in the file."""
+        return self._offsets[name]
 
     def _write_all(self, data, what: str) -> None:
         view = memoryview(data).cast("B")
@@ -272,6 +297,24 @@ class ShardWriter:
             except OSError as exc:
                 raise CheckpointError(f"{self.path.name}: tensor {what}: write failed ({exc.strerror})") from None
         self._advance(len(view))
+
+    def _write_direct(self, view: memoryview, what: str) -> None:
+        """Write ``view`` (whole blocks, its address and the file's position aligned) past the page cache, then
+        move the buffered descriptor past it. A file system that refuses (``EINVAL``) gets the rest through the
+        page cache, this shard's later writes too."""
+        done = 0
+        while done < len(view) and self._direct >= 0:
+            try:
+                done += os.pwrite(self._direct, view[done:done + WRITE_CHUNK], self._position + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise CheckpointError(f"{self.path.name}: tensor {what}: write failed ({exc.strerror})") from None
+                os.close(self._direct)
+                self._direct = -1
+        if done:
+            os.lseek(self._fd, self._position + done, os.SEEK_SET)
+            self._advance(done)
+        self._write_all(view[done:], what)
 
     def _advance(self, nbytes: int) -> None:
         """Count bytes written; every WRITEBACK_STEP bytes, start writing them to disk and drop the step before.
@@ -304,7 +347,14 @@ class ShardWriter:
             view = memoryview(np.ascontiguousarray(data)).cast("B")
         if self._written + len(view) > spec.nbytes:
             raise RuntimeError(f"{self.path.name}: {name!r} got more than its {spec.nbytes} bytes")
-        self._write_all(view, repr(name))
+        head = body = 0
+        if self._direct >= 0 and len(view) >= 2 * DIRECT_ALIGN and (
+                np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_ALIGN == self._position % DIRECT_ALIGN):
+            head = -self._position % DIRECT_ALIGN
+            body = (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN
+        self._write_all(view[:head], repr(name))
+        self._write_direct(view[head:head + body], repr(name))
+        self._write_all(view[head + body:], repr(name))
         self._written += len(view)
         if self._written == spec.nbytes:
             self._index += 1
@@ -361,6 +411,20 @@ class ShardWriter:
             self.abort()
 
     def abort(self) -> None:
+        if self._direct >= 0:
+            os.close(self._direct)
+            self._direct = -1
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _open_direct(path: Path) -> int:
+    """A second, ``O_DIRECT`` descriptor of ``path``; -1 where the platform or the file system has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return -1
