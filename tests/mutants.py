@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_cmd_inspect.py", "tests/test_convert.py",
                  "tests/test_cmd_convert.py"]
+CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpoint_convert.py",
+                    "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
 CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
@@ -278,6 +280,40 @@ MUTANTS = [
     Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
         ("fp4pass/io.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
     ], ["tests/test_io.py"]),
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    Mutant("checkpoint-folder-renamed-before-fsync", "an output folder is renamed into place before its files "
+           "are fsynced", [
+        ("fp4pass/io.py", "        _fsync_tree(tmp)\n        os.replace(tmp, target)\n",
+         "        os.replace(tmp, target)\n        _fsync_tree(target)\n"),
+    ], CHECKPOINT_TESTS),
+    Mutant("checkpoint-pair-input-scale-from-one-half", "gate and up keep their own calibrated input scales "
+           "instead of sharing the larger", [
+        ("fp4pass/checkpoint/input_scales.py", "                    found[n] = max(known)",
+         "                    found[n] = found.get(n, max(known))"),
+    ], CHECKPOINT_TESTS),
+    Mutant("checkpoint-unrouted-expert-takes-min", "an expert calibration never reached takes its layer's "
+           "smallest input scale, not the largest", [
+        ("fp4pass/checkpoint/input_scales.py",
+         "            layer_max[group] = max(layer_max.get(group, 0.0), found[_name(item)])",
+         "            layer_max[group] = min(layer_max.get(group, float('inf')), found[_name(item)])"),
+    ], CHECKPOINT_TESTS),
+    Mutant("checkpoint-pages-dropped-before-written", "the shard writer drops the pages of the step it has just "
+           "started writing back, not the step before", [
+        ("fp4pass/checkpoint/safetensors_io.py",
+         "                if self._dropped < self._flushed:\n"
+         "                    os.posix_fadvise(self._fd, self._dropped, self._flushed - self._dropped,",
+         "                if self._flushed < self._position:\n"
+         "                    os.posix_fadvise(self._fd, self._flushed, self._position - self._flushed,"),
+    ], CHECKPOINT_TESTS),
+    Mutant("checkpoint-direct-head-misread", "the bytes before a buffer's first whole 4 KiB block are counted "
+           "from the block's start instead of up to it", [
+        ("fp4pass/checkpoint/safetensors_io.py", "head = -self._position % DIRECT_ALIGN",
+         "head = self._position % DIRECT_ALIGN"),
+    ], CHECKPOINT_TESTS),
+    Mutant("checkpoint-fused-buffers-one-phase", "every expert of a gpt-oss stack is placed at the first "
+           "expert's phase, so later experts miss the direct path", [
+        ("fp4pass/checkpoint/run.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
+    ], CHECKPOINT_TESTS),
 ]
 
 
