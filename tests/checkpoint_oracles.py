@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 import torch
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
@@ -98,3 +100,19 @@ def requant_sse(x: np.ndarray) -> float:
     q = np.clip(blocks / full, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
     y = (q * full.astype(np.float64)).reshape(x.shape)
     return float(((y - x) ** 2).sum())
+
+
+def require_direct_writes(folder) -> None:
+    """Skip the test where ``folder``'s file system does not open files for O_DIRECT (the shard writer then
+    writes everything through the page cache, which other tests cover)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    probe = Path(folder) / "direct-probe"
+    probe.touch()
+    try:
+        fd = os.open(probe, os.O_WRONLY | flag) if flag else -1
+    except OSError:
+        fd = -1
+    probe.unlink()
+    if fd < 0:
+        pytest.skip("the test folder's file system takes no O_DIRECT writes")
+    os.close(fd)

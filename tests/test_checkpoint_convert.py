@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint_oracles import Folder, as_bytes, mx_decode, nv_decode, requant_sse, tree_hash
+from checkpoint_oracles import Folder, as_bytes, mx_decode, nv_decode, require_direct_writes, requant_sse, tree_hash
 import fp4pass.checkpoint
 from fp4pass.examples.checkpoints import TOKENIZER_FILES, build_checkpoint
 from spies import spy_conversion_options  # noqa: E402
@@ -364,12 +364,7 @@ def test_gpt_oss_stacks_written_past_the_page_cache_are_the_same_bytes(tmp_path,
 
     src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", seed=3, layers=1, experts=3, hidden=96,
                                intermediate=160, lossy_expert=lossy)
-    probe = tmp_path / "probe"
-    probe.touch()
-    fd = safetensors_io._open_direct(probe)
-    if fd < 0:
-        pytest.skip("the test folder's file system takes no O_DIRECT writes")
-    os.close(fd)
+    require_direct_writes(tmp_path)
     direct = []
     real_pwrite = os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: direct.append(len(data)) or real_pwrite(fd, data, offset))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from checkpoint_oracles import require_direct_writes
 from fp4pass.checkpoint import safetensors_io
 from fp4pass.checkpoint.safetensors_io import OutputSpec, ShardWriter
 
@@ -186,34 +187,24 @@ def test_a_copy_the_kernel_will_not_do_goes_through_memory(tmp_path, monkeypatch
     assert load_file(tmp_path / "shard.safetensors")["t0"].tobytes() == payload
 
 
-def test_a_source_that_shrank_is_one_line_naming_shard_and_tensor(tmp_path, monkeypatch):
+@pytest.mark.parametrize("trouble,message", [
+    ("shrank", r"its source shrank while copied"),  # 8 bytes where the plan expects 10, read through memory
+    ("EIO", r"write failed \(Input/output error\)"),  # the kernel's copy fails
+])
+def test_a_failed_copy_is_one_line_naming_shard_and_tensor(tmp_path, monkeypatch, trouble, message):
     source = tmp_path / "source.bin"
-    source.write_bytes(bytes(8))  # the plan expects 10 bytes from offset 0
-    monkeypatch.delattr(os, "copy_file_range")
+    source.write_bytes(bytes(8))
+    if trouble == "shrank":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        def fail(*args):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(os, "copy_file_range", fail)
     writer = _writer(tmp_path, sizes=(10,))
     fd = os.open(source, os.O_RDONLY)
     try:
-        with pytest.raises(safetensors_io.CheckpointError,
-                           match=r"^shard.safetensors: tensor 't0': its source shrank while copied$"):
+        with pytest.raises(safetensors_io.CheckpointError, match=rf"^shard.safetensors: tensor 't0': {message}$"):
             writer.copy_from("t0", fd, 0, 10)
-    finally:
-        os.close(fd)
-        writer.abort()
-
-
-def test_another_copy_error_is_one_line(tmp_path, monkeypatch):
-    def fail(*args):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(os, "copy_file_range", fail)
-    source = tmp_path / "source.bin"
-    source.write_bytes(bytes(4))
-    writer = _writer(tmp_path, sizes=(4,))
-    fd = os.open(source, os.O_RDONLY)
-    try:
-        with pytest.raises(safetensors_io.CheckpointError,
-                           match=r"^shard.safetensors: tensor 't0': write failed \(Input/output error\)$"):
-            writer.copy_from("t0", fd, 0, 4)
     finally:
         os.close(fd)
         writer.abort()
@@ -365,13 +356,7 @@ BLOCK = safetensors_io.DIRECT_ALIGN
 
 @pytest.fixture
 def takes_direct(tmp_path):
-    """Skip where the test folder's file system does not open files for O_DIRECT."""
-    probe = tmp_path / "probe"
-    probe.touch()
-    fd = safetensors_io._open_direct(probe)
-    if fd < 0:
-        pytest.skip("the test folder's file system takes no O_DIRECT writes")
-    os.close(fd)
+    require_direct_writes(tmp_path)
 
 
 @pytest.fixture
