@@ -270,6 +270,102 @@ def test_scales_json_fills_missing_experts(examples, tmp_path):
     filled = {f["module"] for f in report["input_scales"]["filled_from_layer_max"]}
     assert f"{layer}.1.w1" in filled and f"{layer}.2.w2" in filled and f"{layer}.0.w1" not in filled
     assert report["input_scales"]["unmatched_keys"] == ["some.other.activation"]
+    assert report["input_scales"]["source"] == str(path)
+
+
+def _scales_file(path, values: dict[str, float]):
+    from fp4pass.calib import ActivationScales
+    from fp4pass.calib.scales import ActivationScale
+
+    ActivationScales("max", {k: ActivationScale(amax=v * 2688, g_amax=v * 2688, input_scale=v, b_min=0.0, b_max=1.0,
+                                                blocks=1) for k, v in values.items()}).save(path)
+    return path
+
+
+def test_scales_json_keys_of_every_spelling_meet_on_one_module(examples, tmp_path):
+    """Dotted names, fx names (``.`` as ``_``), each with ``.input`` / ``_input``; two keys of one module give
+    the larger value; a filled expert's report entry names its layer and projection."""
+    layer = "model.layers.0.mlp.experts"
+    path = _scales_file(tmp_path / "scales.json", {
+        f"{layer}.0.w1.input": 0.5, "model_layers_0_mlp_experts_0_w3_input": 0.25,  # one pair: 0.5 both
+        "model_layers_0_mlp_experts_1_w2": 0.375, f"{layer}.1.w2": 0.1875,  # one module twice: the larger
+        "model.layers.0.self_attn.o_proj_input": 0.125, "model.layers.1.self_attn.o_proj": 0.0625,
+        **{f"model.layers.1.mlp.experts.{e}.{p}": 0.01 * (e + 1) for e in range(3) for p in ("w1", "w2")}})
+    report = fp4pass.checkpoint.convert(examples["compressed-tensors"], tmp_path / "out", scales=path)
+    out = Folder(tmp_path / "out")
+
+    def scale(module):
+        return float(out.get(f"{module}.input_scale"))
+
+    assert scale(f"{layer}.0.w1") == scale(f"{layer}.0.w3") == 0.5
+    assert scale(f"{layer}.1.w2") == scale(f"{layer}.0.w2") == scale(f"{layer}.2.w2") == 0.375
+    assert scale("model.layers.0.self_attn.o_proj") == 0.125 and scale("model.layers.1.self_attn.o_proj") == 0.0625
+    assert {"module": f"{layer}.2.w2", "from_layer": "model.layers.0.mlp", "projection": "w2", "input_scale": 0.375} in \
+        report["input_scales"]["filled_from_layer_max"]
+    assert report["input_scales"]["unmatched_keys"] == []
+
+
+@pytest.mark.parametrize("case", ["zero", "dense missing", "gpt-oss stack missing"])
+def test_scales_json_that_cannot_give_every_module_a_scale_is_one_line(examples, tmp_path, case):
+    from fp4pass.checkpoint.safetensors_io import CheckpointError
+
+    form = "gpt-oss" if case == "gpt-oss stack missing" else "compressed-tensors"
+    if form == "gpt-oss":
+        values = {"model.layers.0.mlp.experts.gate_up_proj": 1.0, "model.layers.0.mlp.experts.down_proj": 1.0,
+                  "model.layers.1.mlp.experts.gate_up_proj": 1.0, "model.layers.0.self_attn.o_proj": 1.0,
+                  "model.layers.1.self_attn.o_proj": 1.0}
+        message = (r"scales.json: no input scale for model.layers.1.mlp.experts.down_proj \(not one expert of many, "
+                   r"so there is none to borrow\); calibrate it or give --input-scale$")
+    else:
+        values = {f"model.layers.{i}.mlp.experts.0.{p}": 1.0 for i in range(2) for p in ("w1", "w2")}
+        values["model.layers.1.self_attn.o_proj"] = 1.0
+        if case == "zero":  # a value no SCALES.json file can hold (its reader refuses it first)
+            from types import SimpleNamespace
+
+            from fp4pass.checkpoint.catalog import Catalog
+            from fp4pass.checkpoint.detect import detect
+            from fp4pass.checkpoint.input_scales import resolve_input_scales
+
+            with Catalog.open(examples[form]) as catalog:
+                units = detect(catalog.tensors, catalog.config).units
+            zero = SimpleNamespace(tensors={"model.layers.0.self_attn.o_proj": SimpleNamespace(input_scale=0.0)})
+            with pytest.raises(CheckpointError, match=r"^s.json: tensor 'model.layers.0.self_attn.o_proj': "
+                                                      r"input_scale 0.0 is not a finite positive number$"):
+                resolve_input_scales(units, scales=zero, scales_path="s.json")
+            return
+        else:
+            message = (r"scales.json: no input scale for model.layers.0.self_attn.o_proj \(not one expert of many, "
+                       r"so there is none to borrow\); calibrate it or give --input-scale$")
+    path = _scales_file(tmp_path / "scales.json", values)
+    with pytest.raises(CheckpointError, match=message):
+        fp4pass.checkpoint.convert(examples[form], tmp_path / "out", scales=path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_constant_input_scale_is_everywhere_and_named_in_the_report(examples, tmp_path):
+    report = fp4pass.checkpoint.convert(examples["compressed-tensors"], tmp_path / "out", input_scale=0.375)
+    out = Folder(tmp_path / "out")
+    values = [float(out.get(n)) for n in out.keys() if n.endswith(".input_scale")]
+    assert len(values) == report["summary"]["tensors_converted"] and set(values) == {0.375}
+    assert report["input_scales"] == {"source": "constant", "filled_from_layer_max": [], "unmatched_keys": []}
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, -math.inf, math.nan, "1.0"])
+def test_an_input_scale_that_is_not_finite_and_positive_is_refused(value):
+    from fp4pass.checkpoint.input_scales import resolve_input_scales
+    from fp4pass.checkpoint.safetensors_io import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^--input-scale: input_scale .* is not a finite positive number$"):
+        resolve_input_scales([], constant=value)
+
+
+def test_a_constant_and_a_scales_file_together_are_refused(tmp_path):
+    from fp4pass.calib import ActivationScales
+    from fp4pass.checkpoint.input_scales import resolve_input_scales
+    from fp4pass.checkpoint.safetensors_io import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^give either a constant input scale or a SCALES.json, not both$"):
+        resolve_input_scales([], constant=1.0, scales=ActivationScales("max", {}))
 
 
 def test_lossy_expert_keeps_neighbours_exact_and_beats_requant(tmp_path):

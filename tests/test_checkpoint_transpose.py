@@ -77,3 +77,80 @@ def test_transpose_read_from_a_file(tmp_path, rows, cols, strip, threads):
             transpose_read(read, out, strip, pool=pool if threads == 2 else None)
     np.testing.assert_array_equal(out, np.ascontiguousarray(src.T))
     assert sorted(calls)[0][0] == 0 and sum(b - a for a, b in calls) == rows  # every row read once
+
+
+class _CountingPool(ThreadPoolExecutor):
+    """A one-thread pool that counts the work given to it."""
+
+    def __init__(self):
+        super().__init__(1)
+        self.given = 0
+        self.ranges = []  # (begin, end) of the source rows given
+
+    def submit(self, fn, *args, **kwargs):
+        self.given += 1
+        self.ranges.append(args)
+        return super().submit(fn, *args, **kwargs)
+
+
+def _reader(src):
+    def read(begin, stop, buffer):
+        buffer[...] = src[begin:stop]
+    return read
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_transpose_read_of_one_to_three_rows(rows):
+    src = np.arange(rows * 5, dtype=np.uint8).reshape(rows, 5) + 1
+    out = np.zeros((5, rows), dtype=np.uint8)
+    transpose_read(_reader(src), out, strip=2)
+    np.testing.assert_array_equal(out, src.T)
+
+
+@pytest.mark.parametrize("how", ["bytes", "read"])
+def test_a_pool_gets_the_first_half_of_a_tall_source(how):
+    rng = np.random.default_rng(9)
+    src = rng.integers(0, 256, (4 * STRIP_ROWS + 3, 20), dtype=np.uint8)
+    out = np.zeros((20, len(src)), dtype=np.uint8)
+    with _CountingPool() as pool:
+        if how == "bytes":
+            transpose_bytes(src, out, pool=pool)
+        else:
+            transpose_read(_reader(src), out, pool=pool)
+    assert pool.ranges == [(0, 2 * STRIP_ROWS)]  # 4 whole strips and a ragged one: the pool takes the first two
+    np.testing.assert_array_equal(out, src.T)
+
+
+@pytest.mark.parametrize("rows,strip,given", [
+    (1, 1, []), (2, 1, [(0, 1)]), (3, 1, [(0, 2)]), (5, 2, [(0, 2)]), (6, 2, [(0, 4)]),
+    (STRIP_ROWS, STRIP_ROWS, []), (STRIP_ROWS + 1, STRIP_ROWS, [(0, STRIP_ROWS)]),
+])
+def test_the_pools_half_is_whole_strips_and_never_all_or_nothing(rows, strip, given):
+    """The pool gets the first ceil(strips / 2) whole strips when that leaves rows for this thread, else no
+    work at all."""
+    src = np.arange(rows * 3, dtype=np.uint8).reshape(rows, 3)
+    for how in ("bytes", "read"):
+        out = np.zeros((3, rows), dtype=np.uint8)
+        with _CountingPool() as pool:
+            if how == "bytes":
+                transpose_bytes(src, out, strip, pool=pool)
+            else:
+                transpose_read(_reader(src), out, strip, pool=pool)
+        assert pool.ranges == given, how
+        np.testing.assert_array_equal(out, src.T)
+
+
+def test_refusals_say_what_was_expected():
+    src = np.zeros((4, 6), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"^transpose_bytes: source \(4, 6\) into \(4, 6\)$"):
+        transpose_bytes(src, np.zeros((4, 6), dtype=np.uint8))
+    strided = np.zeros((6, 8), dtype=np.uint8)[:, ::2]  # [6, 4], the right shape, not contiguous
+    with pytest.raises(ValueError, match=r"^transpose_bytes: uint8 arrays and a C-contiguous output expected$"):
+        transpose_bytes(src, strided)
+    with pytest.raises(ValueError, match=r"^transpose_bytes: strip 0 < 1$"):
+        transpose_bytes(src, np.zeros((6, 4), dtype=np.uint8), strip=0)
+    for out in (strided, np.zeros((6, 4), dtype=np.int8), np.zeros(24, dtype=np.uint8)):
+        with pytest.raises(ValueError, match=r"^transpose_read: a C-contiguous 2-D uint8 output expected$"):
+            transpose_read(_reader(src), out)
+    with pytest.raises(ValueError, match=r"^transpose_read: strip 0 < 1$"):
+        transpose_read(_reader(src), np.zeros((6, 4), dtype=np.uint8), strip=0)
