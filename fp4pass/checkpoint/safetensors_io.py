@@ -121,7 +121,8 @@ class SafetensorsFile:
             raise self._fail(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata  # null as safetensors reads it: no metadata
         if not isinstance(metadata, dict):
             raise self._fail("__metadata__ is not an object")
         data_start = 8 + n
