@@ -18,11 +18,11 @@ kind is removed, so both write into page-cache pages just freed: on a virtual ma
 guest's free memory, a run that writes into memory free for a few seconds finds pages the host must back anew,
 and the same ``cp -r`` then takes 2-8x as long (three copies of one folder in a row measured 0.59, 0.67 and
 4.51 s, all of it system time). The conversion's process imports fp4pass before that removal, and the time
-counted is that of ``fp4pass.checkpoint.convert`` alone. The conversion fsyncs its output and ``cp -r`` does not, so a second,
-fair baseline is reported beside the stated one: the same ``cp -r`` plus an fsync of every file it copied (the
-time of ``cp -r && sync -f``, without flushing other processes' files). ``quick``: a
-folder of a few MB (fixed costs dominate; no goals) and an [8, 576, 2880] stack. The folders live in a
-temporary folder that is removed afterwards.
+counted is that of ``fp4pass.checkpoint.convert`` alone. The conversion fsyncs its output and ``cp -r`` does
+not, so a second, fair baseline is reported beside the stated one: the same ``cp -r`` plus an fsync of every
+file it copied (the time of ``cp -r && sync -f``, without flushing other processes' files). ``quick``: a folder
+of a few MB (fixed costs dominate; no goals) and an [8, 576, 2880] stack. The folders live in a temporary
+folder that is removed afterwards.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def _against_cp(label: str, form: str, fmt: str, quick: bool, goal: float, work:
         out = work / f"out-{label}-{i}"
         return _convert_child(src, out, fmt, before=lambda: fresh("out", out))
 
-    timed_cp(-1), timed_convert(-1)  # unmeasured: the first measured runs too find a last run's pages to reuse
+    # unmeasured: the first measured runs too find a last run's pages to reuse
+    timed_cp(-1)
+    timed_convert(-1)
     for i in range(3 if quick else 5):  # cp -r and the conversion back to back, taking turns at going first
         if i % 2:
             run = timed_convert(i)

@@ -161,9 +161,10 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
     Each expert is transposed (cache-blocked; in two halves on two threads where the machine has two cores) into
     one of two reused buffers while the other is being written (numpy's copy and the write both release the
     GIL), so memory stays at a few experts and no page is faulted twice. Each buffer is placed in memory as its
-    bytes will lie in the file (:func:`aligned_view`), so that their whole 4 KiB blocks go to the disk directly. Codes kept as they are (``conv.codes``
-    None) are read from the source a strip of rows at a time and transposed while in the cache
-    (:func:`transpose_read`); converted ones and the scales from memory (:func:`transpose_bytes`).
+    bytes will lie in the file (:func:`aligned_view`), so that their whole 4 KiB blocks go to the disk directly.
+    Codes kept as they are (``conv.codes`` None) are read from the source a strip of rows at a time and
+    transposed while in the cache (:func:`transpose_read`); converted ones and the scales from memory
+    (:func:`transpose_bytes`).
     """
     p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
     source = catalog.shards[unit.codes.shard]

@@ -255,16 +255,15 @@ class ShardWriter:
         self.path = Path(path)
         self.specs = list(specs)
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-        offset, starts = 0, {}
+        offset = 0
         for spec in self.specs:
             header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
                                  "data_offsets": [offset, offset + spec.nbytes]}
-            starts[spec.name] = offset
             offset += spec.nbytes
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)
         self.total = offset
-        self._offsets = {name: 8 + len(text) + start for name, start in starts.items()}
+        self._offsets = {spec.name: 8 + len(text) + header[spec.name]["data_offsets"][0] for spec in self.specs}
         self._index = 0
         self._written = 0  # bytes of the current tensor
         # bytes in the file; bytes whose writeback has been started; bytes whose pages have been dropped
@@ -348,14 +347,15 @@ class ShardWriter:
             view = memoryview(np.ascontiguousarray(data)).cast("B")
         if self._written + len(view) > spec.nbytes:
             raise RuntimeError(f"{self.path.name}: {name!r} got more than its {spec.nbytes} bytes")
-        head = body = 0
         if self._direct >= 0 and len(view) >= 2 * DIRECT_ALIGN and (
                 np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_ALIGN == self._position % DIRECT_ALIGN):
-            head = -self._position % DIRECT_ALIGN
-            body = (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN
-        self._write_all(view[:head], repr(name))
-        self._write_direct(view[head:head + body], repr(name))
-        self._write_all(view[head + body:], repr(name))
+            head = -self._position % DIRECT_ALIGN  # up to the first block boundary
+            body = head + (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN  # the end of the last whole block
+            self._write_all(view[:head], repr(name))
+            self._write_direct(view[head:body], repr(name))
+            self._write_all(view[body:], repr(name))
+        else:
+            self._write_all(view, repr(name))
         self._written += len(view)
         if self._written == spec.nbytes:
             self._index += 1
