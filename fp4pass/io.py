@@ -20,11 +20,21 @@ The rules every file fp4pass writes follows (``docs/bad-input.md`` states them f
    :class:`OutputSession` with the device and inode it put there; the CLI rolls the session back on a
    non-zero exit, removing what this run renamed in, and only while that path still holds this run's file
    (another run may have written it since). :meth:`OutputSession.rollback` says what exit 1 keeps.
-6. **Stale temporaries.** A killed run (SIGKILL) cannot clean up; its temporaries carry its pid and a token
-   of the machine, boot and pid namespace it ran in (``h<host>``). The next :func:`atomic_output` in that
-   folder, or ``fp4pass clean DIR``, removes those made here whose process is gone (:func:`remove_stale`).
-   A pid means nothing on another host or in another pid namespace sharing the folder: such temporaries are
-   never removed automatically, only by ``fp4pass clean --older-than HOURS``.
+6. **Stale temporaries.** Every temporary is a folder (``.fp4pass-tmp-<pid>-h<host>-<random>-<name>``,
+   :func:`make_temp_folder`) holding a marker file, :data:`MARKER`: the pid, that process's start time
+   (``/proc/PID/stat``), a token of the machine, boot and pid namespace it ran in (:func:`host_token`) and the
+   folder's own device and inode. A killed run (SIGKILL) cannot clean up; the next :func:`atomic_output` or
+   :func:`atomic_folder` in that folder, or ``fp4pass clean DIR``, removes the temporaries whose marker says
+   they were made here by a process that is gone (the pid is not running, or runs with another start time)
+   (:func:`remove_stale`). Only a real folder (not a symlink) whose marker checks out is ever removed: a file,
+   a folder without the marker (a user's folder named like a temporary, an input), a copy of a temporary
+   (another inode) or the input of the current run are never removed. A pid means nothing on another host
+   or in another pid namespace sharing the folder: such temporaries go only with ``fp4pass clean
+   --older-than HOURS``, and a run alive here is left alone even then.
+7. **The rename is the last step.** :func:`atomic_folder` and :func:`finish` record the inode they rename in
+   the :class:`OutputSession` before the rename, so a failure or a signal at any moment after it takes the
+   output back out (the CLI rolls the session back); :func:`atomic_folder` also removes its folder itself
+   when the rename's own aftermath (the folder's fsync) fails or is interrupted.
 """
 
 from __future__ import annotations
@@ -60,6 +70,13 @@ __all__ = [
     "same_file",
     "temp_name",
     "write_json",
+    "MARKER",
+    "make_temp_folder",
+    "copy_regular_file",
+    "pseudo_filesystem",
+    "inside_folder",
+    "open_regular",
+    "read_exact",
 ]
 
 TMP_PREFIX = ".fp4pass-tmp-"
@@ -93,7 +110,32 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 def _inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     real, base = os.path.realpath(path), os.path.realpath(folder)
-    return real != base and os.path.commonpath([real, base]) == base
+    if real != base and os.path.commonpath([real, base]) == base:
+        return True
+    return inside_folder(path, folder)
+
+
+def inside_folder(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether a folder above ``path`` (which need not exist yet) is ``folder``, by device and inode: a bind
+    mount or a second mount of ``folder`` shows the same ``st_dev``/``st_ino`` under another path, which no
+    comparison of paths sees."""
+    try:
+        base = os.stat(folder)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(base.st_mode):
+        return False
+    here = Path(os.path.abspath(path)).parent
+    while True:
+        try:
+            st = os.stat(here)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == (base.st_dev, base.st_ino):
+            return True
+        if here.parent == here:
+            return False
+        here = here.parent
 
 
 def refuse_overwrite(output: str | os.PathLike, *inputs: str | os.PathLike) -> None:
@@ -180,13 +222,17 @@ class OutputSession:
     """
 
     written: list[tuple[Path, str, tuple[int, int] | None]] = field(default_factory=list)
+    emptied: set[Path] = field(default_factory=set)  # output folders that replaced an empty folder
 
-    def record(self, path: Path, kind: str) -> None:
-        try:
-            st = os.lstat(path)
-            identity = (st.st_dev, st.st_ino)
-        except OSError:
-            identity = None
+    def record(self, path: Path, kind: str, identity: tuple[int, int] | None = None) -> None:
+        """Note that this run put ``path`` there: the inode ``identity`` (recorded before the rename, which
+        keeps the inode, so that a signal right after it still finds the entry), else what is there now."""
+        if identity is None:
+            try:
+                st = os.lstat(path)
+                identity = (st.st_dev, st.st_ino)
+            except OSError:
+                identity = None
         self.written.append((Path(path), kind, identity))
 
     def rollback(self, code: int, keep_results: bool = False) -> list[Path]:
@@ -208,9 +254,15 @@ class OutputSession:
             except OSError:
                 continue
             if identity is None or (st.st_dev, st.st_ino) != identity:
-                continue  # another run wrote this path since: not ours to remove
+                continue  # another run wrote this path since (or the rename never happened): not ours
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+                if stat.S_ISDIR(st.st_mode):  # an output folder (atomic_folder): all of it is this run's
+                    shutil.rmtree(path)
+                    if path in self.emptied:
+                        with contextlib.suppress(OSError):
+                            os.mkdir(path)
+                else:
+                    path.unlink()
                 removed.append(path)
         self.written.clear()
         return removed
@@ -266,45 +318,154 @@ def host_token() -> str:
     return hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
-def _is_stale(entry: os.DirEntry, token: str, older_than: float | None) -> bool:
-    """Whether a temporary may go: made here by a process that is gone, or (``older_than`` seconds given)
-    made anywhere and untouched for that long."""
-    match = _TMP_RE.match(entry.name)
-    if not match:
+#: the marker file inside every temporary folder: JSON naming the process that made it (module rule 6)
+MARKER = ".fp4pass-run"
+_MARKER_MAX = 4096
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks after boot, field 22 of ``/proc/PID/stat``); None when
+    there is no such process or no ``/proc``."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            text = f.read(4096).decode("ascii", errors="replace")
+    except (OSError, ValueError, OverflowError):
+        return None
+    fields = text[text.rfind(")") + 1:].split()  # the command name, in parentheses, may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def write_marker(folder: str | os.PathLike, pid: int | None = None, host: str | None = None,
+                 start: str | None = None) -> None:
+    """Write :data:`MARKER` into the fresh temporary ``folder``: this process (or the ``pid`` given, for
+    tests), its start time, the host token and the folder's device and inode."""
+    pid = os.getpid() if pid is None else pid
+    st = os.lstat(folder)
+    data = {"fp4pass": 1, "pid": pid, "start": process_start(pid) if start is None else start,
+            "host": host_token() if host is None else host, "dev": st.st_dev, "ino": st.st_ino}
+    fd = os.open(Path(folder) / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, json.dumps(data).encode())
+    finally:
+        os.close(fd)
+
+
+def _marker(folder: Path, st: os.stat_result) -> dict | None:
+    """The marker of the temporary ``folder`` (``st``: its lstat), or None when it is not one fp4pass made
+    there: no marker, not a small regular file, not the marker's JSON, or made for another inode (a copy)."""
+    try:
+        fd = os.open(folder / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX:
+            return None
+        data = json.loads(os.read(fd, _MARKER_MAX + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or data.get("fp4pass") != 1:
+        return None
+    if type(data.get("pid")) is not int or data["pid"] < 1 or not isinstance(data.get("host"), str):
+        return None
+    if (data.get("dev"), data.get("ino")) != (st.st_dev, st.st_ino):
+        return None
+    return data
+
+
+def _alive_here(marker: dict) -> bool:
+    """Whether the process that wrote ``marker`` (on this host) still runs: its pid is alive and, where the
+    start time can be read, it is the same process (not a later one that got the pid again)."""
+    pid = marker["pid"]
+    if not _pid_alive(pid):
         return False
-    if match.group(2) == token and not _pid_alive(int(match.group(1))):
+    if pid == os.getpid():
+        return True
+    now = process_start(pid)
+    return now is None or marker.get("start") is None or now == marker.get("start")
+
+
+def _newest_mtime(folder: Path, st: os.stat_result) -> float:
+    newest = st.st_mtime
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def _is_stale(entry: os.DirEntry, token: str, older_than: float | None) -> bool:
+    """Whether a temporary may go (module docstring, rule 6): a real folder with fp4pass's marker, made here
+    by a process that is gone, or (``older_than`` seconds given) made anywhere by a process not alive here and
+    untouched for that long."""
+    if not _TMP_RE.match(entry.name):
+        return False
+    path = Path(entry.path)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    marker = _marker(path, st)
+    if marker is None:
+        return False
+    here = marker["host"] == token
+    if here and _alive_here(marker):
+        return False
+    if here:
         return True
     if older_than is None:
         return False
-    try:
-        return time.time() - entry.stat(follow_symlinks=False).st_mtime > older_than
-    except OSError:
-        return False
+    return time.time() - _newest_mtime(path, st) > older_than
 
 
-def remove_stale(folder: str | os.PathLike, older_than: float | None = None) -> list[Path]:
+def remove_stale(folder: str | os.PathLike, older_than: float | None = None, keep: tuple = ()) -> list[Path]:
     """Remove the fp4pass temporaries in ``folder`` that no run still writes (module docstring, rule 6);
-    returns what was removed. ``older_than``: also remove any temporary (from another host, pid namespace or
-    an older fp4pass) untouched for that many seconds."""
+    returns what was removed. ``older_than``: also remove the temporaries of another host, pid namespace (or
+    an fp4pass that cannot be asked) untouched for that many seconds. ``keep``: paths never removed (the
+    inputs of the run that sweeps), by path or inode."""
     removed = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
     token = host_token()
+    kept = set()
+    for given in keep:
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            st = os.stat(given)
+            kept.add((st.st_dev, st.st_ino))
     for entry in entries:
         if not _is_stale(entry, token, older_than):
             continue
         path = Path(entry.path)
         try:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) in kept:
+                continue
+            shutil.rmtree(path)
             removed.append(path)
         except OSError:
             pass  # another run removed it first, or we may not: leave it
     return removed
+
+
+def make_temp_folder(target: str | os.PathLike, suffix: str = "", error: type[Exception] = UsageError) -> Path:
+    """A fresh private temporary folder beside ``target`` (:func:`temp_name`) holding its :data:`MARKER`."""
+    tmp = temp_name(target, suffix)
+    try:
+        os.mkdir(tmp, stat.S_IRWXU)
+    except OSError as exc:
+        raise error(f"{target}: cannot write in {Path(target).parent} ({exc.strerror})") from None
+    try:
+        write_marker(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
 
 
 #: the longest file name most filesystems allow, in bytes (where the folder's own limit cannot be asked)
@@ -352,52 +513,52 @@ def finish(tmp: Path, target: Path, kind: str = RESULT) -> None:
     """fsync ``tmp``, give it the umask's mode, rename it onto ``target``, fsync the folder, record it.
 
     ``target`` is :func:`output_target`'s answer, asked again here: what stands at the name now decides.
+    The rename is recorded before it is made (module docstring, rule 7).
     """
     target = output_target(target)
     _fsync_path(tmp)
     os.chmod(tmp, 0o666 & ~_umask())
+    if _session is not None:
+        st = os.lstat(tmp)
+        _session.record(target, kind, (st.st_dev, st.st_ino))
     os.replace(tmp, target)
     fsync_folder(target.parent)
-    if _session is not None:
-        _session.record(target, kind)
 
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, suffix: str = "", kind: str = RESULT) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block finishes.
 
-    ``kind``: "result" or "report" (what :meth:`OutputSession.rollback` keeps after exit 1).
+    The temporary path lies in a temporary folder (:func:`make_temp_folder`) beside ``path`` and keeps
+    ``path``'s name (and ``suffix``). ``kind``: "result" or "report" (what :meth:`OutputSession.rollback`
+    keeps after exit 1).
     """
     folder = Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"{path}: folder {folder} does not exist")
     target = output_target(path)
     remove_stale(folder)
-    tmp = temp_name(target, suffix)
+    staging = make_temp_folder(target, ".d")
+    tmp = staging / (target.name + suffix if not target.name.endswith(suffix) else target.name)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise UsageError(f"{path}: cannot write in {folder} ({exc.strerror})") from None
-        raise
-    os.close(fd)
-    try:
+        os.close(fd)
         yield tmp
         if tmp.exists():
             finish(tmp, target, kind)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            if tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp)
-            else:
-                tmp.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_json(path: str | os.PathLike, data, kind: str = REPORT) -> None:
-    """Write ``data`` as indented JSON, atomically (non-finite numbers refused: they are not JSON)."""
+    """Write ``data`` as indented JSON, atomically (non-finite numbers refused: they are not JSON). A file
+    system that refuses the write (full, read-only) is a :class:`UsageError` naming ``path``."""
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    with atomic_output(path, kind=kind) as tmp:
-        tmp.write_text(text)
+    try:
+        with atomic_output(path, kind=kind) as tmp:
+            tmp.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be written ({exc.strerror or exc})") from None
 
 
 # -- reading small input files ----------------------------------------------------------------------------
@@ -426,39 +587,162 @@ def regular_file_status(path: str | os.PathLike, error: type[Exception] = UsageE
     return info
 
 
-def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception] = UsageError) -> bytes:
-    """The bytes of ``path`` when it is a regular file (symlinks followed) of at most ``limit`` bytes.
+#: file systems whose "files" the kernel makes up as they are read (sizes say 0 or 4096 whatever they hold):
+#: never read as a checkpoint's or a flag's file
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "pstore", "bpf",
+    "efivarfs", "fusectl", "mqueue", "binfmt_misc", "nsfs", "rpc_pipefs", "selinuxfs", "cgroup", "cgroup2",
+    "autofs", "hugetlbfs",
+})
 
-    Anything else raises ``error`` naming the path: a FIFO (opening it would wait for a writer), a device such
-    as ``/dev/zero`` (reading it never ends), a socket, a directory, a missing file, or a file over ``limit``.
-    The type is checked before the file is opened and again on the open descriptor, and at most ``limit + 1``
-    bytes are read, so a file swapped or grown in between is refused too.
-    """
-    info = regular_file_status(path, error)
-    if info.st_size > limit:
-        raise error(f"{path}: {info.st_size} bytes; at most {limit} are read from such a file")
+
+def _mount_types() -> dict[int, str]:
+    """``st_dev`` -> file system type of every mount (``/proc/self/mountinfo``); empty where there is none."""
+    found: dict[int, str] = {}
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+        with open("/proc/self/mountinfo", "rb") as f:
+            text = f.read(1 << 24).decode("utf-8", errors="replace")
+    except OSError:
+        return found
+    for line in text.splitlines():
+        fields = line.split()
+        try:
+            sep = fields.index("-", 6)
+            major, minor = fields[2].split(":")
+            found[os.makedev(int(major), int(minor))] = fields[sep + 1]
+        except (ValueError, IndexError, OverflowError):
+            continue
+    return found
+
+
+def pseudo_filesystem(info: os.stat_result) -> str | None:
+    """The type of the pseudo file system (procfs, sysfs, devtmpfs, ...: :data:`PSEUDO_FILESYSTEMS`) the file
+    of ``info`` lies on, else None. Found by the file's device in the mount table; where no mount table can
+    be read (or the device is not in it), by comparing the device with those of ``/proc``, ``/sys``, ``/dev``.
+    """
+    kind = _mount_types().get(info.st_dev)
+    if kind is not None:
+        return kind if kind in PSEUDO_FILESYSTEMS else None
+    for root, name in (("/proc", "proc"), ("/sys", "sysfs"), ("/dev", "devtmpfs")):
+        with contextlib.suppress(OSError):
+            if os.stat(root).st_dev == info.st_dev:
+                return name
+    return None
+
+
+def open_regular(path: str | os.PathLike, error: type[Exception], what: str = "files",
+                  expect: os.stat_result | None = None) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading when it is a regular file on a real file system: (descriptor, its fstat).
+
+    The type is checked before the open (a FIFO would block it) and on the descriptor. ``expect``: the file
+    must be that one still (device, inode, size), not one swapped in since it was checked.
+    """
+    info = regular_file_status(path, error, what)
+    kind = pseudo_filesystem(info)
+    if kind is not None:
+        raise error(f"{path}: lies on {kind}, a pseudo file system whose files are made up as they are read; "
+                    f"only regular {what} are read")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise error(f"{path}: cannot be read ({exc.strerror})") from None
     try:
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode):
-            raise error(f"{path}: {_file_kind(opened.st_mode)}; only regular files are read")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            raise error(f"{path}: {_file_kind(opened.st_mode)}; only regular {what} are read")
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino) or pseudo_filesystem(opened):
+            raise error(f"{path}: changed while it was opened; only regular {what} are read")
+        if expect is not None and (opened.st_dev, opened.st_ino, opened.st_size) != (
+                expect.st_dev, expect.st_ino, expect.st_size):
+            raise error(f"{path}: is not the file it was when the folder was read (replaced or resized since)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, opened
+
+
+def read_exact(fd: int, size: int, path, error: type[Exception]) -> bytes:
+    """The ``size`` bytes of ``fd``, then EOF; a file that ends early or goes on is refused (its content
+    does not match its size: it changed, or it is made up as it is read)."""
+    chunks, done = [], 0
+    try:
+        while done < size:
+            chunk = os.pread(fd, min(1 << 20, size - done), done)
             if not chunk:
-                break
+                raise error(f"{path}: ends after {done} of its {size} bytes (it changed while read)")
             chunks.append(chunk)
-            size += len(chunk)
+            done += len(chunk)
+        if os.pread(fd, 1, size):
+            raise error(f"{path}: holds more than the {size} bytes its size says (it changed while read, or "
+                        "its content is made up as it is read)")
     except OSError as exc:
         raise error(f"{path}: cannot be read ({exc.strerror})") from None
+    return b"".join(chunks)
+
+
+def read_regular_file(path: str | os.PathLike, limit: int, error: type[Exception] = UsageError) -> bytes:
+    """The bytes of ``path`` when it is a regular file (symlinks followed) of at most ``limit`` bytes.
+
+    Anything else raises ``error`` naming the path: a FIFO (opening it would wait for a writer), a device such
+    as ``/dev/zero`` (reading it never ends), a socket, a directory, a missing file, a file on a pseudo file
+    system (``/proc/self/environ``: :func:`pseudo_filesystem`), or a file over ``limit``. The type is checked
+    before the file is opened and again on the open descriptor; exactly ``st_size`` bytes are read, and a
+    file whose content is shorter or longer than its size is refused.
+    """
+    fd, info = open_regular(path, error)
+    try:
+        if info.st_size > limit:
+            raise error(f"{path}: {info.st_size} bytes; at most {limit} are read from such a file")
+        return read_exact(fd, info.st_size, path, error)
     finally:
         os.close(fd)
-    if size > limit:
-        raise error(f"{path}: more than {limit} bytes; at most {limit} are read from such a file")
-    return b"".join(chunks)
+
+
+def copy_regular_file(src: str | os.PathLike, dst: str | os.PathLike, error: type[Exception] = UsageError,
+                      expect: os.stat_result | None = None) -> int:
+    """Copy the regular file ``src`` (rules of :func:`read_regular_file`, no size limit) to the new file
+    ``dst``: exactly ``st_size`` bytes (in the kernel where it can, ``os.copy_file_range``), then ``src`` must
+    be at its end. ``expect``: the stat ``src`` had when it was checked (:func:`open_regular`). Returns the
+    bytes copied."""
+    fd, info = open_regular(src, error, expect=expect)
+    try:
+        try:
+            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as exc:
+            raise error(f"{dst}: cannot be written ({exc.strerror})") from None
+        try:
+            size, done = info.st_size, 0
+            fast = hasattr(os, "copy_file_range")
+            while done < size:
+                try:
+                    got = os.copy_file_range(fd, out, min(size - done, 1 << 30), done) if fast else 0
+                    if got == 0:
+                        fast = False
+                        piece = os.pread(fd, min(size - done, 1 << 24), done)
+                        if not piece:
+                            raise error(f"{src}: ends after {done} of its {size} bytes (it changed while copied)")
+                        view, got = memoryview(piece), 0
+                        while got < len(view):
+                            got += os.write(out, view[got:])
+                except OSError as exc:
+                    if fast and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                        fast = False
+                        continue
+                    raise error(f"{src}: cannot be copied to {dst} ({exc.strerror})") from None
+                done += got
+            try:
+                extra = os.pread(fd, 1, size)
+            except OSError as exc:
+                raise error(f"{src}: cannot be read ({exc.strerror})") from None
+            if extra:
+                raise error(f"{src}: holds more than the {size} bytes its size says (it changed while copied, "
+                            "or its content is made up as it is read)")
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    return size
 
 
 # -- a whole output folder --------------------------------------------------------------------------------
@@ -480,10 +764,16 @@ def _fsync_tree(folder: Path) -> None:
 def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``path``; on success fsync it whole and rename it onto ``path``.
 
-    ``path`` must not exist, or be an empty folder (replaced by the rename). A temporary folder carries
-    :data:`TMP_PREFIX` and the pid, so :func:`remove_stale` and ``fp4pass clean`` know it. On any exception
-    the temporary folder is removed and ``path`` stays as it was. ``inputs``: folders ``path`` must be neither
-    inside nor hold. The rename is not recorded in the :class:`OutputSession` (a folder is not a file).
+    ``path`` must not exist, or be an empty folder (replaced by the rename). The yielded folder lies inside a
+    temporary folder (:func:`make_temp_folder`, with its marker), so :func:`remove_stale` and ``fp4pass
+    clean`` know it. On any exception the temporary folder is removed and ``path`` stays as it was.
+    ``inputs``: folders ``path`` must be neither inside nor hold (by path, and by device and inode: a bind
+    mount); the sweep of stale temporaries never removes them.
+
+    The rename is the block's last step: whatever must be in place with the folder (a report beside it) is
+    written inside the block. The rename is recorded in the :class:`OutputSession` before it is made, so a
+    failure or a signal after it (in this function or in the caller) takes ``path`` back out; an empty
+    folder that stood at ``path`` is made again then.
     """
     target = Path(path)
     if str(path) == "" or target.name in ("", ".", ".."):
@@ -497,20 +787,45 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]
         raise UsageError(f"{path}: exists and is not a folder")
     if target.is_dir() and any(os.scandir(target)):
         raise UsageError(f"{path}: exists and is not empty; give a new or an empty folder")
+    was_empty_folder = target.is_dir()
     for given in inputs:
         if same_file(target, given) or _inside(target, given) or _inside(given, target):
             raise UsageError(f"{path}: is, is inside, or holds the input folder {given}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{path}: folder {parent} is not writable")
-    remove_stale(parent)
-    tmp = temp_name(target)
-    os.mkdir(tmp, stat.S_IRWXU)  # private while it is written
+    remove_stale(parent, keep=inputs)
+    staging = make_temp_folder(target)
+    tmp = staging / target.name
     try:
+        os.mkdir(tmp, stat.S_IRWXU)  # private while it is written
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
         _fsync_tree(tmp)
-        os.replace(tmp, target)
-        fsync_folder(parent)
+        st = os.lstat(tmp)
+        identity = (st.st_dev, st.st_ino)
+        if _session is not None:
+            _session.record(target, RESULT, identity)
+            if was_empty_folder:
+                _session.emptied.add(target)
+        try:
+            os.replace(tmp, target)
+            fsync_folder(parent)
+        except BaseException:
+            _remove_folder_if(target, identity, was_empty_folder)
+            raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_folder_if(target: Path, identity: tuple[int, int], make_empty: bool) -> None:
+    """Remove the folder at ``target`` if it is the inode ``identity`` (ours); then an empty folder again
+    where one stood before."""
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) == identity and stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(target, ignore_errors=True)
+        if make_empty:
+            with contextlib.suppress(OSError):
+                os.mkdir(target)

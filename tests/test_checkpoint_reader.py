@@ -76,7 +76,9 @@ def test_file_level_refusals(tmp_path):
     shard(path, {"__metadata__": []})
     refused(path, "__metadata__ is not an object")
     missing = tmp_path / "missing.safetensors"
-    refused(missing, "cannot be opened (No such file or directory)")
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsFile(missing)
+    assert str(info.value) == f"{missing}: no such file"
 
 
 @pytest.mark.parametrize("raw,why", [(b'{"t": ', "Expecting value"), (b'{"t": 1, "t": 2}', "duplicate key 't'"),
@@ -136,6 +138,15 @@ def test_a_file_that_shrinks_while_read_is_one_line(tmp_path):
     path = shard(tmp_path / "s.safetensors", {"t": u8(0, 6)}, bytes(6))
     with SafetensorsFile(path) as f:
         os.truncate(path, os.path.getsize(path) - 4)
+        with pytest.raises(CheckpointError, match=r"^s.safetensors: changed since its header was read \(74 bytes "
+                                                  r"then, 70 now, or another file\): the file shrank"):
+            f.read("t")
+
+
+def test_a_file_that_shrinks_during_a_read_is_one_line(tmp_path, monkeypatch):
+    path = shard(tmp_path / "s.safetensors", {"t": u8(0, 6)}, bytes(6))
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
+    with SafetensorsFile(path) as f:
         with pytest.raises(CheckpointError, match=r"^s.safetensors: tensor 't': truncated while reading \(the file "
                                                   r"shrank\)$"):
             f.read("t")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -69,7 +70,8 @@ def test_atomic_output_leaves_nothing_when_the_writer_fails(tmp_path):
     target.write_text("old")
     with pytest.raises(RuntimeError):
         with fio.atomic_output(target) as tmp:
-            assert tmp.name.startswith(fio.TMP_PREFIX + str(os.getpid()) + "-")
+            assert tmp.parent.name.startswith(fio.TMP_PREFIX + str(os.getpid()) + "-") and tmp.name == "out.json"
+            assert json.loads((tmp.parent / fio.MARKER).read_text())["pid"] == os.getpid()
             tmp.write_text("half")
             raise RuntimeError("boom")
     assert os.listdir(tmp_path) == ["out.json"] and target.read_text() == "old"
@@ -108,21 +110,85 @@ def _dead_pid() -> int:
     return int(proc.stdout)
 
 
+def _temporary(folder: Path, pid: int, host: str | None = None, marker: bool = True, start: str | None = None,
+               name: str = "m.onnx") -> Path:
+    """A temporary folder as a run of ``pid`` on ``host`` (default: here) leaves it, with its marker."""
+    path = folder / f"{fio.TMP_PREFIX}{pid}-h{host or fio.host_token()}-abcd-{name}.d"
+    path.mkdir()
+    (path / name).write_bytes(b"x" * 10)
+    if marker:
+        fio.write_marker(path, pid=pid, host=host, start=start)
+    return path
+
+
 def test_stale_temporaries_of_dead_runs_are_removed_live_ones_kept(tmp_path):
-    dead, here = _dead_pid(), f"h{fio.host_token()}"
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-abcd-m.onnx").write_bytes(b"x")
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-abcd-m.onnx.d").mkdir()
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-abcd-m.onnx.d" / "m.onnx.data").write_bytes(b"x" * 10)
-    live = tmp_path / f"{fio.TMP_PREFIX}{os.getppid()}-{here}-abcd-m.onnx"
-    live.write_bytes(b"x")
+    dead = _dead_pid()
+    stale = _temporary(tmp_path, dead)
+    live = _temporary(tmp_path, os.getppid(), name="l.onnx")
     (tmp_path / "user.onnx").write_bytes(b"x")
     removed = fio.remove_stale(tmp_path)
-    assert len(removed) == 2
+    assert removed == [stale]
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, "user.onnx"])
     # the next write in that folder does the same
-    (tmp_path / f"{fio.TMP_PREFIX}{dead}-{here}-ffff-r.json").write_bytes(b"x")
+    stale = _temporary(tmp_path, dead, name="r.json")
     fio.write_json(tmp_path / "r.json", {})
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, "user.onnx", "r.json"])
+
+
+def _named_like_a_dead_run(folder: Path, dead: int) -> list[Path]:
+    """What a user may have under a temporary's name: a file, a folder without the marker, a symlink to a
+    temporary, a copy of a dead run's temporary (its marker names another inode)."""
+    here = fio.host_token()
+    a_file = folder / f"{fio.TMP_PREFIX}{dead}-h{here}-abcd-model.onnx"
+    a_file.write_bytes(b"onnx")
+    a_folder = folder / f"{fio.TMP_PREFIX}{dead}-h{here}-abcd-ckpt"
+    a_folder.mkdir()
+    (a_folder / "config.json").write_text("{}")
+    elsewhere = folder.parent / "elsewhere"
+    elsewhere.mkdir()
+    a_link = folder / f"{fio.TMP_PREFIX}{dead}-h{here}-abcd-link"
+    a_link.symlink_to(_temporary(elsewhere, dead))
+    original = _temporary(elsewhere, dead, name="copied")
+    a_copy = folder / original.name
+    shutil.copytree(original, a_copy)
+    return [a_file, a_folder, a_link, a_copy]
+
+
+@pytest.mark.parametrize("older_than", [None, 0.0])
+def test_only_fp4pass_temporaries_are_ever_removed(tmp_path, older_than):
+    """A file or folder that merely looks like a dead run's temporary (a salvaged one, a checkpoint folder so
+    named) is never removed, with --older-than 0 neither: only a real folder whose marker names its inode."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    kept = _named_like_a_dead_run(folder, _dead_pid())
+    assert fio.remove_stale(folder, older_than=older_than) == []
+    assert all(os.path.lexists(p) for p in kept)
+    assert (tmp_path / "elsewhere").exists() and len(os.listdir(tmp_path / "elsewhere")) == 2
+
+
+def test_the_inputs_of_the_sweeping_run_are_kept(tmp_path):
+    stale = _temporary(tmp_path, _dead_pid())
+    assert fio.remove_stale(tmp_path, keep=(stale,)) == [] and stale.exists()
+    assert fio.remove_stale(tmp_path) == [stale]
+
+
+def test_a_live_pid_with_another_start_time_is_a_reused_pid(tmp_path):
+    """The pid runs, but it is not the process that wrote the marker (its start time differs): stale."""
+    reused = _temporary(tmp_path, os.getppid(), start="1")
+    live = _temporary(tmp_path, os.getppid(), name="l.onnx")
+    assert fio.remove_stale(tmp_path) == [reused] and live.exists()
+
+
+def test_clean_older_than_0_leaves_a_live_run_alone(tmp_path, capsys):
+    """`fp4pass clean --older-than 0`: other hosts' old temporaries go, a run alive here stays."""
+    from fp4pass.cli import main
+
+    live = _temporary(tmp_path, os.getppid())
+    old = time.time() - 3 * 3600
+    for path in (live, live / "m.onnx"):
+        os.utime(path, (old, old))
+    assert main(["clean", str(tmp_path), "--older-than", "0"]) == 0 and live.exists()
+    assert (live / "m.onnx").read_bytes() == b"x" * 10
 
 
 def test_temporaries_of_another_host_or_namespace_are_kept_whatever_their_pid(tmp_path):
@@ -130,20 +196,19 @@ def test_temporaries_of_another_host_or_namespace_are_kept_whatever_their_pid(tm
     is dead here may belong to a live run there."""
     dead, here = _dead_pid(), fio.host_token()
     other = format((int(here, 16) + 1) % 16**8, "08x")
-    foreign = [tmp_path / f"{fio.TMP_PREFIX}{dead}-h{other}-abcd-m.onnx",
-               tmp_path / f"{fio.TMP_PREFIX}{dead}-abcd-old.onnx"]  # an older fp4pass: no host token
-    for path in foreign:
-        path.write_bytes(b"x")
-    ours = tmp_path / f"{fio.TMP_PREFIX}{dead}-h{here}-abcd-m.onnx"
-    ours.write_bytes(b"x")
+    foreign = _temporary(tmp_path, dead, host=other)
+    ours = _temporary(tmp_path, dead, name="o.onnx")
     assert fio.remove_stale(tmp_path) == [ours]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in foreign)
-    # only an explicit age removes them, and only once they are that old
+    assert [p.name for p in tmp_path.iterdir()] == [foreign.name]
+    # only an explicit age removes them, and only once they are that old (the newest file inside counts)
     assert fio.remove_stale(tmp_path, older_than=3600) == []
     old = time.time() - 7200
-    os.utime(foreign[0], (old, old))
-    assert fio.remove_stale(tmp_path, older_than=3600) == [foreign[0]]
-    assert [p.name for p in tmp_path.iterdir()] == [foreign[1].name]
+    os.utime(foreign, (old, old))
+    assert fio.remove_stale(tmp_path, older_than=3600) == []
+    os.utime(foreign / "m.onnx", (old, old))
+    os.utime(foreign / fio.MARKER, (old, old))
+    assert fio.remove_stale(tmp_path, older_than=3600) == [foreign]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_host_token_changes_with_the_host_name(monkeypatch):
@@ -155,9 +220,9 @@ def test_host_token_changes_with_the_host_name(monkeypatch):
 def test_clean_older_than_removes_foreign_temporaries(tmp_path, capsys):
     from fp4pass.cli import main
 
-    stale = tmp_path / f"{fio.TMP_PREFIX}1-h00000000-abcd-m.onnx"
-    stale.write_bytes(b"x")
-    os.utime(stale, (time.time() - 3 * 3600,) * 2)
+    stale = _temporary(tmp_path, 1, host="00000000")
+    for path in (stale, stale / "m.onnx", stale / fio.MARKER):
+        os.utime(path, (time.time() - 3 * 3600,) * 2)
     assert main(["clean", str(tmp_path)]) == 0 and stale.exists()
     assert main(["clean", str(tmp_path), "--older-than", "2"]) == 0 and not stale.exists()
     with pytest.raises(SystemExit) as exited:
@@ -267,7 +332,7 @@ def test_fsync_comes_before_the_rename_and_the_folder_after(tmp_path, monkeypatc
     real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
-        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         return real_fsync(fd)
 
     def replace(src, dst):
@@ -279,25 +344,23 @@ def test_fsync_comes_before_the_rename_and_the_folder_after(tmp_path, monkeypatc
     fio.write_json(tmp_path / "r.json", {"a": 1})
     kinds = [kind for kind, _ in events]
     assert kinds == ["fsync", "replace", "fsync"], events
-    assert events[0][1].startswith(fio.TMP_PREFIX) and events[0][1].endswith("r.json")
-    assert events[2][1] == tmp_path.name  # the folder, after the rename
+    assert Path(events[0][1]).parent.name.startswith(fio.TMP_PREFIX) and events[0][1].endswith("/r.json")
+    assert events[2][1] == str(tmp_path)  # the folder, after the rename
 
 
 def test_temporaries_of_this_process_and_of_other_users_live_processes_are_kept(tmp_path, monkeypatch):
-    """A temporary named with this process's pid is one it is writing now; a pid that may not be signalled
+    """A temporary of this process is one it is writing now; a pid that may not be signalled
     (PermissionError) is another user's live process: neither is stale."""
-    here = f"h{fio.host_token()}"
-    ours = tmp_path / f"{fio.TMP_PREFIX}{os.getpid()}-{here}-abcd-m.onnx"
-    ours.write_bytes(b"x")
+    ours = _temporary(tmp_path, os.getpid())
     assert fio.remove_stale(tmp_path) == [] and ours.exists()
-    theirs = tmp_path / f"{fio.TMP_PREFIX}{_dead_pid()}-{here}-abcd-m.onnx"
-    theirs.write_bytes(b"x")
+    theirs = _temporary(tmp_path, _dead_pid(), name="t.onnx")
 
     def kill(pid, sig):
         assert sig == 0  # only asked, never signalled
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(fio.os, "kill", kill)
+    monkeypatch.setattr(fio, "process_start", lambda pid: None)
     assert fio.remove_stale(tmp_path) == [] and theirs.exists() and ours.exists()
     monkeypatch.undo()
     assert fio.remove_stale(tmp_path) == [theirs] and ours.exists()
@@ -306,8 +369,6 @@ def test_temporaries_of_this_process_and_of_other_users_live_processes_are_kept(
 def test_a_temporary_named_with_a_number_no_pid_can_be_is_stale_not_a_crash(tmp_path):
     """A pid too large for the kernel's pid type is no process: the temporary goes like a dead run's, and
     the writes in that folder go on (they used to fail with an OverflowError, exit 3)."""
-    here = f"h{fio.host_token()}"
-    huge = tmp_path / f"{fio.TMP_PREFIX}{10**20}-{here}-abcd-m.onnx"
-    huge.write_bytes(b"x")
+    _temporary(tmp_path, 10**20)
     fio.write_json(tmp_path / "r.json", {"a": 3})
     assert os.listdir(tmp_path) == ["r.json"] and json.loads((tmp_path / "r.json").read_text()) == {"a": 3}

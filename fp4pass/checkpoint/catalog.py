@@ -1,9 +1,19 @@
 """A checkpoint folder: config.json, its shards (through model.safetensors.index.json when sharded), other files.
 
-Rules for what is read (docs/checkpoint.md):
+Rules for what is read (docs/checkpoint.md, docs/bad-input.md):
 
-- ``config.json`` and the index are regular files (after symlinks: the Hugging Face cache links into its
-  blob store) of at most 64 MiB, UTF-8 JSON objects without duplicate keys;
+- **where a file may be** (the same rule for config.json, the index, the shards and the side files): a file of
+  the folder itself, or a symlink whose final target (every link followed) lies inside the folder, or in the
+  Hugging Face cache's blob store of the same repository: the folder is ``<repo>/snapshots/<revision>`` and
+  the target is ``<repo>/blobs/<name>`` (the cache's own ``../../blobs/<hash>`` links). Any other symlink is
+  refused, naming the link and its target, unless ``follow_symlinks`` (``--follow-symlinks``) is given;
+- **what a file may be**: a regular file (no FIFO, device, socket, folder) on a real file system (never
+  procfs, sysfs, devtmpfs, ...: :func:`fp4pass.io.pseudo_filesystem`, even through ``--follow-symlinks``),
+  whose content is exactly its size: exactly ``st_size`` bytes are read or copied and the file must end
+  there (``/proc/self/pagemap`` says 0 bytes and reads forever). Each file is stat'ed when the folder is read,
+  and each later opening must find that file still (device, inode, size);
+- ``config.json`` (at most :data:`CONFIG_LIMIT` bytes) and the index (:data:`INDEX_LIMIT`) are UTF-8 JSON
+  objects without duplicate keys, NaN, Infinity or lone surrogates (what no JSON writer writes back);
 - a shard named by the index is a plain file name in the folder (no ``/``, no ``..``): the index cannot make
   fp4pass read a file elsewhere; every shard of the index must exist, and every tensor of a shard must be the
   one the index places there (a tensor in two shards, or in a shard the index does not name for it, is refused);
@@ -14,34 +24,78 @@ Rules for what is read (docs/checkpoint.md):
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry, no_duplicate_keys
-from fp4pass.io import read_regular_file
+from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry, strict_json
+from fp4pass.io import copy_regular_file, open_regular, read_exact
 
-__all__ = ["Catalog", "read_json_file", "INDEX_NAME", "CONFIG_NAME", "QUANT_CONFIG_NAME"]
+__all__ = ["Catalog", "read_json_file", "INDEX_NAME", "CONFIG_NAME", "QUANT_CONFIG_NAME", "member_path"]
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 QUANT_CONFIG_NAME = "hf_quant_config.json"
-JSON_LIMIT = 64 * 1024 * 1024
+#: config.json: real ones are kilobytes (the largest, with big label maps, a few MB)
+CONFIG_LIMIT = 16 * 1024 * 1024
+#: the index: one line per tensor (a 100,000-tensor model's is ~10 MB)
+INDEX_LIMIT = 64 * 1024 * 1024
+JSON_LIMIT = INDEX_LIMIT
 
 
-def read_json_file(path: Path, what: str) -> dict:
-    """A JSON object from a regular file of at most 64 MiB (no FIFO, device or endless file is read:
-    :func:`fp4pass.io.read_regular_file`); a key given twice is refused."""
-    raw = read_regular_file(path, JSON_LIMIT, CheckpointError)
+def _json_object(raw: bytes, path: Path, what: str) -> dict:
     try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        data = strict_json(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} is not a JSON object")
     return data
+
+
+def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT, expect: os.stat_result | None = None) -> dict:
+    """A JSON object (:func:`~fp4pass.checkpoint.safetensors_io.strict_json`) from a regular file of at most
+    ``limit`` bytes, read exactly (:func:`fp4pass.io.open_regular`: no FIFO, device, pseudo or endless file)."""
+
+    fd, info = open_regular(path, CheckpointError, expect=expect)
+    try:
+        if info.st_size > limit:
+            raise CheckpointError(f"{path}: {info.st_size} bytes; at most {limit} are read from {what}")
+        raw = read_exact(fd, info.st_size, path, CheckpointError)
+    finally:
+        os.close(fd)
+    return _json_object(raw, path, what)
+
+
+def _hf_blob(real: Path, base: Path) -> bool:
+    """Whether ``real`` is a blob of the Hugging Face cache repository whose snapshot folder is ``base``
+    (both resolved): ``base`` = ``<repo>/snapshots/<revision>`` and ``real`` = ``<repo>/blobs/<name>``."""
+    return (base.parent.name == "snapshots" and real.parent.name == "blobs"
+            and real.parent.parent == base.parent.parent and real.name not in ("", ".", ".."))
+
+
+def member_path(folder: Path, name: str, follow_symlinks: bool = False) -> Path:
+    """``folder / name`` when the folder's rule on links allows reading it (module docstring): not a symlink,
+    or one whose final target lies inside the folder or in its Hugging Face cache blob store; any other
+    symlink is refused naming the link and its target, unless ``follow_symlinks``."""
+    path = folder / name
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+    if not stat.S_ISLNK(info.st_mode) or follow_symlinks:
+        return path
+    real = Path(os.path.realpath(path))
+    base = Path(os.path.realpath(folder))
+    if real != base and os.path.commonpath([real, base]) == str(base):
+        return path
+    if _hf_blob(real, base):
+        return path
+    raise CheckpointError(f"{path}: is a symlink to {real}, outside the checkpoint folder (only links inside it "
+                          "or into its Hugging Face cache blobs/ are read); --follow-symlinks reads it anyway")
 
 
 @dataclass
@@ -55,20 +109,22 @@ class Catalog:
     other_files: list[str] = field(default_factory=list)  # copied as they are
     skipped: list[str] = field(default_factory=list)  # sub-folders and special files, not copied
     index_metadata: dict = field(default_factory=dict)
+    follow_symlinks: bool = False
+    file_stats: dict[str, os.stat_result] = field(default_factory=dict)  # other_files as they were read
 
     @classmethod
-    def open(cls, folder: str | os.PathLike) -> "Catalog":
+    def open(cls, folder: str | os.PathLike, follow_symlinks: bool = False) -> "Catalog":
         folder = Path(folder)
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: not a folder")
-        config_path = folder / CONFIG_NAME
-        if not config_path.exists():
+        config_path = member_path(folder, CONFIG_NAME, follow_symlinks)
+        if not os.path.lexists(config_path):
             raise CheckpointError(f"{folder}: no {CONFIG_NAME}: not a Hugging Face checkpoint folder")
-        config = read_json_file(config_path, CONFIG_NAME)
-        index_path = folder / INDEX_NAME
+        config = read_json_file(config_path, CONFIG_NAME, CONFIG_LIMIT)
+        index_path = member_path(folder, INDEX_NAME, follow_symlinks)
         index_metadata: dict = {}
-        if index_path.exists():
-            index = read_json_file(index_path, "the index")
+        if os.path.lexists(index_path):
+            index = read_json_file(index_path, "the index", INDEX_LIMIT)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{index_path}: weight_map is not an object of tensor name -> shard file")
@@ -80,20 +136,21 @@ class Catalog:
         if not shard_names:
             raise CheckpointError(f"{folder}: no *.safetensors shards")
         shards: dict[str, SafetensorsFile] = {}
-        try:
-            for name in shard_names:
-                shards[name] = _open_shard(folder, name)
-            tensors = _collect(shards, weight_map, folder)
-        except BaseException:
-            for shard in shards.values():
-                shard.close()
-            raise
-        other, skipped = _other_files(folder, set(shard_names))
-        return cls(folder, config, shards, tensors, other, skipped, index_metadata)
+        for name in shard_names:
+            shards[name] = _open_shard(folder, name, follow_symlinks)
+        tensors = _collect(shards, weight_map, folder)
+        other, skipped, stats = _other_files(folder, set(shard_names), follow_symlinks)
+        return cls(folder, config, shards, tensors, other, skipped, index_metadata, follow_symlinks, stats)
 
     def read(self, name: str, out=None):
         entry = self.tensors[name]
         return self.shards[entry.shard].read(name, out)
+
+    def copy_file(self, name: str, dst: str | os.PathLike) -> int:
+        """Copy the side file ``name`` (one of ``other_files``) to the new file ``dst``: exactly the bytes it
+        had when the folder was read (:func:`fp4pass.io.copy_regular_file`)."""
+        path = member_path(self.folder, name, self.follow_symlinks)
+        return copy_regular_file(path, dst, CheckpointError, expect=self.file_stats.get(name))
 
     def close(self) -> None:
         for shard in self.shards.values():
@@ -106,10 +163,10 @@ class Catalog:
         self.close()
 
 
-def _open_shard(folder: Path, name: str) -> SafetensorsFile:
+def _open_shard(folder: Path, name: str, follow_symlinks: bool = False) -> SafetensorsFile:
     if name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise CheckpointError(f"{folder / INDEX_NAME}: shard {name!r} is not a file name in the folder")
-    path = folder / name
+    path = member_path(folder, name, follow_symlinks)
     try:
         info = os.stat(path)
     except OSError as exc:
@@ -138,22 +195,29 @@ def _collect(shards: dict[str, SafetensorsFile], weight_map: dict | None, folder
     return tensors
 
 
-def _other_files(folder: Path, shard_names: set[str]) -> tuple[list[str], list[str]]:
-    """(regular files to copy, entries not copied) besides the shards, the index, config.json and our config."""
+def _other_files(folder: Path, shard_names: set[str], follow_symlinks: bool = False
+                 ) -> tuple[list[str], list[str], dict[str, os.stat_result]]:
+    """(regular files to copy, entries not copied, the copied files' stat) besides the shards, the index,
+    config.json and our config. A symlink out of the folder is refused (:func:`member_path`); a file on a
+    pseudo file system too (:func:`fp4pass.io.open_regular`)."""
     own = shard_names | {INDEX_NAME, CONFIG_NAME, QUANT_CONFIG_NAME}
-    other, skipped = [], []
+    other, skipped, stats = [], [], {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name in own:
             continue
         if entry.name.endswith(".safetensors"):  # a shard the index does not name: not part of the model
             skipped.append(entry.name)
             continue
+        path = member_path(folder, entry.name, follow_symlinks)
         try:
-            regular = entry.is_file(follow_symlinks=True)
+            info = os.stat(path)
         except OSError:
-            regular = False
-        if regular and stat.S_ISREG(os.stat(entry.path).st_mode):
+            info = None
+        if info is not None and stat.S_ISREG(info.st_mode):
+            fd, info = open_regular(path, CheckpointError)
+            os.close(fd)
             other.append(entry.name)
+            stats[entry.name] = info
         else:
-            skipped.append(entry.name + ("/" if entry.is_dir() else ""))
-    return other, skipped
+            skipped.append(entry.name + ("/" if info is not None and stat.S_ISDIR(info.st_mode) else ""))
+    return other, skipped, stats

@@ -9,6 +9,16 @@ and ``end - begin`` is the element count times the dtype's size. :class:`Safeten
 (and that the file is as long as the header says) before any tensor is read, so a truncated shard or a header
 that lies is refused with the shard and the tensor named, not discovered halfway through a conversion.
 
+Limits on what a header may list (a 99 MB header listing 1.5 million empty tensors would otherwise take a
+minute and gigabytes to read): at most :data:`MAX_HEADER` bytes of header, and at most
+:func:`max_tensors` tensors for the file's size. Names and metadata must be valid UTF-8 (no lone surrogate,
+which Python's json accepts from a ``\\ud800`` escape and every other reader refuses); NaN and Infinity are
+not JSON and are refused too.
+
+The file is opened only while a tensor is read (:meth:`SafetensorsFile.opened`), so a checkpoint of any
+number of shards fits the usual 1024 open files; every opening checks that it is still the file whose header
+was read (device, inode, size).
+
 Tensors are read with ``os.preadv`` straight into a buffer the caller may provide (w1 and w3 of one expert
 land in one [2, out, in/2] buffer without a copy), and written by :class:`ShardWriter`, which writes the header
 first (the plan knows every output's name, dtype and shape) and then each tensor's bytes as it is produced:
@@ -18,10 +28,12 @@ writer does.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +42,10 @@ import numpy as np
 import torch
 
 from fp4pass.errors import FP4PassError
+from fp4pass.io import open_regular
 
 __all__ = ["CheckpointError", "DTYPES", "TensorEntry", "SafetensorsFile", "OutputSpec", "ShardWriter", "tensor_bytes",
-           "no_duplicate_keys"]
+           "no_duplicate_keys", "strict_json", "max_tensors"]
 
 #: safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -45,6 +58,9 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "C64": (torch.complex64, 8),
 }
 MAX_HEADER = 100 * 1024 * 1024  # the reference reader's own limit
+#: tensors a shard may list whatever its size, and one more per this many bytes of the file beyond
+TENSORS_FREE = 65536
+BYTES_PER_TENSOR = 64
 READ_CHUNK = 1 << 30  # preadv in pieces of at most 1 GiB (Linux caps one call near 2 GiB)
 WRITE_CHUNK = 1 << 24  # os.write in pieces of 16 MiB (one huge write measured slower here)
 WRITEBACK_STEP = 1 << 26  # start the disk writeback of every 64 MiB written
@@ -85,28 +101,50 @@ def no_duplicate_keys(pairs):
     return out
 
 
-class SafetensorsFile:
-    """A shard's header, checked; tensors read on demand (``read``). Use as a context manager or ``close()``."""
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
-    def __init__(self, path: str | os.PathLike):
+
+def strict_json(raw: bytes):
+    """Parse UTF-8 JSON: no key twice, no NaN/Infinity, no string that is not valid Unicode (a lone surrogate
+    escape such as ``\\ud800``, which no UTF-8 writer can write back). ValueError (or RecursionError) says why."""
+    data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys, parse_constant=_no_constant)
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[max(exc.start - 20, 0):exc.end + 20] if isinstance(exc.object, str) else ""
+        raise ValueError(f"a string holds a lone surrogate, not valid Unicode (near {bad!r})") from None
+    return data
+
+
+def max_tensors(file_size: int) -> int:
+    """The most tensors a safetensors file of ``file_size`` bytes may list: :data:`TENSORS_FREE`, plus one per
+    :data:`BYTES_PER_TENSOR` bytes (a real shard spends far more than that per tensor: its header entry alone
+    takes ~60 bytes)."""
+    return TENSORS_FREE + file_size // BYTES_PER_TENSOR
+
+
+class SafetensorsFile:
+    """A shard's header, checked; tensors read on demand (``read``). Use as a context manager or ``close()``.
+
+    ``expect``: the ``os.stat`` the file had when its folder was read; the file opened must still be that one.
+    """
+
+    def __init__(self, path: str | os.PathLike, expect: os.stat_result | None = None):
         self.path = Path(path)
         self.name = self.path.name
+        fd, self._stat = open_regular(self.path, CheckpointError, "shards", expect=expect)
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except OSError as exc:
-            raise CheckpointError(f"{self.name}: cannot be opened ({exc.strerror})") from None
-        try:
-            self.entries, self.metadata = self._parse()
-        except BaseException:
-            os.close(self._fd)
-            raise
+            self.entries, self.metadata = self._parse(fd)
+        finally:
+            os.close(fd)
 
     def _fail(self, message: str) -> CheckpointError:
         return CheckpointError(f"{self.name}: {message}")
 
-    def _parse(self) -> tuple[dict[str, TensorEntry], dict]:
-        size = os.fstat(self._fd).st_size
-        head = os.pread(self._fd, 8, 0)
+    def _parse(self, fd: int) -> tuple[dict[str, TensorEntry], dict]:
+        size = self._stat.st_size
+        head = os.pread(fd, 8, 0)
         if len(head) < 8:
             raise self._fail(f"not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
         (n,) = struct.unpack("<Q", head)
@@ -114,9 +152,15 @@ class SafetensorsFile:
             raise self._fail(f"header length {n} is over the {MAX_HEADER}-byte limit: not a safetensors file")
         if 8 + n > size:
             raise self._fail(f"truncated: the header says {n} bytes, the file has {size - 8} after the length")
-        raw = os.pread(self._fd, n, 8)
+        raw = os.pread(fd, n, 8)
+        if len(raw) != n:
+            raise self._fail(f"truncated while reading its header ({len(raw)} of {n} bytes)")
+        limit = max_tensors(size)
+        if raw.count(b"{") > 2 * limit + 2:  # every entry is an object: refused before a long parse
+            raise self._fail(f"the header lists more than {limit} tensors, more than a file of {size} bytes "
+                             "holds (at most one per 64 bytes beyond 65536)")
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+            header = strict_json(raw)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self._fail(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
@@ -125,6 +169,9 @@ class SafetensorsFile:
         metadata = {} if metadata is None else metadata  # null as safetensors reads it: no metadata
         if not isinstance(metadata, dict):
             raise self._fail("__metadata__ is not an object")
+        if len(header) > limit:
+            raise self._fail(f"the header lists {len(header)} tensors, more than a file of {size} bytes holds "
+                             f"(at most {limit}: 65536 and one per 64 bytes beyond)")
         data_start = 8 + n
         entries = {}
         spans = []
@@ -163,9 +210,23 @@ class SafetensorsFile:
                              f"{shape} needs {expected}: the header lies")
         return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], self.name)
 
-    @property
-    def fd(self) -> int:
-        return self._fd
+    @contextlib.contextmanager
+    def opened(self):
+        """A descriptor of the shard for the block; the file must still be the one whose header was read
+        (device, inode, size): a shard replaced or resized since is refused, naming it."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise self._fail(f"cannot be opened ({exc.strerror})") from None
+        try:
+            now = os.fstat(fd)
+            if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino, now.st_size) != (
+                    self._stat.st_dev, self._stat.st_ino, self._stat.st_size):
+                raise self._fail(f"changed since its header was read ({self._stat.st_size} bytes then, "
+                                 f"{now.st_size} now, or another file): the file shrank, grew or was replaced")
+            yield fd
+        finally:
+            os.close(fd)
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor ``name`` as its own dtype and shape; into ``out`` (contiguous, as many bytes) if given."""
@@ -184,21 +245,22 @@ class SafetensorsFile:
         view = memoryview(view).cast("B")
         if start < 0 or start + len(view) > entry.nbytes:
             raise ValueError(f"{name}: bytes {start}..{start + len(view)} of {entry.nbytes}")
-        done = 0
-        while done < len(view):
-            piece = view[done:done + READ_CHUNK]
-            try:
-                got = os.preadv(self._fd, [piece], entry.begin + start + done)
-            except OSError as exc:
-                raise self._fail(f"tensor {name!r}: read failed ({exc.strerror})") from None
-            if got == 0:
-                raise self._fail(f"tensor {name!r}: truncated while reading (the file shrank)")
-            done += got
+        if not len(view):
+            return
+        with self.opened() as fd:
+            done = 0
+            while done < len(view):
+                piece = view[done:done + READ_CHUNK]
+                try:
+                    got = os.preadv(fd, [piece], entry.begin + start + done)
+                except OSError as exc:
+                    raise self._fail(f"tensor {name!r}: read failed ({exc.strerror})") from None
+                if got == 0:
+                    raise self._fail(f"tensor {name!r}: truncated while reading (the file shrank)")
+                done += got
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Nothing to release: the file is open only while a tensor is read (kept for ``with``)."""
 
     def __enter__(self):
         return self
@@ -361,9 +423,10 @@ class ShardWriter:
             self._index += 1
             self._written = 0
 
-    def copy_from(self, name: str, src_fd: int, offset: int, nbytes: int) -> None:
+    def copy_from(self, name: str, src_fd: int, offset: int, nbytes: int, source: str = "the source") -> None:
         """Write tensor ``name`` from ``nbytes`` bytes of an open file at ``offset``, inside the kernel where it can
-        (``os.copy_file_range``: no copy through user memory), else in 64 MiB pieces."""
+        (``os.copy_file_range``: no copy through user memory), else in 64 MiB pieces. ``source``: the source
+        file's name, for messages (a failed copy may be the read's fault or the write's)."""
         spec = self.specs[self._index] if self._index < len(self.specs) else None
         if spec is None or spec.name != name or spec.nbytes != nbytes or self._written:
             raise RuntimeError(f"{self.path.name}: copy of {name!r} does not fit the plan")
@@ -379,7 +442,7 @@ class ShardWriter:
                     fast = False
                     piece = os.pread(src_fd, min(nbytes - done, 1 << 26), offset + done)
                     if not piece:
-                        raise CheckpointError(f"{self.path.name}: tensor {name!r}: its source shrank while copied")
+                        raise CheckpointError(f"{source}: tensor {name!r}: shrank while copied to {self.path.name}")
                     self._write_all(piece, repr(name))
                     got = len(piece)
                 else:
@@ -388,7 +451,8 @@ class ShardWriter:
                 if fast and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                     fast = False
                     continue
-                raise CheckpointError(f"{self.path.name}: tensor {name!r}: write failed ({exc.strerror})") from None
+                raise CheckpointError(f"{source}: tensor {name!r}: copy to {self.path.name} failed "
+                                      f"({exc.strerror})") from None
             done += got
         self._index += 1
 
