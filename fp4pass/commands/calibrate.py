@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from fp4pass.commands import _safety
+from fp4pass.commands import _checkpoint_calib, _safety
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
 from fp4pass.io import RESULT, write_json
 
@@ -17,13 +18,20 @@ EPILOG = """examples:
 
 --data: one .npz whose arrays are named after the graph inputs (each array fed whole, or cut along its
 first axis with --batch-size), or a folder of such .npz files, read one at a time.
+
+checkpoint folders (the model runs through transformers, one decoder layer at a time):
+  fp4pass calibrate models/checkpoints/gpt_oss --data models/checkpoints/calib_tokens.npz -o scales.json
+  fp4pass calibrate kimi-k2 --data calib.jsonl --seq-len 512 --num-samples 512 -o scales.json --device cuda
+  fp4pass convert kimi-k2 -o kimi-k2-nvfp4 --format compressed-tensors --scales scales.json
+--data: an .npz of input_ids [N, T] (+ attention_mask), a folder of them, or .jsonl ({"text": ...} lines) /
+.txt text tokenized with the checkpoint's tokenizer.json into --num-samples sequences of --seq-len tokens.
 """
 
 
 def register(sub, common) -> None:
     p = sub.add_parser("calibrate", parents=[common], help="calibrate NVFP4 activation scales (SCALES.json)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="IN.onnx")
+    p.add_argument("model", metavar="IN.onnx|CKPT_DIR")
     p.add_argument("--data", required=True, metavar="DATA.npz|DIR", help="calibration inputs")
     p.add_argument("-o", "--output", required=True, metavar="SCALES.json")
     add_calibrator_arguments(p)
@@ -34,10 +42,14 @@ def register(sub, common) -> None:
     p.add_argument("--activation", action="append", metavar="NAME",
                    help="calibrate this tensor (repeatable) instead of the inputs of FP4 consumers")
     p.add_argument("--report", metavar="REPORT.json", help="write the per-activation calibration report")
+    _checkpoint_calib.add_arguments(p.add_argument_group("checkpoint folders (IN is a folder: CKPT_DIR)"))
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if os.path.isdir(args.model):
+        return _checkpoint_calib.calibrate_folder(args)
+    _checkpoint_calib.refuse_for_onnx(args)
     from fp4pass.calib import calibrate_model
     from fp4pass.onnx.loading import load
 

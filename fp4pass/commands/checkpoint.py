@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from fp4pass.commands import _safety
+from fp4pass.commands import _checkpoint_calib, _safety
 from fp4pass.errors import UsageError
 
 FORMATS = ("modelopt", "compressed-tensors")
@@ -33,7 +33,7 @@ INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b        # a checkpoint folder: 
 """
 
 # ONNX-only flags of ``fp4pass convert`` and their defaults: given with a folder they are refused
-_ONNX_ONLY = {"calib": None, "scale_form": "dq", "target": "trt", "external_data": "auto", "snr_min": None,
+_ONNX_ONLY = {"scale_form": "dq", "target": "trt", "external_data": "auto", "snr_min": None,
               "keep_unchecked": False, "provider": "auto", "strict": False, "allow_invalid": False}
 
 
@@ -63,6 +63,7 @@ def add_convert_arguments(p) -> None:
                    help="one activation input_scale (amax/2688, a multiplier) for every converted module")
     g.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="output shards of at most SIZE (default 5GB)")
+    _checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
     p.epilog = (p.epilog or "") + CONVERT_EPILOG
 
 
@@ -73,7 +74,7 @@ def _is_folder(path) -> bool:
 def convert_if_folder(args) -> int | None:
     """Run the checkpoint conversion when ``args.model`` is a folder; None otherwise (an ONNX file)."""
     if not _is_folder(args.model):
-        for flag in ("format", "input_scale", "max_shard_size"):
+        for flag in ("format", "input_scale", "max_shard_size", *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
             if getattr(args, flag, None) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
         return None
@@ -104,7 +105,7 @@ def _convert(args) -> int:
 
     try:
         report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
-                         scales=args.scales, method=args.method, check=args.check,
+                         scales=_checkpoint_calib.scales_for_convert(args), method=args.method, check=args.check,
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
                          threads=args.threads)
     except CheckFailed as failed:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +41,15 @@ __all__ = ["build_checkpoint", "build_bundled", "BUNDLED", "FORMS", "main", "TOK
 
 FORMS = ("gpt-oss", "compressed-tensors", "deepseek")
 TOKENIZER_FILES = {
-    "tokenizer.json": json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}}),
+    "tokenizer.json": json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": {"type": "Lowercase"}, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {tok: i for i, tok in enumerate(["<unk>", " ", ".", ","]
+                                                          + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+                                                          + ["<s>", "</s>"])},
+                  "merges": []}}),
     "tokenizer_config.json": json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}),
     "generation_config.json": json.dumps({"do_sample": False, "eos_token_id": 1}),
     "chat_template.jinja": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}",
@@ -51,6 +60,9 @@ def _save(tensors: dict, path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; a shard is a normal file, for everyone to read
 
 
 def _mx(rng, shape_rows: tuple, k: int, base: int, lossy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +78,66 @@ def _mx(rng, shape_rows: tuple, k: int, base: int, lossy: bool) -> tuple[torch.T
 
 def _bf16(rng, *shape) -> torch.Tensor:
     return torch.from_numpy((rng.standard_normal(shape) * 0.02).astype(np.float32)).to(torch.bfloat16)
+
+
+def _f32(rng, *shape, one: bool = False) -> torch.Tensor:
+    """float32 values around 0.02 (or around 1.0 with ``one``: norm weights and scales)."""
+    values = rng.standard_normal(shape) * 0.02 + (1.0 if one else 0.0)
+    return torch.from_numpy(values.astype(np.float32))
+
+
+_HC = 2  # DeepSeek-V4 hyper-connection streams in the runnable examples
+
+#: the config fields each architecture's transformers model needs beyond the shapes (runnable examples)
+_RUNNABLE = {
+    "gpt-oss": lambda layers, i: {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                               "num_experts_per_tok": 2, "experts_per_token": 2, "attention_bias": True,
+                               "sliding_window": 8, "rms_norm_eps": 1e-5},
+    "compressed-tensors": lambda layers, i: {
+        "architectures": ["DeepseekV3ForCausalLM"], "moe_intermediate_size": i, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "n_shared_experts": 1,
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-6},
+    "deepseek": lambda layers, i: {
+        "moe_intermediate_size": i, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2,
+        "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "hc_mult": _HC,
+        "sliding_window": 8, "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention" if j % 2 == 0 else "compressed_sparse_attention" for j in range(layers)],
+        "mlp_layer_types": ["hash_moe" if j == 0 else "moe" for j in range(layers)],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
+}
+
+
+def _runnable_attention(out, rng, form: str, prefix: str, attn: str, layer: int, h: int, vocab: int) -> None:
+    """The attention weights of one layer that transformers' model of the architecture reads (``_RUNNABLE``)."""
+    if form == "gpt-oss":  # 4 heads of 16, 2 key/value heads, biases
+        for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+            out.add(f"{attn}.{proj}.weight", _bf16(rng, rows, h))
+            out.add(f"{attn}.{proj}.bias", _bf16(rng, rows))
+    elif form == "compressed-tensors":  # multi-head latent attention: 4 heads, kv rank 32, rope 8, nope 8, v 16
+        out.add(f"{attn}.q_proj.weight", _bf16(rng, 4 * 16, h))
+        out.add(f"{attn}.kv_a_proj_with_mqa.weight", _bf16(rng, 32 + 8, h))
+        out.add(f"{attn}.kv_a_layernorm.weight", _bf16(rng, 32) + 1)
+        out.add(f"{attn}.kv_b_proj.weight", _bf16(rng, 4 * (8 + 16), 32))
+    else:  # DeepSeek-V4 native names: q rank 32, 4 heads of 32, one kv head, 2 output groups of rank 32
+        out.add(f"{attn}.attn_sink", _f32(rng, 4))
+        out.add(f"{attn}.wq_a.weight", _bf16(rng, 32, h))
+        out.add(f"{attn}.q_norm.weight", _f32(rng, 32, one=True))
+        out.add(f"{attn}.wq_b.weight", _bf16(rng, 4 * 32, 32))
+        out.add(f"{attn}.wkv.weight", _bf16(rng, 32, h))
+        out.add(f"{attn}.kv_norm.weight", _f32(rng, 32, one=True))
+        out.add(f"{attn}.wo_a.weight", _bf16(rng, 2 * 32, 4 * 32 // 2))
+        if layer % 2 == 1:  # compressed sparse attention (rate 4): a compressor and its indexer
+            out.add(f"{attn}.compressor.ape", _f32(rng, 4, 64))
+            out.add(f"{attn}.compressor.wkv.weight", _bf16(rng, 64, h))
+            out.add(f"{attn}.compressor.wgate.weight", _bf16(rng, 64, h))
+            out.add(f"{attn}.compressor.norm.weight", _f32(rng, 32, one=True))
+            out.add(f"{attn}.indexer.compressor.ape", _f32(rng, 4, 32))
+            out.add(f"{attn}.indexer.compressor.wkv.weight", _bf16(rng, 32, h))
+            out.add(f"{attn}.indexer.compressor.wgate.weight", _bf16(rng, 32, h))
+            out.add(f"{attn}.indexer.compressor.norm.weight", _f32(rng, 16, one=True))
+            out.add(f"{attn}.indexer.wq_b.weight", _bf16(rng, 2 * 16, 32))
+            out.add(f"{attn}.indexer.weights_proj.weight", _bf16(rng, 2, h))
 
 
 class _ShardedWriter:
@@ -111,8 +183,14 @@ class _ShardedWriter:
 def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts: int = 4, hidden: int = 64,
                      intermediate: int = 64, seed: int = 0, dense: bool = False, shard_bytes: int | None = None,
                      lossy_expert: tuple[int, int] | None = None, expert_step: int = 2, vocab: int = 32,
-                     tokenizer: bool = True) -> Path:
-    """Write an example checkpoint into the new folder ``folder`` (module docstring); returns the folder."""
+                     tokenizer: bool = True, runnable: bool = False) -> Path:
+    """Write an example checkpoint into the new folder ``folder`` (module docstring); returns the folder.
+
+    ``runnable``: every weight the architecture's transformers model needs (``_RUNNABLE``), so that transformers'
+    own modeling code runs it (what calibration needs): gpt-oss attention with biases; DeepSeek-V3 multi-head
+    latent attention, router correction bias and shared experts (compressed-tensors form); DeepSeek-V4 native
+    attention (a sliding-window layer, then a compressed sparse one), hyper-connections, a hash-routed first
+    layer that never routes a token to the last expert, and (``dense``) ``attn.wo_b`` as the MXFP4 Linear."""
     if form not in FORMS:
         raise ValueError(f"form {form!r}: choose one of {', '.join(FORMS)}")
     if hidden % 32 or intermediate % 32:
@@ -129,10 +207,14 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
         attn = f"{prefix}.self_attn" if form != "deepseek" else f"{prefix}.attn"
         norm_names = (("input_layernorm", "post_attention_layernorm") if form != "deepseek"
                       else ("attn_norm", "ffn_norm"))
-        out.add(f"{prefix}.{norm_names[0]}.weight", _bf16(rng, h))
-        for proj in ("q_proj", "k_proj", "v_proj") if form != "deepseek" else ("wq", "wkv"):
-            out.add(f"{attn}.{proj}.weight", _bf16(rng, h, h))
-        o_name = f"{attn}.o_proj" if form != "deepseek" else f"{attn}.wo"
+        out.add(f"{prefix}.{norm_names[0]}.weight", _f32(rng, h, one=True) if runnable and form == "deepseek"
+                else _bf16(rng, h))
+        if runnable:
+            _runnable_attention(out, rng, form, prefix, attn, layer, h, vocab)
+        else:
+            for proj in ("q_proj", "k_proj", "v_proj") if form != "deepseek" else ("wq", "wkv"):
+                out.add(f"{attn}.{proj}.weight", _bf16(rng, h, h))
+        o_name = f"{attn}.o_proj" if form != "deepseek" else f"{attn}.wo" + ("_b" if runnable else "")
         if dense:
             codes, scales = _mx(rng, (h,), h, -6, False)
             if form == "gpt-oss":
@@ -146,7 +228,10 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
                 out.add(f"{o_name}.scale", scales.view(torch.float8_e8m0fnu))
         else:
             out.add(f"{o_name}.weight", _bf16(rng, h, h))
-        out.add(f"{prefix}.{norm_names[1]}.weight", _bf16(rng, h))
+        if runnable and form == "gpt-oss":
+            out.add(f"{o_name}.bias", _bf16(rng, h))
+        out.add(f"{prefix}.{norm_names[1]}.weight", _f32(rng, h, one=True) if runnable and form == "deepseek"
+                else _bf16(rng, h))
         if form == "gpt-oss":
             out.add(f"{attn}.sinks", _bf16(rng, 4))
             mlp = f"{prefix}.mlp"
@@ -164,6 +249,13 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
             continue
         mlp = f"{prefix}.mlp" if form != "deepseek" else f"{prefix}.ffn"
         out.add(f"{mlp}.gate.weight", _bf16(rng, experts, h))
+        if runnable and form == "compressed-tensors":
+            out.add(f"{mlp}.gate.e_score_correction_bias", _f32(rng, experts))
+        elif runnable and layer == 0:  # hash routing: token t -> experts (t % 2, 1 - t % 2); the last one unrouted
+            table = np.stack([np.arange(vocab) % 2, 1 - np.arange(vocab) % 2], axis=1)
+            out.add(f"{mlp}.gate.tid2eid", torch.from_numpy(table.astype(np.int64)))
+        elif runnable:
+            out.add(f"{mlp}.gate.bias", _f32(rng, experts))
         for e in range(experts):
             for proj, rows, k in (("w1", i, h), ("w2", h, i), ("w3", i, h)):
                 lossy = lossy_expert == (layer, e) and proj == "w1"
@@ -176,12 +268,27 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
                 else:
                     out.add(f"{name}.weight", codes.view(torch.int8))
                     out.add(f"{name}.scale", scales.view(torch.float8_e8m0fnu))
-        for proj, rows, k in (("w1", i, h), ("w2", h, i), ("w3", i, h)):
+        shared = (("gate_proj", "down_proj", "up_proj") if runnable and form == "compressed-tensors"
+                  else ("w1", "w2", "w3"))
+        for proj, rows, k in zip(shared, (i, h, i), (h, i, h)):
             out.add(f"{mlp}.shared_experts.{proj}.weight", _bf16(rng, rows, k))
-    out.add(f"{top}norm.weight" if form != "deepseek" else "norm.weight", _bf16(rng, h))
+        if runnable and form == "deepseek":
+            for site in ("attn", "ffn"):  # hyper-connections: (2 + hc) * hc mixing rows over hc * hidden
+                out.add(f"{prefix}.hc_{site}_fn", _f32(rng, (2 + _HC) * _HC, _HC * h))
+                out.add(f"{prefix}.hc_{site}_base", _f32(rng, (2 + _HC) * _HC))
+                out.add(f"{prefix}.hc_{site}_scale", _f32(rng, 3, one=True))
+    out.add(f"{top}norm.weight" if form != "deepseek" else "norm.weight",
+            _f32(rng, h, one=True) if runnable and form == "deepseek" else _bf16(rng, h))
+    if runnable and form == "deepseek":
+        out.add("hc_head_fn", _f32(rng, _HC, _HC * h))
+        out.add("hc_head_base", _f32(rng, _HC))
+        out.add("hc_head_scale", _f32(rng, 1, one=True))
     out.add("lm_head.weight" if form != "deepseek" else "head.weight", _bf16(rng, vocab, h))
     out.finish()
-    (folder / "config.json").write_text(json.dumps(_config(form, layers, experts, h, i, vocab), indent=2))
+    config = _config(form, layers, experts, h, i, vocab)
+    if runnable:
+        config.update(_RUNNABLE[form](layers, i))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
         for name, text in TOKENIZER_FILES.items():
             (folder / name).write_text(text)
@@ -223,8 +330,8 @@ def build_bundled(root) -> list[Path]:
     rebuilds models/checkpoints/ byte for byte)."""
     root = Path(root)
     return [build_checkpoint(root / name, form, layers=2, experts=3, hidden=64, intermediate=32, seed=0,
-                             dense=form != "gpt-oss", lossy_expert=(1, 2), vocab=16,
-                             shard_bytes=40_000 if form == "deepseek" else None)
+                             dense=form != "gpt-oss", lossy_expert=(1, 2), vocab=32,
+                             shard_bytes=60_000 if form == "deepseek" else None, runnable=True)
             for name, form in BUNDLED.items()]
 
 
@@ -242,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpt-oss-20b-shapes", action="store_true", help="hidden = intermediate = 2880, 32 experts")
     p.add_argument("--bundled", action="store_true", help="write the tiny examples of models/checkpoints/ into folder")
     args = p.parse_args(argv)
+    try:
+        return _build(args)
+    except FileExistsError as exc:  # folders are made new (mkdir exist_ok=False): one line, exit 2
+        p.exit(2, f"{p.prog}: error: {exc.filename or args.folder} exists; give a new folder\n")
+
+
+def _build(args) -> int:
     if args.bundled:
         for path in build_bundled(args.folder):
             print(path)

@@ -1,0 +1,329 @@
+"""Calibrated activation scales for an MXFP4 checkpoint, from its own model's forward, one layer at a time.
+
+::
+
+    scales = fp4pass.checkpoint.calibrate("gpt-oss-20b", "calib.npz", calibrator="max", device="auto")
+    scales.save("scales.json")                       # SCALES.json: keys are the checkpoint's module names
+    fp4pass.checkpoint.convert("gpt-oss-20b", "out", scales=scales)
+
+The model runs through transformers' own modeling code (:mod:`fp4pass.checkpoint.layerwise`), every batch
+through one decoder layer before the next layer is loaded. What is recorded, for every MXFP4 module that
+conversion turns into NVFP4:
+
+- an expert's gate/up input: the MoE block's input on the tokens routed to that expert; its down input: its
+  own intermediate activation (after the gated activation) on those tokens. The experts' ``forward`` is
+  replaced, for the run, by the same routed loop as transformers' eager one (same order, same operations,
+  so the same numbers) that also hands each expert's rows to its statistics;
+- a dense MXFP4 Linear: its input on every token (a forward pre-hook).
+
+Padding (``attention_mask`` 0) runs through the model but is not counted. Each statistic is an
+:class:`fp4pass.calib.ActivationStats`; the calibrator (max by default; headroom, percentile, mse) turns it into
+``g_amax`` and ``input_scale = g_amax / 2688`` (ModelOpt's multiplier; compressed-tensors stores its
+reciprocal, written by convert). Keys of the result: each module's checkpoint name (w1 and w3 of an expert
+share one statistic, so one value); a gpt-oss stack (``<layer>.mlp.experts.gate_up_proj``) takes the largest
+of its experts' values. An expert that no token reached has no key: convert gives it its layer's max and lists
+it; :meth:`CheckpointScales.report_json` lists it too, with every expert's token count.
+
+Under ``torch.distributed`` (a process group initialised, e.g. by ``torchrun``), rank r calibrates batches
+r, r + world, ... and the statistics are all-reduced (:func:`fp4pass.calib.distributed.all_reduce_stats`) layer
+by layer before the scales are computed, so every rank returns the scales of all the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4pass.calib.calibrators import make_calibrator
+from fp4pass.calib.runner import CalibrationDataError, scale_for
+from fp4pass.calib.scales import ActivationScales
+from fp4pass.calib.stats import ActivationStats
+from fp4pass.checkpoint.calib_data import Batch, load_batches
+from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.checkpoint.detect import detect
+from fp4pass.checkpoint.layerwise import (HiddenStore, LayerRunner, default_device, experts_modules, hidden_budget,
+                                          resolve_architecture)
+from fp4pass.checkpoint.safetensors_io import CheckpointError
+
+__all__ = ["calibrate", "CheckpointScales"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointScales(ActivationScales):
+    """SCALES.json of a checkpoint (``tensors``: module name -> ActivationScale) and the run's account."""
+
+    experts: list[dict] = field(default_factory=list)  # {"module", "expert", "tokens", "gate_up_amax", ...}
+    unrouted: list[dict] = field(default_factory=list)  # {"module", "expert"}: no token reached it
+    dense: list[dict] = field(default_factory=list)
+    model_type: str = ""
+    device: str = "cpu"
+    layers: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    spilled_batches: int = 0
+
+    def report_json(self) -> dict:
+        """The calibration report: every scale with its figures, every expert's token count, the unrouted."""
+        return {"calibrator": self.calibrator, "model_type": self.model_type, "device": self.device,
+                "layers": self.layers, "batches": self.batches, "tokens": self.tokens, "seconds": self.seconds,
+                "hidden_states_spilled_batches": self.spilled_batches, "tensors": self.report(),
+                "experts": self.experts, "unrouted_experts": self.unrouted, "dense": self.dense}
+
+
+class _LayerStats:
+    """The statistics of one decoder layer's MXFP4 modules, and the hooks that feed them."""
+
+    def __init__(self, runner: LayerRunner, index: int, method, device: torch.device):
+        self.prefix = f"layers.{index}."
+        self.method, self.device = method, device
+        self.valid: torch.Tensor | None = None  # flat bool [B*T] of the current batch, None = all count
+        self.stats: dict[tuple, ActivationStats] = {}
+        self.tokens: dict[tuple, int] = {}
+        self.names: dict[tuple, list[str]] = {}  # stats key -> checkpoint modules it calibrates
+        self.stacks: dict[str, dict] = {}  # model stack path (in the layer) -> {"experts", "fused": name|None}
+        self.dense: dict[str, str] = {}  # model module path (in the layer) -> checkpoint module
+        for module, (target, expert, kind) in sorted(runner.sources.quantized.items()):
+            if not target.startswith(self.prefix):
+                continue
+            rel = target[len(self.prefix):]
+            if kind == "dense":
+                self.dense[rel] = module
+                self._new((rel, None, "dense"), module)
+                continue
+            entry = self.stacks.setdefault(rel, {"fused": {}})
+            if expert is None:
+                entry["fused"][kind] = module
+            else:
+                self._new((rel, expert, kind), module)
+
+    def _new(self, key: tuple, module: str) -> None:
+        if key not in self.stats:
+            label = module if key[1] is None else f"{key[0]}.{key[1]}.{key[2]}"
+            self.stats[key] = ActivationStats(label, device=self.device,
+                                              abs_histogram=self.method.needs_abs_histogram,
+                                              reservoir=self.method.reservoir, top_k=self.method.top_k)
+        self.names.setdefault(key, []).append(module)
+
+    def install(self, layer: torch.nn.Module) -> list:
+        """Hook the layer's modules; returns what :meth:`remove` undoes."""
+        undo = []
+        for rel, experts in experts_modules(layer):
+            if rel not in self.stacks:
+                continue
+            entry = self.stacks[rel]
+            count = experts.num_experts
+            entry["experts"] = count
+            for kind, module in entry["fused"].items():
+                for e in range(count):
+                    self._new((rel, e, kind), module)
+            for e in range(count):
+                self.tokens[(rel, e)] = 0
+            experts.forward = _routed_forward(experts, rel, self)
+            undo.append(("forward", experts))
+        for rel, module in self.dense.items():
+            handle = layer.get_submodule(rel).register_forward_pre_hook(self._dense_hook(rel))
+            undo.append(("hook", handle))
+        return undo
+
+    @staticmethod
+    def remove(undo: list) -> None:
+        for kind, item in undo:
+            if kind == "forward":
+                del item.forward
+            else:
+                item.remove()
+
+    def _dense_hook(self, rel: str):
+        def hook(_module, args):
+            x = args[0]
+            rows = x.reshape(-1, x.shape[-1])
+            if self.valid is not None and rows.shape[0] == self.valid.numel():
+                rows = rows[self.valid]
+            self.stats[(rel, None, "dense")].update(rows)
+        return hook
+
+    def record(self, rel: str, expert: int, kind: str, rows: torch.Tensor, token_idx: torch.Tensor) -> None:
+        if self.valid is not None:
+            rows = rows[self.valid[token_idx]]
+        if kind == "gate_up":
+            self.tokens[(rel, expert)] += rows.shape[0]
+        stats = self.stats.get((rel, expert, kind))
+        if stats is not None and rows.shape[0]:
+            stats.update(rows)
+
+    def reduce(self) -> None:
+        """All-reduce the statistics and token counts over the process group (torch.distributed)."""
+        from fp4pass.calib.distributed import all_reduce_stats, distributed_ready
+
+        if not distributed_ready():
+            return
+        import torch.distributed as dist
+
+        keys = sorted(self.stats, key=repr)
+        all_reduce_stats([self.stats[k] for k in keys])
+        token_keys = sorted(self.tokens, key=repr)
+        if token_keys:
+            counts = torch.tensor([self.tokens[k] for k in token_keys], dtype=torch.int64)
+            if dist.get_backend() == "nccl":
+                counts = counts.cuda()
+            dist.all_reduce(counts)
+            for k, v in zip(token_keys, counts.tolist()):
+                self.tokens[k] = int(v)
+
+    def results(self, out: CheckpointScales) -> None:
+        """Scales of this layer into ``out`` (module docstring's keys) and the experts' account."""
+        for rel, module in self.dense.items():
+            scale = scale_for(self.stats[(rel, None, "dense")], self.method)
+            out.tensors[module] = scale
+            out.dense.append({"module": module, "amax": scale.amax, "input_scale": scale.input_scale})
+        for rel, entry in self.stacks.items():
+            stack = self.prefix + rel
+            best: dict[str, object] = {}
+            for e in range(entry.get("experts", 0)):
+                tokens = self.tokens.get((rel, e), 0)
+                row = {"module": stack, "expert": e, "tokens": tokens}
+                for kind in ("gate_up", "down"):
+                    key = (rel, e, kind)
+                    if key not in self.stats:
+                        continue
+                    row.setdefault("checkpoint_modules", []).extend(self.names[key])
+                    if tokens == 0:
+                        continue
+                    scale = scale_for(self.stats[key], self.method)
+                    row[f"{kind}_amax"], row[f"{kind}_input_scale"] = scale.amax, scale.input_scale
+                    for module in dict.fromkeys(self.names[key]):
+                        if module in entry["fused"].values():
+                            if module not in best or scale.g_amax > best[module].g_amax:
+                                best[module] = scale
+                        else:
+                            out.tensors[module] = scale
+                out.experts.append(row)
+                if tokens == 0:
+                    out.unrouted.append({"module": stack, "expert": e,
+                                         "checkpoint_modules": row.get("checkpoint_modules", [])})
+            out.tensors.update(best)
+
+
+def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats):
+    """The eager expert loop of transformers' MoE experts (gpt-oss: ``x @ W + b`` on [E, K, N] stacks; DeepSeek:
+    ``linear(x, W)``), with each expert's rows handed to its statistics on the way."""
+    import torch.nn.functional as F
+
+    num = experts.num_experts
+    transposed = bool(getattr(experts, "is_transposed", False))
+    biased = bool(getattr(experts, "has_bias", False))
+
+    def project(x, weight, bias):
+        y = x @ weight if transposed else F.linear(x, weight)
+        return y + bias if bias is not None else y
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=num + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == num:
+                continue
+            e = int(expert_idx)
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            current = hidden_states[token_idx]
+            layer_stats.record(rel, e, "gate_up", current, token_idx)
+            gate_up = project(current, experts.gate_up_proj[expert_idx],
+                              experts.gate_up_proj_bias[expert_idx] if biased else None)
+            gated = experts._apply_gate(gate_up)
+            layer_stats.record(rel, e, "down", gated, token_idx)
+            out = project(gated, experts.down_proj[expert_idx], experts.down_proj_bias[expert_idx] if biased else None)
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    return forward
+
+
+def _share(batches: list[Batch]) -> list[Batch]:
+    from fp4pass.calib.distributed import distributed_ready
+
+    if not distributed_ready():
+        return batches
+    import torch.distributed as dist
+
+    return batches[dist.get_rank()::dist.get_world_size()]
+
+
+def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
+              seq_len: int | None = None, num_samples: int | None = None, hidden_budget_bytes: int | None = None,
+              show_progress: bool | None = False, **calibrator_options) -> CheckpointScales:
+    """Calibrate the NVFP4 activation scales of the MXFP4 checkpoint ``src_dir`` on ``data`` (module docstring).
+
+    ``data``: a path (:mod:`fp4pass.checkpoint.calib_data`). ``calibrator`` and ``calibrator_options``: as
+    :func:`fp4pass.calib.make_calibrator`. ``device``: auto | cpu | cuda. ``hidden_budget_bytes``: hidden states
+    kept in memory (the rest go to a temporary folder); default half the free GPU memory or a quarter of the
+    available RAM. Returns :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as ``scales``.
+    """
+    start = time.perf_counter()
+    method = make_calibrator(calibrator, **calibrator_options)
+    dev = default_device(device)
+    with Catalog.open(src_dir) as catalog:
+        found = detect(catalog.tensors, catalog.config)
+        if not found.units:
+            raise CheckpointError(f"{src_dir}: no MXFP4 weights found, so nothing to calibrate")
+        model_type, cfg = resolve_architecture(catalog.config, src_dir)
+        batches = _share(load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len,
+                                      num_samples=num_samples, batch_size=batch_size))
+        if not batches:
+            raise CalibrationDataError(f"{data}: no calibration rows")
+        runner = LayerRunner(catalog, found, dev)
+        store = HiddenStore(hidden_budget(dev, hidden_budget_bytes), dev)
+        out = CheckpointScales(method.name, model_type=model_type, device=str(dev), layers=runner.num_layers,
+                               batches=len(batches), tokens=sum(b.tokens for b in batches))
+        try:
+            _run(runner, batches, store, method, dev, out, show_progress)
+            out.spilled_batches = store.spilled
+        finally:
+            store.close()
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, dev, out: CheckpointScales,
+         show_progress) -> None:
+    from fp4pass.progress import progress
+
+    for b, batch in enumerate(batches):
+        hidden, _, _ = runner.capture(0, batch.input_ids, batch.attention_mask)
+        store.put(b, hidden)
+    last = max((int(t.split(".")[1]) for t, _, _ in runner.sources.quantized.values()), default=-1)
+    steps = ((i, b) for i in range(last + 1) for b in range(len(batches)))
+    bar = progress(steps, total=(last + 1) * len(batches), desc="calibrate (layer x batch)",
+                   enabled=show_progress, unit="batch")
+    layer_stats = undo = module = None
+    context = None
+    try:
+        for i, b in bar:
+            if b == 0:
+                layer_stats = _LayerStats(runner, i, method, dev)
+                context = runner.layer(i)
+                module = context.__enter__()
+                undo = layer_stats.install(module)
+            batch = batches[b]
+            args, kwargs = runner.layer_inputs(i, batch.input_ids, batch.attention_mask)
+            layer_stats.valid = None if batch.attention_mask is None else batch.attention_mask.reshape(-1).bool().to(dev)
+            result = runner.run_layer(module, store.get(b), args, kwargs)
+            if i < last:
+                store.put(b, result)
+            if b == len(batches) - 1:
+                _LayerStats.remove(undo)
+                context.__exit__(None, None, None)
+                context = None
+                layer_stats.reduce()
+                layer_stats.results(out)
+    finally:
+        if context is not None:
+            context.__exit__(None, None, None)

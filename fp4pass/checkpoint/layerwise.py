@@ -1,0 +1,475 @@
+"""A checkpoint's model, built by transformers' own modeling code, run one decoder layer at a time.
+
+Which model: ``config.json``'s ``model_type`` when transformers has that model type, else the first entry of
+``architectures`` that transformers has (Kimi-K2 ships ``model_type: kimi_k2`` with ``architectures:
+["DeepseekV3ForCausalLM"]``); neither is refused, naming the model type. The skeleton is built on the meta
+device (no memory) with eager attention and the eager expert loop (the forms every backend agrees with).
+
+Which weight goes where: each checkpoint name is renamed by transformers' own ``WeightRenaming`` rules for the
+model type (DeepSeek-V4's native names ``layers.0.attn.wq_a`` -> ``layers.0.self_attn.q_a_proj``), without the
+``model.`` prefix. Per-expert weights ``<layer>.experts.<e>.w1|gate_proj`` and ``w3|up_proj`` fill row halves
+(gate first) of expert e of the model's ``<layer>.experts.gate_up_proj`` [E, 2I, H], ``w2|down_proj`` its
+``down_proj`` [E, H, I] (what transformers' ``MergeModulelist`` + ``Concatenate`` converters do). MXFP4 weights
+are dequantized with :class:`fp4pass.formats.MXFP4Tensor` (exact in bf16), a gpt-oss stack [E, N, K] into the
+model's [E, K, N] parameter expert by expert; FP8 (E4M3) weights with 128x128 block scales are dequantized too.
+
+The run (:class:`LayerRunner`):
+
+1. the embeddings, rotary tables and masks are made by the model's own ``forward``, with every decoder layer
+   replaced by a recorder that keeps the layer's inputs (hidden states and keyword arguments: masks, position
+   embeddings, ``input_ids`` for hash routing) and stops the forward there;
+2. for each layer: its weights are read from the shards into a module of its own class (allocated, filled,
+   run, then returned to the meta device), and every batch goes through its ``forward``; its outputs replace
+   its inputs (one set of hidden states at a time, on disk when they exceed the budget).
+
+Peak memory: the embedding table + one layer's weights (experts dequantized to bf16) + the hidden states of all
+calibration tokens (``tokens * hidden * 2`` bytes, or ``hc_mult`` times that for DeepSeek-V4) unless they spill
+to disk + one batch's activations. It does not grow with the number of layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.checkpoint.detect import FusedExperts, Linear
+from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.formats import MXFP4Tensor
+
+__all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "HiddenStore",
+           "experts_modules"]
+
+log = logging.getLogger(__name__)
+
+_EXPERT_PART = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
+                          r"\.weight$")
+_GATE_UP = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
+_FP8_DTYPES = ("F8_E4M3",)
+FP8_BLOCK = 128
+
+
+def resolve_architecture(config: dict, folder) -> tuple[str, object]:
+    """(model type, transformers config object) for ``config.json`` (module docstring's rule)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    chosen = model_type if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+    if chosen is None:
+        for arch in config.get("architectures") or []:
+            cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+            config_class = getattr(cls, "config_class", None)
+            if config_class is not None and getattr(config_class, "model_type", None) in CONFIG_MAPPING:
+                chosen = config_class.model_type
+                break
+    if chosen is None:
+        raise CheckpointError(f"{folder}: model_type {model_type!r} (architectures {config.get('architectures')}): "
+                              f"transformers {transformers.__version__} has no such model, so its forward cannot "
+                              "run for calibration")
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config", "architectures",
+                                                           "transformers_version")}
+    try:
+        cfg = CONFIG_MAPPING[chosen](**fields)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder}/config.json: transformers' {chosen} config refuses it ({exc})") from None
+    return chosen, cfg
+
+
+def build_skeleton(model_type: str, cfg, dtype=torch.bfloat16):
+    """The causal LM of ``cfg`` on the meta device (eager attention, eager experts); (model, base model)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager",
+                                                 experts_implementation="eager")
+    model.eval()
+    base = getattr(model, model.base_model_prefix, model)
+    if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        raise CheckpointError(f"{model_type}: the transformers model has no decoder layer list to run layer by layer")
+    return model, base
+
+
+def _renamings(model_type: str) -> list:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [t for t in (get_checkpoint_conversion_mapping(model_type) or []) if isinstance(t, WeightRenaming)]
+
+
+def _rename(name: str, renamings: list) -> str:
+    from transformers.core_model_loading import rename_source_key
+
+    if renamings:
+        name, _ = rename_source_key(name, renamings, [])
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+@dataclass
+class Source:
+    """Where one model tensor (or one expert's part of it) comes from."""
+
+    kind: str  # plain | mx | fused | fp8
+    name: str  # checkpoint tensor (plain, fp8) or module (mx, fused)
+    unit: object = None  # Linear | FusedExperts
+    scale: str | None = None  # fp8 block scales
+
+
+@dataclass
+class WeightSources:
+    """Model tensor name (base-model relative) -> its source; expert stacks -> {expert: [part sources]}."""
+
+    plain: dict[str, Source] = field(default_factory=dict)
+    experts: dict[str, dict[int, dict[int, Source]]] = field(default_factory=dict)
+    #: checkpoint MXFP4 module -> (model module, expert or None, "gate_up" | "down" | "dense")
+    quantized: dict[str, tuple[str, int | None, str]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, catalog: Catalog, found, model_type: str) -> "WeightSources":
+        renamings = _renamings(model_type)
+        out = cls()
+        sources: list[tuple[str, Source]] = []
+        for unit in found.units:
+            if isinstance(unit, FusedExperts):
+                target = _rename(unit.name, renamings)
+                out.plain[target] = Source("fused", unit.name, unit)
+                stack = target.rpartition(".")[0]
+                out.quantized[unit.name] = (stack, None, "gate_up" if unit.proj.startswith("gate_up") else "down")
+                continue
+            for lin in unit if isinstance(unit, tuple) else (unit,):
+                sources.append((lin.module + ".weight", Source("mx", lin.module, lin)))
+        fp8_scales = set()
+        for name, entry in catalog.tensors.items():
+            if name in found.consumed:
+                continue
+            if entry.dtype in _FP8_DTYPES and name.endswith(".weight"):
+                module = name[: -len(".weight")]
+                scale = next((s for s in (module + ".scale", module + ".weight_scale_inv") if s in catalog.tensors),
+                             None)
+                if scale is not None:
+                    fp8_scales.add(scale)
+                    sources.append((name, Source("fp8", name, scale=scale)))
+                    continue
+            sources.append((name, Source("plain", name)))
+        for name, source in sources:
+            if source.kind == "plain" and name in fp8_scales:
+                continue
+            target = _rename(name, renamings)
+            match = _EXPERT_PART.match(target)
+            if match:
+                proj, e = match.group("proj"), int(match.group("e"))
+                stack = match.group("experts")
+                tensor = f"{stack}.gate_up_proj" if proj in _GATE_UP else f"{stack}.down_proj"
+                out.experts.setdefault(tensor, {}).setdefault(e, {})[_GATE_UP.get(proj, 0)] = source
+                if source.kind == "mx":
+                    out.quantized[source.name] = (stack, e, "gate_up" if proj in _GATE_UP else "down")
+                continue
+            out.plain[target] = source
+            if source.kind == "mx":
+                out.quantized[source.name] = (target[: -len(".weight")], None, "dense")
+        return out
+
+    def names(self) -> set[str]:
+        return set(self.plain) | set(self.experts)
+
+
+def experts_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The expert stacks of ``module``: modules holding ``gate_up_proj`` and ``down_proj`` [E, ., .] parameters."""
+    out = []
+    for name, sub in module.named_modules():
+        params = dict(sub.named_parameters(recurse=False))
+        if "gate_up_proj" in params and "down_proj" in params and params["gate_up_proj"].dim() == 3:
+            out.append((name, sub))
+    return out
+
+
+class WeightLoader:
+    """Fills a module's tensors from the checkpoint (sources above), dequantizing on ``device``."""
+
+    def __init__(self, catalog: Catalog, sources: WeightSources, device: torch.device):
+        self.catalog, self.sources, self.device = catalog, sources, device
+
+    def _read(self, name: str) -> torch.Tensor:
+        return self.catalog.read(name)
+
+    def _mx(self, lin: Linear) -> torch.Tensor:
+        codes = self._read(lin.codes.name).view(torch.uint8).reshape(lin.rows, lin.cols // 2)
+        scales = self._read(lin.scales.name).view(torch.uint8).reshape(lin.rows, lin.cols // 32)
+        return MXFP4Tensor.from_codes(codes.to(self.device), scales.to(self.device), name=lin.module).dequantize()
+
+    def _fp8(self, source: Source) -> torch.Tensor:
+        weight = self._read(source.name).to(self.device).float()
+        scale = self._read(source.scale).to(self.device).float()
+        rows, cols = weight.shape
+        full = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+        return weight * full
+
+    def value(self, source: Source) -> torch.Tensor:
+        if source.kind == "mx":
+            return self._mx(source.unit)
+        if source.kind == "fp8":
+            return self._fp8(source)
+        return self._read(source.name)
+
+    def fill(self, target: str, tensor: torch.Tensor, owner: torch.nn.Module | None = None) -> None:
+        """Copy the checkpoint's value of model tensor ``target`` into ``tensor`` (its dtype and layout);
+        ``owner``: the module holding it (an expert stack says whether it is stored transposed, [E, K, N])."""
+        with torch.no_grad():
+            if target in self.sources.experts:
+                self._fill_experts(target, tensor)
+                return
+            source = self.sources.plain[target]
+            if source.kind == "fused":
+                self._fill_fused(source.unit, tensor, target, bool(getattr(owner, "is_transposed", False)))
+                return
+            value = self.value(source)
+            if tuple(value.shape) != tuple(tensor.shape):
+                if value.numel() == tensor.numel() and value.dim() <= 1 and tensor.dim() <= 1:
+                    value = value.reshape(tensor.shape)
+                else:
+                    raise CheckpointError(f"{source.name}: shape {list(value.shape)}, but the model's {target} is "
+                                          f"{list(tensor.shape)}")
+            tensor.copy_(value)
+
+    def _fill_fused(self, unit: FusedExperts, tensor: torch.Tensor, target: str, transposed: bool) -> None:
+        e, n, k = unit.experts, unit.rows, unit.cols
+        if tuple(tensor.shape) != ((e, k, n) if transposed else (e, n, k)):
+            raise CheckpointError(f"{unit.codes.name}: experts {[e, n, k]} do not fit the model's {target} "
+                                  f"{list(tensor.shape)}")
+        codes = self._read(unit.codes.name).view(torch.uint8).reshape(e, n, k // 2)
+        scales = self._read(unit.scales.name).view(torch.uint8).reshape(e, n, k // 32)
+        for i in range(e):
+            w = MXFP4Tensor.from_codes(codes[i].to(self.device), scales[i].to(self.device),
+                                       name=f"{unit.name}[{i}]").dequantize()
+            tensor[i].copy_(w.t() if transposed else w)
+
+    def _fill_experts(self, target: str, tensor: torch.Tensor) -> None:
+        parts = self.sources.experts[target]
+        count = tensor.shape[0]
+        gate_up = target.endswith("gate_up_proj")
+        for e in range(count):
+            found = parts.get(e, {})
+            need = (0, 1) if gate_up else (0,)
+            missing = [p for p in need if p not in found]
+            if missing:
+                what = ("gate", "up")[missing[0]] if gate_up else "down"
+                raise CheckpointError(f"{self.catalog.folder}: no {what} weight for expert {e} of {target}")
+            values = [self.value(found[p]) for p in need]
+            value = torch.cat(values, 0) if gate_up else values[0]
+            if tuple(value.shape) == tuple(tensor.shape[1:]):
+                tensor[e].copy_(value)
+            elif tuple(value.shape[::-1]) == tuple(tensor.shape[1:]):
+                tensor[e].copy_(value.t())
+            else:
+                raise CheckpointError(f"{found[0].name}: expert weight {list(value.shape)} does not fit the model's "
+                                      f"{target} {list(tensor.shape)}")
+
+
+def _rebuild_buffers(module: torch.nn.Module, cfg, device) -> None:
+    """Recompute the non-persistent buffers (rotary tables) that ``to_empty`` left uninitialised: each owning
+    submodule is built afresh from the config on the CPU and its buffers copied."""
+    for name, sub in module.named_modules():
+        transient = [b for b in sub._buffers if b in sub._non_persistent_buffers_set and sub._buffers[b] is not None]
+        if not transient:
+            continue
+        try:
+            fresh = type(sub)(cfg)
+        except Exception as exc:  # noqa: BLE001 - any constructor failure: say which module
+            raise CheckpointError(f"cannot rebuild the buffers of {name or type(sub).__name__} "
+                                  f"({type(sub).__name__}: {exc})") from None
+        for b in transient:
+            sub._buffers[b] = fresh._buffers[b].to(device)
+        for attr in ("attention_scaling",):
+            if hasattr(fresh, attr):
+                setattr(sub, attr, getattr(fresh, attr))
+
+
+def materialize(module: torch.nn.Module, prefix: str, loader: WeightLoader, cfg, device) -> None:
+    """Allocate ``module`` (on the meta device) on ``device`` and fill every tensor of its state dict from the
+    checkpoint; a tensor with no source is refused, naming it."""
+    module.to_empty(device=device)
+    _rebuild_buffers(module, cfg, device)
+    names = loader.sources.names()
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        target = f"{prefix}{key}"
+        if target not in names:
+            raise CheckpointError(f"{loader.catalog.folder}: no tensor for the model's {target} (transformers' "
+                                  f"{type(module).__name__} needs it to run)")
+        owner = module.get_submodule(key.rpartition(".")[0]) if "." in key else module
+        loader.fill(target, tensor, owner)
+
+
+class _Stop(Exception):
+    """Raised by a recorder to end the capture forward."""
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for decoder layer ``index``: records its inputs when it is the wanted one, else passes them on."""
+
+    def __init__(self, index: int, box: dict):
+        super().__init__()
+        self.index, self.box = index, box
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.box["want"] == self.index:
+            self.box["hidden"], self.box["args"], self.box["kwargs"] = hidden_states, args, kwargs
+            raise _Stop
+        return hidden_states
+
+
+class HiddenStore:
+    """The hidden states of every calibration batch: in memory while their total stays within ``budget`` bytes,
+    then in files of a temporary folder (removed by :meth:`close`, also on Ctrl-C)."""
+
+    def __init__(self, budget: int, device: torch.device):
+        self.budget, self.device = budget, device
+        self.memory: dict[int, torch.Tensor] = {}
+        self.used = 0
+        self.folder: Path | None = None
+        self.on_disk: dict[int, tuple] = {}
+
+    def put(self, index: int, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        old = self.memory.pop(index, None)
+        if old is not None:
+            self.used -= old.numel() * old.element_size()
+        if index in self.on_disk or self.used + size > self.budget:
+            if self.folder is None:
+                self.folder = Path(tempfile.mkdtemp(prefix="fp4pass-calib-"))
+            path = self.folder / f"{index}.bin"
+            cpu = tensor.detach().to("cpu").contiguous()
+            cpu.view(-1).view(torch.uint8).numpy().tofile(path)
+            self.on_disk[index] = (tuple(cpu.shape), cpu.dtype)
+            return
+        self.memory[index] = tensor.detach()
+        self.used += size
+
+    def get(self, index: int) -> torch.Tensor:
+        if index in self.memory:
+            return self.memory[index]
+        shape, dtype = self.on_disk[index]
+        import numpy as np
+
+        raw = torch.from_numpy(np.fromfile(self.folder / f"{index}.bin", dtype=np.uint8))
+        return raw.view(dtype).reshape(shape).to(self.device)
+
+    @property
+    def spilled(self) -> int:
+        return len(self.on_disk)
+
+    def close(self) -> None:
+        self.memory.clear()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+
+class LayerRunner:
+    """The model of a checkpoint, run layer by layer on ``batches`` (module docstring)."""
+
+    def __init__(self, catalog: Catalog, found, device: torch.device, dtype=torch.bfloat16):
+        self.catalog, self.device = catalog, device
+        self.model_type, self.cfg = resolve_architecture(catalog.config, catalog.folder)
+        self.model, self.base = build_skeleton(self.model_type, self.cfg, dtype)
+        self.sources = WeightSources.build(catalog, found, self.model_type)
+        self.loader = WeightLoader(catalog, self.sources, device)
+        self.layers = list(self.base.layers)
+        self.box: dict = {"want": None}
+        self.base.layers = torch.nn.ModuleList([_Recorder(i, self.box) for i in range(len(self.layers))])
+        for name, child in self.base.named_children():
+            if name != "layers":
+                materialize(child, f"{name}.", self.loader, self.cfg, device)
+        self._kwargs_cache: dict = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.cfg.vocab_size)
+
+    def capture(self, index: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """(hidden states, args, kwargs) that the model's forward passes to decoder layer ``index``."""
+        self.box["want"] = index
+        try:
+            with torch.no_grad():
+                self.base(input_ids=input_ids.to(self.device),
+                          attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                          use_cache=False)
+        except _Stop:
+            pass
+        else:
+            raise RuntimeError(f"decoder layer {index} was never called by the model's forward")
+        finally:
+            self.box["want"] = None
+        return self.box.pop("hidden"), self.box.pop("args"), self.box.pop("kwargs")
+
+    def layer_inputs(self, index: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """(args, kwargs) of layer ``index`` for this batch; reused across batches of one shape without a mask."""
+        key = (index, tuple(input_ids.shape)) if attention_mask is None else None
+        if key is not None and key in self._kwargs_cache:
+            args, kwargs = self._kwargs_cache[key]
+        else:
+            _, args, kwargs = self.capture(index, input_ids, attention_mask)
+            if key is not None:
+                self._kwargs_cache[key] = (args, kwargs)
+        if "input_ids" in kwargs:
+            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}
+        return args, kwargs
+
+    def drop_cached(self, index: int) -> None:
+        for key in [k for k in self._kwargs_cache if k[0] == index]:
+            del self._kwargs_cache[key]
+
+    @contextlib.contextmanager
+    def layer(self, index: int):
+        """Decoder layer ``index`` with its weights loaded on the device; back to the meta device after."""
+        module = self.layers[index]
+        try:
+            materialize(module, f"layers.{index}.", self.loader, self.cfg, self.device)
+            module.eval()
+            yield module
+        finally:
+            module.to_empty(device="meta")
+            self.drop_cached(index)
+
+    def run_layer(self, module, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
+        with torch.no_grad():
+            out = module(hidden, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def default_device(device: str | None) -> torch.device:
+    """``auto``: CUDA when torch has a GPU, else the CPU."""
+    from fp4pass.errors import UsageError
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
+    return torch.device(device)
+
+
+def hidden_budget(device: torch.device, requested: int | None) -> int:
+    """Bytes of hidden states kept in memory: ``requested``, else half the free GPU memory on CUDA, else a
+    quarter of the machine's available memory."""
+    if requested is not None:
+        return requested
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30

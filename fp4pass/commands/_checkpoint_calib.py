@@ -1,0 +1,102 @@
+"""Checkpoint-folder calibration from the command line: ``fp4pass calibrate CKPT_DIR`` and
+``fp4pass convert CKPT_DIR --calib DATA`` (the flags both take, and the run)."""
+
+from __future__ import annotations
+
+import sys
+
+from fp4pass.commands._calibrator_flags import calibrator_options
+from fp4pass.errors import UsageError
+
+DEVICES = ("auto", "cpu", "cuda")
+#: flags that only a checkpoint folder's calibration reads, with their defaults (refused for ONNX files)
+FOLDER_ONLY = {"device": None, "seq_len": None, "num_samples": None}
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def add_arguments(g, batch_size: bool = False) -> None:
+    """``--device``, ``--seq-len``, ``--num-samples`` (and ``--calib-batch-size`` for convert)."""
+    g.add_argument("--device", choices=DEVICES, default=None,
+                   help="checkpoint calibration: where each layer runs (auto: CUDA when torch has a GPU)")
+    g.add_argument("--seq-len", type=_positive, default=None, metavar="T",
+                   help="checkpoint calibration: tokens per sequence (text is cut into sequences of T; default "
+                        "512; longer .npz rows are cut)")
+    g.add_argument("--num-samples", type=_positive, default=None, metavar="N",
+                   help="checkpoint calibration: at most N sequences (default: all of DATA)")
+    if batch_size:
+        g.add_argument("--calib-batch-size", type=_positive, default=None, metavar="B",
+                       help="checkpoint calibration: sequences per forward batch (default 8)")
+
+
+def refuse_for_onnx(args) -> None:
+    for flag, default in FOLDER_ONLY.items():
+        if getattr(args, flag, default) != default:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
+
+
+def run_calibration(args, data, batch_size):
+    """Calibrate the checkpoint folder ``args.model`` on ``data``; the :class:`CheckpointScales`."""
+    from fp4pass.checkpoint import calibrate
+
+    return calibrate(args.model, data, calibrator=args.calibrator, device=args.device or "auto",
+                     batch_size=batch_size, seq_len=args.seq_len, num_samples=args.num_samples,
+                     show_progress=None if not args.quiet else False, **calibrator_options(args))
+
+
+def print_summary(scales, output: str) -> None:
+    unrouted = len(scales.unrouted)
+    print(f"fp4pass calibrate: {len(scales.tensors)} module scales from {scales.tokens} tokens "
+          f"({scales.batches} batches) through {scales.layers} layers of {scales.model_type} on {scales.device} in "
+          f"{scales.seconds:.1f} s; {unrouted} expert(s) unrouted (they take their layer's max) -> {output}",
+          file=sys.stderr)
+
+
+def calibrate_folder(args) -> int:
+    """``fp4pass calibrate CKPT_DIR --data DATA -o SCALES.json``."""
+    from fp4pass.commands import _safety
+    from fp4pass.io import RESULT, write_json
+
+    for flag in ("provider", "activation", "allow_invalid"):
+        value = getattr(args, flag, None)
+        if value not in (None, False, "auto"):
+            raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
+    _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
+    scales = run_calibration(args, args.data, args.batch_size)
+    write_json(args.output, scales.to_json(), kind=RESULT)
+    if args.report:
+        write_json(args.report, scales.report_json())
+    if not args.quiet:
+        print(f"{'module':<52} {'tokens':>8} {'amax':>11} {'input_scale':>12}")
+        tokens = {}
+        for row in scales.experts:
+            for module in row.get("checkpoint_modules", []):
+                tokens[module] = tokens.get(module, 0) + row["tokens"]
+        for name, scale in scales.tensors.items():
+            count = tokens.get(name, "-") if name in tokens else "all"
+            print(f"{name:<52} {count!s:>8} {scale.amax:>11.5g} {scale.input_scale:>12.5g}")
+        for row in scales.unrouted:
+            print(f"unrouted: {row['module']} expert {row['expert']}")
+    print_summary(scales, args.output)
+    return 0
+
+
+def scales_for_convert(args):
+    """``convert CKPT_DIR --calib DATA``: the calibrated scales (None without ``--calib``)."""
+    if not getattr(args, "calib", None):
+        return args.scales
+    if args.scales or args.input_scale is not None:
+        raise UsageError("give --calib, --scales or --input-scale, not two of them")
+    scales = run_calibration(args, args.calib, getattr(args, "calib_batch_size", None))
+    print_summary(scales, args.output)
+    return scales

@@ -1,0 +1,378 @@
+"""Checkpoint calibration against an oracle: forward hooks on a whole transformers model.
+
+The oracle model is loaded by transformers' own ``from_pretrained`` from a bf16 copy of the bundled checkpoint
+that this file writes with its own MXFP4 decoder (tests/checkpoint_oracles.py: numpy, no fp4pass code) and the
+names transformers' loader reads. Its normal full forward runs the same batches; a forward pre-hook on every
+experts module records, per expert, the MoE input of the tokens routed to it and the expert's intermediate
+activation on them (from the module's own weights and ``_apply_gate``); pre-hooks on the dense MXFP4 Linears
+record their inputs. fp4pass's layer-by-layer run must give the same amax, exactly, with the same token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint_oracles import Folder, as_bytes, mx_decode, tree_hash
+from cli_helpers import cli, one_line
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
+TOKENS = ROOT / "calib_tokens.npz"
+BATCH = 4
+#: bundled example -> (transformers model type, dense MXFP4 module in transformers' names, in the checkpoint's)
+FAMILIES = {"gpt_oss": ("gpt_oss", None, None),
+            "kimi": ("deepseek_v3", "self_attn.o_proj", "model.layers.{}.self_attn.o_proj"),
+            "deepseek": ("deepseek_v4", "self_attn.o_b_proj", "layers.{}.attn.wo_b")}
+KIMI_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _bf16(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+
+
+def dequantized_copy(src: Path, dst: Path, model_type: str) -> Path:
+    """A bf16 checkpoint of ``src`` in the names transformers loads (experts decoded by the test's decoder)."""
+    from safetensors.torch import save_file
+
+    folder = Folder(src)
+    out: dict[str, torch.Tensor] = {}
+    for name in folder.keys():
+        t = folder.get(name)
+        if name.endswith("_scales") or name.endswith(".weight_scale"):
+            continue
+        if name.endswith(".scale") and folder.dtype(name) == "F8_E8M0":
+            continue
+        if name.endswith("_blocks"):  # gpt-oss stack [E, N, K/32, 16] -> transformers' [E, K, N]
+            base = name[: -len("_blocks")]
+            codes = as_bytes(t).reshape(*t.shape[:-2], -1)
+            w = mx_decode(codes, as_bytes(folder.get(base + "_scales")))
+            out[base] = _bf16(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
+            continue
+        if name.endswith(".weight_packed"):
+            module = name[: -len(".weight_packed")]
+            w = _bf16(mx_decode(as_bytes(t), as_bytes(folder.get(module + ".weight_scale"))))
+        elif name.endswith(".weight") and folder.dtype(name) == "I8":
+            module = name[: -len(".weight")]
+            w = _bf16(mx_decode(as_bytes(t), as_bytes(folder.get(module + ".scale"))))
+        else:
+            out[name] = t
+            continue
+        parts = module.rsplit(".", 1)
+        if model_type == "deepseek_v3" and ".experts." in module:
+            module = f"{parts[0]}.{KIMI_PARTS[parts[1]]}"
+        out[module + ".weight"] = w
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    config.pop("expert_dtype", None)
+    config["model_type"] = model_type
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def oracle(ckpt: Path, model_type: str, dense: str | None, tmp: Path, device: str = "cpu") -> dict:
+    """{"experts": {(layer, e): (tokens, gate_up amax, down amax)}, "dense": {layer: amax}} by hooks."""
+    from transformers import AutoModelForCausalLM
+
+    copy = dequantized_copy(ckpt, tmp / "bf16", model_type)
+    model, info = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.bfloat16, attn_implementation="eager",
+                                                       experts_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.to(device).eval()
+    experts_seen: dict = {}
+    dense_seen: dict = {}
+
+    def expert_hook(layer):
+        def hook(mod, args, kwargs):
+            hidden, index = args[0], args[1]
+            for e in range(mod.num_experts):
+                rows = hidden[(index == e).any(-1)]
+                tokens, gu, dn = experts_seen.get((layer, e), (0, 0.0, 0.0))
+                if rows.shape[0]:
+                    w = mod.gate_up_proj[e]
+                    y = rows @ w if mod.is_transposed else torch.nn.functional.linear(rows, w)
+                    if mod.has_bias:
+                        y = y + mod.gate_up_proj_bias[e]
+                    act = mod._apply_gate(y)
+                    gu = max(gu, float(rows.float().abs().max()))
+                    dn = max(dn, float(act.float().abs().max()))
+                experts_seen[(layer, e)] = (tokens + rows.shape[0], gu, dn)
+        return hook
+
+    def dense_hook(layer):
+        def hook(mod, args):
+            dense_seen[layer] = max(dense_seen.get(layer, 0.0), float(args[0].float().abs().max()))
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.experts.register_forward_pre_hook(expert_hook(i), with_kwargs=True)
+        if dense:
+            layer.get_submodule(dense).register_forward_pre_hook(dense_hook(i))
+    ids = torch.from_numpy(np.load(TOKENS)["input_ids"]).long()
+    with torch.no_grad():
+        for start in range(0, ids.shape[0], BATCH):
+            model(input_ids=ids[start:start + BATCH].to(device), use_cache=False)
+    return {"experts": experts_seen, "dense": dense_seen}
+
+
+def _ours(scales) -> dict:
+    out = {}
+    for row in scales.experts:
+        layer = int(row["module"].split(".")[1])
+        out[(layer, row["expert"])] = (row["tokens"], row.get("gate_up_amax", 0.0), row.get("down_amax", 0.0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """fp4pass's calibration and the oracle's, per bundled family (each computed once)."""
+    import fp4pass.checkpoint
+
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            model_type, dense, _ = FAMILIES[name]
+            ours = fp4pass.checkpoint.calibrate(ROOT / name, TOKENS, batch_size=BATCH, device="cpu")
+            cache[name] = (ours, oracle(ROOT / name, model_type, dense, tmp_path_factory.mktemp(name)))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_per_expert_amax_matches_hooks_on_transformers_forward(results, name):
+    ours, expected = results(name)
+    assert _ours(ours) == expected["experts"]
+    assert any(tokens for tokens, _, _ in expected["experts"].values())
+    unrouted = {(int(r["module"].split(".")[1]), r["expert"]) for r in ours.unrouted}
+    assert unrouted == {k for k, (tokens, _, _) in expected["experts"].items() if tokens == 0}
+    dense_name = FAMILIES[name][2]
+    for layer, amax in expected["dense"].items():
+        assert ours.tensors[dense_name.format(layer)].amax == amax
+    assert ours.tokens == np.load(TOKENS)["input_ids"].size
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_scales_keys_are_checkpoint_module_names(results, name):
+    ours, expected = results(name)
+    layers = {layer for layer, _ in expected["experts"]}
+    for layer in layers:
+        routed = {e: v for (l, e), v in expected["experts"].items() if l == layer and v[0]}
+        if name == "gpt_oss":  # one value per stack: the max over its experts
+            stack = f"model.layers.{layer}.mlp.experts"
+            assert ours.tensors[f"{stack}.gate_up_proj"].amax == max(v[1] for v in routed.values())
+            assert ours.tensors[f"{stack}.down_proj"].amax == max(v[2] for v in routed.values())
+            continue
+        stack = f"model.layers.{layer}.mlp.experts" if name == "kimi" else f"layers.{layer}.ffn.experts"
+        for e, (_, gate_up, down) in routed.items():
+            assert ours.tensors[f"{stack}.{e}.w1"].amax == gate_up == ours.tensors[f"{stack}.{e}.w3"].amax
+            assert ours.tensors[f"{stack}.{e}.w2"].amax == down
+        for e in {e for (l, e) in expected["experts"] if l == layer} - set(routed):
+            assert f"{stack}.{e}.w1" not in ours.tensors
+
+
+def test_deepseek_hash_layer_leaves_its_last_expert_unrouted(results):
+    ours, _ = results("deepseek")
+    assert {(r["module"], r["expert"]) for r in ours.unrouted} >= {("layers.0.mlp.experts", 2)}
+    row = [r for r in ours.unrouted if r["module"] == "layers.0.mlp.experts"][0]
+    assert row["checkpoint_modules"] == ["layers.0.ffn.experts.2.w1", "layers.0.ffn.experts.2.w3",
+                                         "layers.0.ffn.experts.2.w2"]
+
+
+@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("kimi", "compressed-tensors"),
+                                      ("deepseek", "modelopt")])
+def test_convert_writes_amax_over_2688(results, tmp_path, name, fmt):
+    """The converted checkpoint's input scales: amax / 2688 per expert (ModelOpt multiplier or compressed-tensors
+    divisor), the layer's max for unrouted experts, the max over experts for a gpt-oss stack."""
+    import fp4pass.checkpoint
+
+    ours, expected = results(name)
+    fp4pass.checkpoint.convert(ROOT / name, tmp_path / "o", format=fmt, scales=ours)
+    out = Folder(tmp_path / "o")
+
+    def written(module: str) -> float:
+        if fmt == "modelopt":
+            key = f"{module}_input_scale" if name == "gpt_oss" else f"{module}.input_scale"
+            return float(out.get(key))
+        return 1.0 / float(np.float32(out.get(f"{module}.input_global_scale").item()))
+
+    def want(amax: float) -> float:
+        return float(np.float32(np.float32(amax) / np.float32(2688)))
+
+    for layer in {layer for layer, _ in expected["experts"]}:
+        rows = {e: v for (l, e), v in expected["experts"].items() if l == layer}
+        top = (max(v[1] for v in rows.values()), max(v[2] for v in rows.values()))
+        if name == "gpt_oss":
+            stack = f"model.layers.{layer}.mlp.experts"
+            assert written(f"{stack}.gate_up_proj") == want(top[0])
+            assert written(f"{stack}.down_proj") == want(top[1])
+            continue
+        stack = f"model.layers.{layer}.mlp.experts" if name == "kimi" else f"layers.{layer}.ffn.experts"
+        for e, (tokens, gate_up, down) in rows.items():
+            for proj, amax in (("w1", gate_up), ("w3", gate_up), ("w2", down)):
+                expect = want(amax if tokens else top[0 if proj != "w2" else 1])
+                assert written(f"{stack}.{e}.{proj}") == pytest.approx(expect, rel=2e-7), (layer, e, proj)
+
+
+def test_calibrate_then_convert_scales_equals_convert_calib(tmp_path, capsys):
+    src = ROOT / "kimi"
+    code, err = cli(capsys, "calibrate", src, "--data", TOKENS, "-o", tmp_path / "s.json", "--batch-size", 4,
+                    "--report", tmp_path / "r.json", "--device", "cpu")
+    assert code == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["unrouted_experts"] is not None and all("tokens" in r for r in report["experts"])
+    code, err = cli(capsys, "convert", src, "-o", tmp_path / "a", "--scales", tmp_path / "s.json",
+                    "--format", "compressed-tensors")
+    assert code == 0, err
+    code, err = cli(capsys, "convert", src, "-o", tmp_path / "b", "--calib", TOKENS, "--calib-batch-size", 4,
+                    "--format", "compressed-tensors", "--device", "cpu")
+    assert code == 0, err
+    a, b = tree_hash(tmp_path / "a"), tree_hash(tmp_path / "b")
+    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
+    scales = json.loads((tmp_path / "s.json").read_text())["tensors"]
+    assert "model.layers.0.mlp.experts.0.w1" in scales and "model.layers.0.self_attn.o_proj" in scales
+
+
+@pytest.mark.slow
+def test_text_data_is_tokenized_with_the_checkpoint_tokenizer(tmp_path):
+    """A .jsonl gives the same scales as the .npz of the same tokens, tokenized by the tokenizers package."""
+    import fp4pass.checkpoint
+    from tokenizers import Tokenizer
+
+    src = ROOT / "gpt_oss"
+    lines = [json.loads(line)["text"] for line in (ROOT / "calib_text.jsonl").read_text().splitlines()]
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    stream = [i for text in lines for i in tokenizer.encode(text, add_special_tokens=False).ids]
+    ids = np.asarray(stream[: 5 * 16]).reshape(5, 16)
+    np.savez(tmp_path / "ids.npz", input_ids=ids)
+    text = fp4pass.checkpoint.calibrate(src, ROOT / "calib_text.jsonl", seq_len=16, num_samples=5, batch_size=2,
+                                        device="cpu")
+    tokens = fp4pass.checkpoint.calibrate(src, tmp_path / "ids.npz", batch_size=2, device="cpu")
+    assert text.tokens == tokens.tokens == 80
+    assert {k: v.amax for k, v in text.tensors.items()} == {k: v.amax for k, v in tokens.tensors.items()}
+
+
+@pytest.mark.slow
+def test_padding_is_not_counted(tmp_path):
+    """Rows with attention_mask 0 at the end: the statistics equal those of the unpadded rows alone."""
+    import fp4pass.checkpoint
+
+    src = ROOT / "kimi"
+    ids = np.load(TOKENS)["input_ids"][:2, :16].astype(np.int64)
+    padded = np.concatenate([ids, np.full((2, 8), 5)], 1)
+    mask = np.concatenate([np.ones((2, 16), np.int64), np.zeros((2, 8), np.int64)], 1)
+    np.savez(tmp_path / "p.npz", input_ids=padded, attention_mask=mask)
+    np.savez(tmp_path / "u.npz", input_ids=ids)
+    a = fp4pass.checkpoint.calibrate(src, tmp_path / "p.npz", device="cpu")
+    b = fp4pass.checkpoint.calibrate(src, tmp_path / "u.npz", device="cpu")
+    assert a.tokens == b.tokens == 32
+    assert [r["tokens"] for r in a.experts] == [r["tokens"] for r in b.experts]
+    for key, value in b.tensors.items():
+        assert a.tensors[key].amax == pytest.approx(value.amax, rel=1e-2), key
+
+
+@pytest.mark.slow
+def test_calibrators_pick_g_amax(tmp_path):
+    import fp4pass.checkpoint
+
+    src = ROOT / "deepseek"
+    base = fp4pass.checkpoint.calibrate(src, TOKENS, device="cpu")
+    low = fp4pass.checkpoint.calibrate(src, TOKENS, device="cpu", calibrator="percentile", percentile=50)
+    head = fp4pass.checkpoint.calibrate(src, TOKENS, device="cpu", calibrator="headroom", rho=8192, margin=2)
+    for key, scale in base.tensors.items():
+        assert scale.g_amax == scale.amax
+        assert scale.input_scale == float(np.float32(scale.amax) / np.float32(2688))
+        assert low.tensors[key].amax == scale.amax and low.tensors[key].g_amax < scale.amax
+        assert head.tensors[key].g_amax >= 2 * scale.b_max * 0.999
+        assert head.tensors[key].input_scale == float(np.float32(head.tensors[key].g_amax) / np.float32(2688))
+
+
+def _bad_npz(path: Path, **arrays) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("arrays,expect", [
+    ({"input_ids": np.array([[1, 2, 3], [4, 99, 5]])}, ("row 1", "token id 99", "position 1", "[0, 32)")),
+    ({"input_ids": np.ones((2, 3), np.float32)}, ("input_ids is float32", "not integer")),
+    ({"input_ids": np.zeros((0, 8), np.int64)}, ("input_ids [0, 8] is empty",)),
+    ({"tokens": np.ones((2, 3), np.int64)}, ("no array named input_ids",)),
+    ({"input_ids": np.ones((2, 3), np.int64), "attention_mask": np.array([[1, 1, 0], [0, 0, 0]])},
+     ("row 1", "attention_mask is all 0")),
+])
+def test_bad_npz_is_exit_2_with_nothing_left(tmp_path, capsys, arrays, expect):
+    data = _bad_npz(tmp_path / "bad.npz", **arrays)
+    code, err = cli(capsys, "convert", ROOT / "gpt_oss", "-o", tmp_path / "o", "--calib", data)
+    assert code == 2, err
+    line = one_line(err)
+    assert str(data) in line and all(piece in line for piece in expect), line
+    assert not (tmp_path / "o").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz"]
+    code, err = cli(capsys, "calibrate", ROOT / "gpt_oss", "--data", data, "-o", tmp_path / "s.json")
+    assert code == 2 and str(data) in one_line(err) and not (tmp_path / "s.json").exists()
+
+
+def test_text_without_tokenizer_and_bad_jsonl(tmp_path, capsys):
+    src = shutil.copytree(ROOT / "gpt_oss", tmp_path / "ckpt")
+    (src / "tokenizer.json").unlink()
+    code, err = cli(capsys, "convert", src, "-o", tmp_path / "o", "--calib", ROOT / "calib_text.jsonl")
+    assert code == 2 and "no tokenizer.json" in one_line(err) and not (tmp_path / "o").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n\n["not", "an", "object"]\n')
+    code, err = cli(capsys, "convert", ROOT / "gpt_oss", "-o", tmp_path / "o", "--calib", bad)
+    assert code == 2 and "row 3" in one_line(err) and not (tmp_path / "o").exists()
+
+
+def test_unknown_architecture_is_refused_naming_it(tmp_path, capsys):
+    src = shutil.copytree(ROOT / "kimi", tmp_path / "ckpt")
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"] = ["KimiK3ForCausalLM"]
+    (src / "config.json").write_text(json.dumps(config))
+    code, err = cli(capsys, "calibrate", src, "--data", TOKENS, "-o", tmp_path / "s.json")
+    assert code == 2 and "model_type 'kimi_k3'" in one_line(err) and not (tmp_path / "s.json").exists()
+
+
+def test_onnx_only_and_folder_only_flags(tmp_path, capsys):
+    code, err = cli(capsys, "calibrate", ROOT / "gpt_oss", "--data", TOKENS, "-o", tmp_path / "s.json",
+                    "--activation", "x")
+    assert code == 2 and "--activation applies to ONNX" in one_line(err)
+    code, err = cli(capsys, "convert", ROOT / "gpt_oss", "-o", tmp_path / "o", "--calib", TOKENS,
+                    "--input-scale", "1")
+    assert code == 2 and "not two of them" in one_line(err) and not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_hidden_states_spill_to_disk_and_give_the_same_scales(tmp_path, monkeypatch):
+    import tempfile
+
+    import fp4pass.checkpoint
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    kept = fp4pass.checkpoint.calibrate(ROOT / "gpt_oss", TOKENS, batch_size=4, device="cpu")
+    spilled = fp4pass.checkpoint.calibrate(ROOT / "gpt_oss", TOKENS, batch_size=4, device="cpu",
+                                           hidden_budget_bytes=1)
+    assert kept.spilled_batches == 0 and spilled.spilled_batches == 4
+    assert {k: v.amax for k, v in kept.tensors.items()} == {k: v.amax for k, v in spilled.tensors.items()}
+    assert not list(tmp_path.iterdir())  # the spill folder is gone
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cuda_run_matches_hooks_on_cuda_forward(tmp_path, name):
+    import fp4pass.checkpoint
+
+    model_type, dense, dense_name = FAMILIES[name]
+    ours = fp4pass.checkpoint.calibrate(ROOT / name, TOKENS, batch_size=BATCH, device="cuda")
+    assert ours.device.startswith("cuda")
+    expected = oracle(ROOT / name, model_type, dense, tmp_path, device="cuda")
+    assert _ours(ours) == expected["experts"]
+    for layer, amax in expected["dense"].items():
+        assert ours.tensors[dense_name.format(layer)].amax == amax
