@@ -376,3 +376,23 @@ def test_cuda_run_matches_hooks_on_cuda_forward(tmp_path, name):
     assert _ours(ours) == expected["experts"]
     for layer, amax in expected["dense"].items():
         assert ours.tensors[dense_name.format(layer)].amax == amax
+
+
+def test_bf16_dequantization_matches_an_independent_decode():
+    """Every code byte pair under every E8M0 scale (0..254) against the numpy decoder, bit for bit in bf16."""
+    from fp4pass.checkpoint.layerwise import mx_dequantize
+
+    rows = 255
+    codes = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)  # [255, 256]: K = 512, 16 scales a row
+    scales = torch.arange(255, dtype=torch.uint8).reshape(rows, 1).repeat(1, 16)
+    scales[:, 1::2] = torch.flip(scales[:, ::2], [0])
+    ours = mx_dequantize(codes, scales, torch.bfloat16, "all")
+    with np.errstate(over="ignore"):
+        expect = torch.from_numpy(mx_decode(codes.numpy(), scales.numpy()).astype(np.float32)).to(torch.bfloat16)
+    assert torch.equal(ours.view(torch.int16), expect.view(torch.int16))
+    with np.errstate(over="ignore"):
+        expect32 = torch.from_numpy(mx_decode(codes.numpy(), scales.numpy()).astype(np.float32))
+    assert torch.equal(mx_dequantize(codes, scales, torch.float32, "all"), expect32)
+    scales[3, 5] = 255
+    with pytest.raises(Exception, match="all scales"):
+        mx_dequantize(codes, scales, torch.bfloat16, "all")

@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_table", "AREAS"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx", "calibrate-checkpoint")
 
 
 @dataclass
@@ -64,7 +64,7 @@ def measure(fn: Callable[[], object], repeat: int = 5, device: torch.device | No
 def run_benchmarks(device: torch.device, quick: bool = False, areas=AREAS, log=print) -> list[BenchResult]:
     results: list[BenchResult] = []
     for area in areas:
-        module = importlib.import_module(f"fp4pass.bench.{area}")
+        module = importlib.import_module(f"fp4pass.bench.{area.replace('-', '_')}")
         for bench in module.BENCHMARKS:
             for result in bench(device, quick):
                 log(format_row(result))

@@ -241,7 +241,9 @@ def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats
             layer_stats.record(rel, e, "down", gated, token_idx)
             out = project(gated, experts.down_proj[expert_idx], experts.down_proj_bias[expert_idx] if biased else None)
             out = out * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
+            # index_add_ in transformers' loop; a token meets each expert once, so each row gets one addition
+            # either way (the same numbers), and index_put_ is ~9x faster on the CPU for bf16
+            final.index_put_((token_idx,), out.to(final.dtype), accumulate=True)
         return final
 
     return forward

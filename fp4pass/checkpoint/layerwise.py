@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,10 +201,10 @@ class WeightLoader:
     def _read(self, name: str) -> torch.Tensor:
         return self.catalog.read(name)
 
-    def _mx(self, lin: Linear) -> torch.Tensor:
+    def _mx(self, lin: Linear, dtype=torch.float32) -> torch.Tensor:
         codes = self._read(lin.codes.name).view(torch.uint8).reshape(lin.rows, lin.cols // 2)
         scales = self._read(lin.scales.name).view(torch.uint8).reshape(lin.rows, lin.cols // 32)
-        return MXFP4Tensor.from_codes(codes.to(self.device), scales.to(self.device), name=lin.module).dequantize()
+        return mx_dequantize(codes.to(self.device), scales.to(self.device), dtype, lin.module)
 
     def _fp8(self, source: Source) -> torch.Tensor:
         weight = self._read(source.name).to(self.device).float()
@@ -212,9 +213,10 @@ class WeightLoader:
         full = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
         return weight * full
 
-    def value(self, source: Source) -> torch.Tensor:
+    def value(self, source: Source, dtype=torch.float32) -> torch.Tensor:
+        """The source's tensor; MXFP4 dequantized straight into ``dtype`` (the parameter's: exact in bf16)."""
         if source.kind == "mx":
-            return self._mx(source.unit)
+            return self._mx(source.unit, dtype)
         if source.kind == "fp8":
             return self._fp8(source)
         return self._read(source.name)
@@ -230,7 +232,7 @@ class WeightLoader:
             if source.kind == "fused":
                 self._fill_fused(source.unit, tensor, target, bool(getattr(owner, "is_transposed", False)))
                 return
-            value = self.value(source)
+            value = self.value(source, tensor.dtype)
             if tuple(value.shape) != tuple(tensor.shape):
                 if value.numel() == tensor.numel() and value.dim() <= 1 and tensor.dim() <= 1:
                     value = value.reshape(tensor.shape)
@@ -247,8 +249,8 @@ class WeightLoader:
         codes = self._read(unit.codes.name).view(torch.uint8).reshape(e, n, k // 2)
         scales = self._read(unit.scales.name).view(torch.uint8).reshape(e, n, k // 32)
         for i in range(e):
-            w = MXFP4Tensor.from_codes(codes[i].to(self.device), scales[i].to(self.device),
-                                       name=f"{unit.name}[{i}]").dequantize()
+            w = mx_dequantize(codes[i].to(self.device), scales[i].to(self.device), tensor.dtype,
+                              f"{unit.name}[{i}]")
             tensor[i].copy_(w.t() if transposed else w)
 
     def _fill_experts(self, target: str, tensor: torch.Tensor) -> None:
@@ -262,7 +264,7 @@ class WeightLoader:
             if missing:
                 what = ("gate", "up")[missing[0]] if gate_up else "down"
                 raise CheckpointError(f"{self.catalog.folder}: no {what} weight for expert {e} of {target}")
-            values = [self.value(found[p]) for p in need]
+            values = [self.value(found[p], tensor.dtype) for p in need]
             value = torch.cat(values, 0) if gate_up else values[0]
             if tuple(value.shape) == tuple(tensor.shape[1:]):
                 tensor[e].copy_(value)
@@ -271,6 +273,36 @@ class WeightLoader:
             else:
                 raise CheckpointError(f"{found[0].name}: expert weight {list(value.shape)} does not fit the model's "
                                       f"{target} {list(tensor.shape)}")
+
+
+_PAIRS: dict = {}
+
+
+def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """MXFP4 codes [N, K/2] + E8M0 scales [N, K/32] -> [N, K] in ``dtype``, exact.
+
+    bf16 holds every MXFP4 value e2m1 * 2^(code-127) that float32 holds (same exponent range; 2^-128 is a bf16
+    subnormal), so for bf16 each pair of bytes is looked up as its four bf16 values (a 65536-entry table built
+    from :func:`fp4pass.formats.codecs.decode_e2m1`, low nibble first) and multiplied in place by the power of
+    two in bf16: the numbers of ``MXFP4Tensor.dequantize()`` cast to bf16, in two passes instead of six. Other
+    dtypes go through ``MXFP4Tensor.dequantize()`` (float32). Scale code 255 (NaN) is refused, naming the tensor.
+    """
+    from fp4pass.formats.codecs import decode_e2m1, decode_e8m0
+
+    tensor = MXFP4Tensor.from_codes(codes, scales, name=name)  # checks shapes and NaN scales
+    if dtype != torch.bfloat16 or sys.byteorder != "little" or codes.shape[-1] % 2:
+        return tensor.dequantize().to(dtype)
+    key = codes.device
+    if key not in _PAIRS:
+        word = torch.arange(65536, dtype=torch.int32, device=codes.device)
+        nibbles = [(word >> shift) & 0x0F for shift in (0, 4, 8, 12)]  # little-endian: byte 0's low nibble first
+        values = torch.stack([decode_e2m1(n.to(torch.uint8)) for n in nibbles], -1).to(torch.bfloat16)
+        _PAIRS[key] = values.view(torch.int64).reshape(65536)
+    codes = codes.contiguous()
+    words = codes.view(torch.uint16).to(torch.int32)
+    values = _PAIRS[key][words].view(torch.bfloat16).reshape(*scales.shape, 32)
+    values.mul_(decode_e8m0(scales, what=f"{name} scales").to(torch.bfloat16).unsqueeze(-1))
+    return values.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
 def _rebuild_buffers(module: torch.nn.Module, cfg, device) -> None:

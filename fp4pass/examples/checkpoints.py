@@ -86,19 +86,35 @@ def _f32(rng, *shape, one: bool = False) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.float32))
 
 
+def _gpt_oss_heads(h: int) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head dim) of a runnable gpt-oss example: 4, 2, 16 below hidden 1024;
+    gpt-oss-20b's 64, 8, 64 from 1024 up."""
+    return (4, 2, 16) if h < 1024 else (64, 8, 64)
+
+
+def _norm(rng, h: int, form: str, runnable: bool) -> torch.Tensor:
+    """An RMSNorm weight: around 1 in runnable examples (float32 in DeepSeek-V4's), else around 0.02 in bf16."""
+    if not runnable:
+        return _bf16(rng, h)
+    weight = _f32(rng, h, one=True)
+    return weight if form == "deepseek" else weight.to(torch.bfloat16)
+
+
 _HC = 2  # DeepSeek-V4 hyper-connection streams in the runnable examples
 
 #: the config fields each architecture's transformers model needs beyond the shapes (runnable examples)
 _RUNNABLE = {
-    "gpt-oss": lambda layers, i: {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                               "num_experts_per_tok": 2, "experts_per_token": 2, "attention_bias": True,
-                               "sliding_window": 8, "rms_norm_eps": 1e-5},
-    "compressed-tensors": lambda layers, i: {
+    "gpt-oss": lambda layers, i, h: {**dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"),
+                                                 _gpt_oss_heads(h))),
+                                      "num_experts_per_tok": 2 if h < 1024 else 4, "attention_bias": True,
+                                      "experts_per_token": 2 if h < 1024 else 4, "sliding_window": 8 if h < 1024
+                                      else 128, "rms_norm_eps": 1e-5},
+    "compressed-tensors": lambda layers, i, h: {
         "architectures": ["DeepseekV3ForCausalLM"], "moe_intermediate_size": i, "num_attention_heads": 4, "num_key_value_heads": 4,
         "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "n_shared_experts": 1,
         "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-6},
-    "deepseek": lambda layers, i: {
+    "deepseek": lambda layers, i, h: {
         "moe_intermediate_size": i, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2,
         "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "hc_mult": _HC,
         "sliding_window": 8, "num_experts_per_tok": 2,
@@ -110,8 +126,10 @@ _RUNNABLE = {
 
 def _runnable_attention(out, rng, form: str, prefix: str, attn: str, layer: int, h: int, vocab: int) -> None:
     """The attention weights of one layer that transformers' model of the architecture reads (``_RUNNABLE``)."""
-    if form == "gpt-oss":  # 4 heads of 16, 2 key/value heads, biases
-        for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+    if form == "gpt-oss":  # biases; gpt-oss-20b's heads from hidden 1024 up
+        heads, kv_heads, head_dim = _gpt_oss_heads(h)
+        for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
             out.add(f"{attn}.{proj}.weight", _bf16(rng, rows, h))
             out.add(f"{attn}.{proj}.bias", _bf16(rng, rows))
     elif form == "compressed-tensors":  # multi-head latent attention: 4 heads, kv rank 32, rope 8, nope 8, v 16
@@ -207,8 +225,7 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
         attn = f"{prefix}.self_attn" if form != "deepseek" else f"{prefix}.attn"
         norm_names = (("input_layernorm", "post_attention_layernorm") if form != "deepseek"
                       else ("attn_norm", "ffn_norm"))
-        out.add(f"{prefix}.{norm_names[0]}.weight", _f32(rng, h, one=True) if runnable and form == "deepseek"
-                else _bf16(rng, h))
+        out.add(f"{prefix}.{norm_names[0]}.weight", _norm(rng, h, form, runnable))
         if runnable:
             _runnable_attention(out, rng, form, prefix, attn, layer, h, vocab)
         else:
@@ -227,13 +244,13 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
                 out.add(f"{o_name}.weight", codes.view(torch.int8))
                 out.add(f"{o_name}.scale", scales.view(torch.float8_e8m0fnu))
         else:
-            out.add(f"{o_name}.weight", _bf16(rng, h, h))
+            heads, _, head_dim = _gpt_oss_heads(h) if runnable and form == "gpt-oss" else (1, 0, h)
+            out.add(f"{o_name}.weight", _bf16(rng, h, heads * head_dim))
         if runnable and form == "gpt-oss":
             out.add(f"{o_name}.bias", _bf16(rng, h))
-        out.add(f"{prefix}.{norm_names[1]}.weight", _f32(rng, h, one=True) if runnable and form == "deepseek"
-                else _bf16(rng, h))
+        out.add(f"{prefix}.{norm_names[1]}.weight", _norm(rng, h, form, runnable))
         if form == "gpt-oss":
-            out.add(f"{attn}.sinks", _bf16(rng, 4))
+            out.add(f"{attn}.sinks", _bf16(rng, _gpt_oss_heads(h)[0] if runnable else 4))
             mlp = f"{prefix}.mlp"
             out.add(f"{mlp}.router.weight", _bf16(rng, experts, h))
             out.add(f"{mlp}.router.bias", _bf16(rng, experts))
@@ -277,8 +294,7 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
                 out.add(f"{prefix}.hc_{site}_fn", _f32(rng, (2 + _HC) * _HC, _HC * h))
                 out.add(f"{prefix}.hc_{site}_base", _f32(rng, (2 + _HC) * _HC))
                 out.add(f"{prefix}.hc_{site}_scale", _f32(rng, 3, one=True))
-    out.add(f"{top}norm.weight" if form != "deepseek" else "norm.weight",
-            _f32(rng, h, one=True) if runnable and form == "deepseek" else _bf16(rng, h))
+    out.add(f"{top}norm.weight" if form != "deepseek" else "norm.weight", _norm(rng, h, form, runnable))
     if runnable and form == "deepseek":
         out.add("hc_head_fn", _f32(rng, _HC, _HC * h))
         out.add("hc_head_base", _f32(rng, _HC))
@@ -287,7 +303,7 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
     out.finish()
     config = _config(form, layers, experts, h, i, vocab)
     if runnable:
-        config.update(_RUNNABLE[form](layers, i))
+        config.update(_RUNNABLE[form](layers, i, h))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
         for name, text in TOKENIZER_FILES.items():

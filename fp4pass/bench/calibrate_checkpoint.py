@@ -1,0 +1,171 @@
+"""Checkpoint calibration (``fp4pass.checkpoint.calibrate``): time against a plain transformers forward, and peak
+memory against depth.
+
+- (a) gpt-oss-20b layer shapes (hidden 2880, 32 experts of intermediate 2880, top-4, 64 heads of 64), 2 layers,
+  16 x 128 tokens in batches of 4 rows: the calibration (reading the shards, dequantizing every expert once,
+  running each batch through each layer, the statistics, the scales) against the same model's plain forward
+  (``AutoModelForCausalLM`` with every weight resident in bf16, transformers' default experts implementation) of
+  the same batches, in the same process (goal <= 1.0x); tokens/s; and the ratio to a matmul floor measured in the
+  same process: the bf16 matmuls of the routed shapes alone ([tokens * 4 / 32, 2880] x [2880, 5760] and
+  x [2880, 2880] per expert, per layer);
+- (b) peak RSS (VmHWM of a child process) of a 16-layer model against a 4-layer model of the same width (hidden
+  = intermediate = 1024, 16 experts), each calibrated on the same tokens (goal <= 1.25x); their RSS growth over
+  the process's size before calibrating is reported beside it.
+
+Weights are random MXFP4 codes (:func:`fp4pass.examples.checkpoints.build_checkpoint`, ``runnable=True``), written
+to a temporary folder that is removed after. ``quick``: hidden 256, 8 experts, 2 x 4 x 32 tokens (no goals).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp4pass.bench import BenchResult
+from fp4pass.examples.checkpoints import build_checkpoint
+
+_CHILD = """
+import json, sys, time
+import fp4pass.checkpoint
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+before = hwm()
+start = time.perf_counter()
+fp4pass.checkpoint.calibrate(sys.argv[1], sys.argv[2], batch_size=4, device=sys.argv[3])
+print(json.dumps({"seconds": time.perf_counter() - start, "rss_before_kib": before, "rss_after_kib": hwm()}))
+"""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plain_model(src: Path, device: torch.device):
+    """The checkpoint as a plain transformers model: every weight resident in bf16 (experts dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.checkpoint.detect import detect
+    from fp4pass.checkpoint.layerwise import WeightLoader, WeightSources, resolve_architecture
+
+    with Catalog.open(src) as catalog:
+        model_type, cfg = resolve_architecture(catalog.config, src)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        sources = WeightSources.build(catalog, detect(catalog.tensors, catalog.config), model_type)
+        loader = WeightLoader(catalog, sources, device)
+        base = model.model
+        from fp4pass.checkpoint.layerwise import materialize
+
+        for name, child in base.named_children():
+            if name == "layers":
+                for i, layer in enumerate(child):
+                    materialize(layer, f"layers.{i}.", loader, cfg, device)
+            else:
+                materialize(child, f"{name}.", loader, cfg, device)
+    return base.eval()
+
+
+def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, top_k: int, hidden: int,
+                  inter: int, repeat: int = 2) -> float:
+    """Seconds of the routed expert matmuls alone, bf16, per expert an even share of the routed tokens."""
+    rows = max(1, tokens * top_k // experts)
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device)
+    w1 = torch.randn(hidden, 2 * inter, dtype=torch.bfloat16, device=device)
+    h = torch.randn(rows, inter, dtype=torch.bfloat16, device=device)
+    w2 = torch.randn(inter, hidden, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(layers * experts):
+            x @ w1
+            h @ w2
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_against_forward(device: torch.device, quick: bool) -> list[BenchResult]:
+    import fp4pass.checkpoint
+
+    hidden, experts, rows, seq, layers = (256, 8, 8, 32, 2) if quick else (2880, 32, 16, 128, 2)
+    with tempfile.TemporaryDirectory(prefix="fp4pass-bench-calib-") as tmp:
+        src = build_checkpoint(Path(tmp) / "ckpt", "gpt-oss", layers=layers, experts=experts, hidden=hidden,
+                               intermediate=hidden, seed=0, expert_step=0, runnable=True, vocab=32)
+        ids = np.random.default_rng(0).integers(0, 32, size=(rows, seq))
+        np.savez(Path(tmp) / "ids.npz", input_ids=ids)
+        fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=4, device=device.type,
+                                     num_samples=4)  # warm: imports, kernels
+        _sync(device)
+        start = time.perf_counter()
+        result = fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=4, device=device.type)
+        _sync(device)
+        calib_s = time.perf_counter() - start
+        model = _plain_model(src, device)
+        batches = [torch.from_numpy(ids[i:i + 4]).to(device) for i in range(0, rows, 4)]
+        with torch.no_grad():
+            model(input_ids=batches[0], use_cache=False)
+            _sync(device)
+            start = time.perf_counter()
+            for batch in batches:
+                model(input_ids=batch, use_cache=False)
+            _sync(device)
+        forward_s = time.perf_counter() - start
+        del model
+        floor_s = _matmul_floor(device, layers, rows * seq, experts, 4, hidden, hidden)
+    tokens = rows * seq
+    extra = {"tokens": tokens, "tokens_per_s": tokens / calib_s, "forward_tokens_per_s": tokens / forward_s,
+             "layers_x_experts_x_H": f"{layers}x{experts}x{hidden}", "unrouted": len(result.unrouted),
+             "device": str(device)}
+    return [
+        BenchResult("calibrate-checkpoint gpt-oss-20b shapes", calib_s, "transformers forward (bf16)", forward_s,
+                    None if quick else 1.0, extra),
+        BenchResult("calibrate-checkpoint vs matmul floor", calib_s, "routed bf16 matmuls", floor_s, None,
+                    {"forward_over_floor": round(forward_s / floor_s, 2)}),
+    ]
+
+
+def _child(src: Path, data: Path, device: torch.device) -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(data), device.type], capture_output=True,
+                         text=True, env=env, check=False)
+    if out.returncode:
+        raise RuntimeError(f"calibrate-checkpoint bench: the child exited {out.returncode}: {out.stderr[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_depth_memory(device: torch.device, quick: bool) -> list[BenchResult]:
+    hidden, experts, (shallow, deep) = (128, 4, (1, 4)) if quick else (1024, 16, (4, 16))
+    with tempfile.TemporaryDirectory(prefix="fp4pass-bench-calib-") as tmp:
+        np.savez(Path(tmp) / "ids.npz", input_ids=np.random.default_rng(1).integers(0, 32, size=(8, 64)))
+        runs = {}
+        for layers in (shallow, deep):
+            src = build_checkpoint(Path(tmp) / f"ckpt{layers}", "gpt-oss", layers=layers, experts=experts,
+                                   hidden=hidden, intermediate=hidden, seed=0, expert_step=0, runnable=True,
+                                   vocab=32, shard_bytes=200_000_000)
+            runs[layers] = _child(src, Path(tmp) / "ids.npz", device)
+    a, b = runs[shallow], runs[deep]
+    extra = {f"growth_{shallow}_MiB": (a["rss_after_kib"] - a["rss_before_kib"]) / 1024,
+             f"growth_{deep}_MiB": (b["rss_after_kib"] - b["rss_before_kib"]) / 1024,
+             f"seconds_{shallow}": a["seconds"], f"seconds_{deep}": b["seconds"], "hidden": hidden, "experts": experts}
+    return [BenchResult(f"calibrate-checkpoint peak RSS {deep} vs {shallow} layers", b["rss_after_kib"] / 1024,
+                        f"{shallow} layers", a["rss_after_kib"] / 1024, None if quick else 1.25, extra, unit="MiB")]
+
+
+BENCHMARKS = [bench_against_forward, bench_depth_memory]
