@@ -1,0 +1,509 @@
+"""What the serving engines' loaders do with an NVFP4 checkpoint: exclusion rules, fused modules, verdicts.
+
+Each rule below restates one engine function, named in its docstring (vLLM 0.33.0 and SGLang 0.5.23 wheels,
+TensorRT-LLM's ``tensorrt_llm`` sources), so that a checkpoint can be judged without the engine installed.
+The vLLM rules are also checked against vLLM's own code in the test suite.
+
+Vocabulary:
+
+- *module*: a checkpoint module name (``model.layers.0.self_attn.q_proj``, DeepSeek-V4 ``layers.0.attn.wq_a``);
+- *fused module*: one engine layer built from several checkpoint modules, its *shards*
+  (vLLM ``qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``); the engine decides the fused module's precision
+  from its own name and its shards' names;
+- *exclusion list*: ModelOpt's ``exclude_modules`` / config.json ``ignore`` (globs), or compressed-tensors'
+  ``ignore`` (exact names and ``re:`` regexes).
+
+:func:`engine_verdicts` gives, per engine, whether a checkpoint folder's configs and tensor names load, in
+which mode (``W4A4``: activations quantized with the stored input scales; ``W4A16``: bf16 activations), and
+why not.
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import fnmatch, fnmatchcase
+
+__all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "is_excluded", "engine_modules", "vllm_module_name",
+           "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
+
+ENGINES = ("vllm", "sglang", "trtllm")
+
+ARCH_GPT_OSS = "GptOssForCausalLM"
+ARCH_DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
+
+# The engines' fused modules and their shards, per architecture (config.json ``architectures[0]``), as vLLM
+# 0.33.0 declares them in each model class's ``packed_modules_mapping``:
+#   model_executor/models/gpt_oss.py GptOssForCausalLM; model_executor/models/deepseek_v2.py
+#   DeepseekV2ForCausalLM.__init__ (``fused_qkv_a_proj`` only when config.q_lora_rank is set, ``qkv_proj``
+#   only for MHA); models/deepseek_v4/nvidia/model.py DeepseekV4ForCausalLM; models/kimi_k3/nvidia/model.py;
+#   model_executor/models/qwen3_moe.py.
+FUSED_SHARDS: dict[str, dict[str, tuple[str, ...]]] = {
+    ARCH_GPT_OSS: {"qkv_proj": ("q_proj", "k_proj", "v_proj")},
+    "DeepseekV3ForCausalLM": {"gate_up_proj": ("gate_proj", "up_proj"),
+                              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
+    "DeepseekV2ForCausalLM": {"gate_up_proj": ("gate_proj", "up_proj"),
+                              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
+    ARCH_DEEPSEEK_V4: {"gate_up_proj": ("w1", "w3"), "fused_wqa_wkv": ("wq_a", "wkv"),
+                       "fused_wkv_wgate": ("wkv", "wgate")},
+    "KimiLinearForCausalLM": {"gate_up_proj": ("gate_proj", "up_proj"),
+                              "in_proj_qkvgfab": ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"),
+                              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
+    "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+}
+
+# SGLang 0.5.23 layers/quantization/utils.py ``_FALLBACK_FUSED_SHARDS``: the fused modules SGLang splits when
+# the quantization config carries no ``packed_modules_mapping`` (ours never does).
+_SGLANG_FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+# vLLM 0.33.0 models/deepseek_v4/nvidia/model.py ``_make_deepseek_v4_weights_mapper``: the module renames of
+# DeepSeek-V4's ``hf_to_vllm_mapper`` (prefixes, then the substring and suffix renames that touch modules).
+_DSV4_PREFIX = (("layers.", "model.layers."), ("embed.", "model.embed."), ("norm.", "model.norm."),
+                ("hc_head", "model.hc_head"), ("mtp.", "model.mtp."))
+
+
+class MixedShards(ValueError):
+    """Some shards of a fused module are excluded and others not: vLLM and SGLang raise at model build."""
+
+
+def vllm_module_name(architecture: str | None, module: str) -> str:
+    """The name vLLM gives the module ``module`` of a checkpoint of ``architecture`` (its hf_to_vllm_mapper).
+
+    Only DeepSeek-V4 renames module paths (``layers.`` -> ``model.layers.``, ``head`` -> ``lm_head``, ``embed``
+    -> ``model.embed_tokens``, ``.shared_experts.w2`` -> ``.shared_experts.down_proj``); gpt-oss's
+    ``.self_attn.`` -> ``.attn.`` is applied to patterns and names alike, so it never changes a match.
+    """
+    if architecture != ARCH_DEEPSEEK_V4:
+        return module
+    if module == "head":
+        return "lm_head"
+    if module == "embed":
+        return "model.embed_tokens"
+    for old, new in _DSV4_PREFIX:
+        if module.startswith(old):
+            module = new + module[len(old):]
+            break
+    return module.replace(".shared_experts.w2", ".shared_experts.down_proj")
+
+
+def _split_prefix_wildcards(patterns: list[str]) -> list[str]:
+    """vLLM modelopt.py ModelOptQuantConfigBase.apply_vllm_mapper: ``X*`` (not ``X.*``) becomes ``X``, ``X.*``."""
+    out = []
+    for p in patterns:
+        if len(p) >= 2 and p[-1] == "*" and p[-2] != ".":
+            out += [p[:-1], p[:-1] + ".*"]
+        else:
+            out.append(p)
+    return out
+
+
+def _shards_rule(module: str, shards: list[str] | None, match) -> bool:
+    """The fused-module rule shared by vLLM and SGLang ``is_layer_skipped``: the fused name itself (vLLM checks
+    it first), else every shard must match, and a mix raises."""
+    if not shards:
+        return match(module)
+    hits = [match(s) for s in shards]
+    if any(hits) and not all(hits):
+        raise MixedShards(f"{module}: shards {', '.join(s for s, h in zip(shards, hits) if h)} are excluded but "
+                          f"{', '.join(s for s, h in zip(shards, hits) if not h)} are not")
+    return all(hits)
+
+
+def _vllm_modelopt(module: str, exclude: list[str], shards: list[str] | None) -> bool:
+    """vLLM 0.33.0 model_executor/layers/quantization/modelopt.py ``ModelOptQuantConfigBase.is_layer_excluded``
+    (after ``apply_vllm_mapper`` split the prefix wildcards):
+
+    1. quant_utils.py ``is_layer_skipped`` (exact): the fused name in the list, else every shard's exact name
+       in the list (a mix raises);
+    2. any entry that is a substring of the (fused) name;
+    3. any entry that fnmatches the (fused) name. Globs never see the shard names.
+    """
+    patterns = _split_prefix_wildcards(exclude)
+    if module in patterns:
+        return True
+    if shards and _shards_rule(module, shards, lambda s: s in patterns):
+        return True
+    if any(p != module and p in module for p in patterns):
+        return True
+    return any(fnmatch(module, p) for p in patterns)
+
+
+def _vllm_compressed_tensors(module: str, ignore: list[str], shards: list[str] | None, architecture) -> bool:
+    """vLLM 0.33.0 compressed_tensors/compressed_tensors.py ``CompressedTensorsConfig.get_quant_method`` ->
+    compressed_tensors/utils.py ``should_ignore_layer`` -> utils/config_utils.py ``find_matching_patterns`` /
+    ``is_equal_or_regex_match``: an entry equal to the vLLM name, or a ``re:`` entry whose regex ``re.match``es
+    it; for a fused module, the fused name first, else every shard (a mix raises).
+
+    Names are vLLM's (after the model's hf_to_vllm_mapper); ``apply_vllm_mapper`` renames plain entries that
+    contain a ``.`` but leaves ``re:`` entries as written.
+    """
+    plain = {vllm_module_name(architecture, p) for p in ignore if not p.startswith("re:") and "." in p}
+    plain |= {p for p in ignore if not p.startswith("re:") and "." not in p}
+    regexes = [p[3:] for p in ignore if p.startswith("re:")]
+
+    def match(name: str) -> bool:
+        name = vllm_module_name(architecture, name)
+        return name in plain or any(re.match(r, name) for r in regexes)
+
+    if match(module):
+        return True
+    return bool(shards) and _shards_rule(module, shards, match)
+
+
+def _sglang_path_match(ignored: str, prefix: str) -> bool:
+    """SGLang 0.5.23 layers/quantization/utils.py ``_module_path_match``: equal, a dotted ancestor, or a dotted
+    run of components inside the name."""
+    ignored, prefix = ignored.rstrip("."), prefix.rstrip(".")
+    return ignored == prefix or prefix.startswith(ignored + ".") or f".{ignored}." in f".{prefix}."
+
+
+def _sglang_modelopt(module: str, exclude: list[str], shards: list[str] | None) -> bool:
+    """SGLang 0.5.23 layers/quantization/modelopt_quant.py ``ModelOptQuantConfig._get_quant_method`` for a
+    Linear: ``is_layer_skipped`` (utils.py: every shard by ``_module_path_match``, a mix raises) or
+    ``is_layer_excluded`` (each entry a glob turned regex, ``.`` literal and ``*`` -> ``.*``, fullmatched
+    against the whole name or any one component; the fused shard tails ``q_a_proj``, ``kv_a_proj_with_mqa``, ...
+    found inside the name's last component)."""
+    if _shards_rule(module, shards, lambda s: any(_sglang_path_match(p, s) for p in exclude)):
+        return True
+    parts = module.split(".")
+    for p in exclude:
+        rx = re.compile(p.replace(".", r"\.").replace("*", ".*"))
+        if rx.fullmatch(module) or any(rx.fullmatch(part) for part in parts):
+            return True
+        tail = p.rsplit(".", 1)[-1]
+        if tail in {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"} and tail in parts[-1]:
+            return True
+    return False
+
+
+def _sglang_compressed_tensors(module: str, ignore: list[str], shards: list[str] | None) -> bool:
+    """SGLang 0.5.23 layers/quantization/compressed_tensors/compressed_tensors.py (adapted from vLLM's
+    ``should_ignore_layer``): exact names or ``re:`` regexes (``re.match``), every shard of a fused module."""
+    def match(name: str) -> bool:
+        return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
+
+    return match(module) or (bool(shards) and _shards_rule(module, shards, match))
+
+
+def _trtllm(module: str, exclude: list[str]) -> bool:
+    """TensorRT-LLM tensorrt_llm/models/modeling_utils.py ``QuantConfig.is_module_excluded_from_quantization``:
+    ``fnmatchcase`` of the engine's own module name (the fused ``qkv_proj``, never its shards) against each
+    entry; ``re:`` entries are not understood (they match nothing)."""
+    return any(fnmatchcase(module, p) for p in exclude if not p.startswith("re:"))
+
+
+def is_excluded(engine: str, module: str, exclude: list[str], shards: list[str] | None = None, *,
+                form: str = "modelopt", architecture: str | None = None) -> bool:
+    """Whether ``engine`` keeps ``module`` unquantized under the exclusion list ``exclude``.
+
+    ``module``: the engine's module name in checkpoint naming (a fused module's engine name with the shards'
+    parent, ``model.layers.0.self_attn.qkv_proj``); ``shards``: the checkpoint names of its shards, or None.
+    ``form``: "modelopt" (``exclude_modules`` / ``ignore`` globs) or "compressed-tensors" (``ignore``: exact
+    names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). Raises
+    :class:`MixedShards` where the engine raises because only some shards are excluded.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if form == "compressed-tensors":
+        if engine == "vllm":
+            return _vllm_compressed_tensors(module, exclude, shards, architecture)
+        if engine == "sglang":
+            return _sglang_compressed_tensors(module, exclude, shards)
+        return _trtllm(module, exclude)
+    if engine == "vllm":
+        return _vllm_modelopt(module, exclude, shards)
+    if engine == "sglang":
+        return _sglang_modelopt(module, exclude, shards)
+    return _trtllm(module, exclude)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the checkpoint's modules, as each engine groups them
+
+_NORM = re.compile(r"(^|\.)[^.]*norm[^.]*$")
+_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.[^.]+$")
+
+
+def _is_linear(module: str) -> bool:
+    """A module whose ``.weight`` an engine loads into a Linear (or lm_head): not a norm, not an embedding."""
+    last = module.rsplit(".", 1)[-1]
+    return not _NORM.search(module) and last not in {"embed", "embed_tokens", "wte", "embedding"}
+
+
+def _classify(tensor_names: list[str]) -> dict[str, str]:
+    """module -> "nvfp4" | "fp8" | "plain" from the tensor names alone (NVFP4: a ``weight_scale_2``,
+    ``weight_global_scale`` or gpt-oss ``*_weight_scale_2``; FP8: a ``.scale`` or ``.weight_scale_inv``)."""
+    names = set(tensor_names)
+    kinds: dict[str, str] = {}
+    for name in tensor_names:
+        for suffix, kind in ((".weight_scale_2", "nvfp4"), (".weight_global_scale", "nvfp4"),
+                             (".weight_scale_inv", "fp8")):
+            if name.endswith(suffix):
+                kinds[name[: -len(suffix)]] = kind
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in names:
+            kinds.setdefault(name[: -len(".scale")], "fp8")
+    for name in tensor_names:
+        if name.endswith(".weight"):
+            kinds.setdefault(name[: -len(".weight")], "plain")
+    return kinds
+
+
+def engine_modules(architecture: str | None, modules: list[str], fused: dict[str, tuple[str, ...]] | None = None
+                   ) -> list[tuple[str, list[str] | None]]:
+    """The engine's layers over the checkpoint modules ``modules``: (name, shards) per fused module whose
+    shards are all present under one parent (shards are taken once, in the mapping's order), (name, None)
+    for every other module. Routed experts (``...experts.E.w1``) are left to the caller."""
+    fused = FUSED_SHARDS.get(architecture or "", {}) if fused is None else fused
+    present = set(modules)
+    taken: set[str] = set()
+    out: list[tuple[str, list[str] | None]] = []
+    parents = sorted({m.rsplit(".", 1)[0] for m in modules if "." in m})
+    for parent in parents:
+        for fused_name, shard_names in fused.items():
+            shards = [f"{parent}.{s}" for s in shard_names]
+            if all(s in present and s not in taken for s in shards):
+                out.append((f"{parent}.{fused_name}", shards))
+                taken.update(shards)
+    out += [(m, None) for m in modules if m not in taken]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verdicts
+
+def _verdict(loads: bool, mode: str | None, why: str) -> dict:
+    return {"loads": loads, "mode": mode if loads else None, "why": why}
+
+
+def _gpt_oss_fused(tensor_names: list[str]) -> bool:
+    return any(n.endswith(("experts.gate_up_proj_weight_scale", "experts.down_proj_weight_scale"))
+               for n in tensor_names)
+
+
+def _gpt_oss_verdicts() -> dict[str, dict]:
+    """gpt-oss expert stacks in ModelOpt's fused layout (``experts.gate_up_proj`` + ``_weight_scale``,
+    ``_weight_scale_2``, ``_input_scale``, ``_bias``): no engine loads them today."""
+    return {
+        "vllm": _verdict(False, None, (
+            "vLLM 0.33 gpt_oss.py hf_to_vllm_mapper has no entry for the *_weight_scale, *_weight_scale_2 and "
+            "*_input_scale keys, so _load_weights_other skips them and the scales stay uninitialised, and the "
+            "NVFP4 MoE method registers no w13_bias (KeyError on the biases): vLLM #46641, fix PR #46645 open")),
+        "sglang": _verdict(False, None, (
+            "SGLang 0.5.23 models/gpt_oss.py drops the same *_weight_scale_2 / *_input_scale keys and has no "
+            "NVFP4 fused-expert mapping (the vLLM #46641 gap)")),
+        "trtllm": _verdict(False, None, (
+            "TensorRT-LLM _torch/models/modeling_gpt_oss.py load_hf_weights reads a uint8 experts.gate_up_proj "
+            "as bf16 weights and passes no *_weight_scale / *_weight_scale_2 / *_input_scale to the MoE")),
+    }
+
+
+def _quant_config_for(engine: str, config: dict, hf_quant: dict | None) -> tuple[dict | None, str]:
+    """The quantization description ``engine`` reads, and where from.
+
+    vLLM 0.33.0 transformers_utils/config.py: config.json ``quantization_config``, else hf_quant_config.json;
+    model_arch_config_convertor.py ``_normalize_quantization_config`` then recognises the latter as ModelOpt
+    only by ``producer.name == "modelopt"`` or a top-level ``quant_method``. SGLang 0.5.23
+    configs/model_config.py: the same order. TensorRT-LLM _torch/model_config.py: hf_quant_config.json when
+    present (authoritative), else config.json's ``quantization_config``.
+    """
+    qc = config.get("quantization_config")
+    if engine == "trtllm" and hf_quant is not None:
+        return hf_quant, "hf_quant_config.json"
+    if qc is not None:
+        return qc, "config.json"
+    if hf_quant is None:
+        return None, "none"
+    if engine == "vllm" and not ((hf_quant.get("producer") or {}).get("name") == "modelopt"
+                                 or hf_quant.get("quant_method")):
+        return None, "hf_quant_config.json (not recognised)"
+    return hf_quant, "hf_quant_config.json"
+
+
+def _modelopt_fields(qc: dict) -> tuple[str, list[str], bool]:
+    """(quant_algo, exclusion list, all config_groups' input_activations null) of a ModelOpt description in
+    either layout (nested ``quantization`` of hf_quant_config.json, or flat config.json)."""
+    if isinstance(qc.get("quantization"), dict):
+        q = qc["quantization"]
+        return str(q.get("quant_algo", "")).upper(), list(q.get("exclude_modules") or []), False
+    groups = qc.get("config_groups")
+    weight_only = (isinstance(groups, dict) and bool(groups)
+                   and all(isinstance(g, dict) and g.get("input_activations") is None for g in groups.values()))
+    return (str(qc.get("quant_algo", "")).upper(), list(qc.get("ignore", qc.get("exclude_modules")) or []),
+            weight_only)
+
+
+def _exclusion_problems(engine: str, architecture, kinds: dict[str, str], exclude: list[str], form: str,
+                        expert_quantized: bool = True) -> list[str]:
+    """Modules the exclusion list gets wrong for ``engine``: an NVFP4 module it excludes, a bf16 Linear it
+    leaves to NVFP4, a fused module whose shards disagree."""
+    linear = [m for m, k in kinds.items() if not _EXPERT.match(m) and _is_linear(m)]
+    if engine == "sglang":
+        fused = _SGLANG_FALLBACK_FUSED
+    elif engine == "trtllm":
+        fused = FUSED_SHARDS.get(architecture or "", {})
+    else:
+        fused = None
+    problems = []
+    for name, shards in engine_modules(architecture, linear, fused):
+        members = shards or [name]
+        member_kinds = {kinds[m] for m in members}
+        try:
+            excluded = is_excluded(engine, name, exclude, shards, form=form, architecture=architecture)
+        except MixedShards as exc:
+            problems.append(f"{exc} (the engine refuses the model)")
+            continue
+        if len(member_kinds) > 1:
+            problems.append(f"{name}: its shards mix {', '.join(sorted(member_kinds))} weights")
+        elif member_kinds == {"nvfp4"} and excluded:
+            problems.append(f"{name}: NVFP4 weights but excluded (loaded as bf16: shape mismatch)")
+        elif member_kinds == {"plain"} and not excluded:
+            problems.append(f"{name}: bf16 weights but not excluded (gets an NVFP4 layer: weight_scale never "
+                            "loaded)")
+    if expert_quantized:
+        for moe in sorted({_EXPERT.match(m)["moe"] for m, k in kinds.items() if _EXPERT.match(m) and k == "nvfp4"}):
+            if engine != "trtllm" and is_excluded(engine, moe, exclude, None, form=form, architecture=architecture):
+                problems.append(f"{moe}: NVFP4 experts but the MoE layer is excluded")
+    return problems
+
+
+def _input_scales(kinds: dict[str, str], names: set[str]) -> tuple[list[str], list[str]]:
+    nvfp4 = [m for m, k in kinds.items() if k == "nvfp4"]
+    have = [m for m in nvfp4 if f"{m}.input_scale" in names or f"{m}.input_global_scale" in names]
+    return nvfp4, have
+
+
+def _first(problems: list[str]) -> str:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def _modelopt_verdict(engine: str, qc: dict, source: str, architecture, kinds, names) -> dict:
+    algo, exclude, weight_only_groups = _modelopt_fields(qc)
+    if algo not in {"NVFP4", "W4A16_NVFP4"}:
+        return _verdict(False, None, f"{source}: quant_algo {algo!r} is not NVFP4 or W4A16_NVFP4")
+    if isinstance(qc.get("quantization"), dict):
+        missing = [k for k in ("group_size", "kv_cache_quant_algo", "exclude_modules") if k not in qc["quantization"]]
+        if engine == "vllm" and missing:  # modelopt.py ModelOptNvFp4Config._from_config
+            return _verdict(False, None, f"{source}: vLLM requires {', '.join(missing)} (ModelOptNvFp4Config)")
+    nvfp4, have = _input_scales(kinds, names)
+    if engine == "vllm":
+        # modelopt.py ModelOptNvFp4Config._from_config: NVFP4 with every config group's input_activations null
+        # runs as W4A16_NVFP4
+        mode = "W4A16" if algo == "W4A16_NVFP4" or weight_only_groups else "W4A4"
+    else:
+        # SGLang modelopt_quant.py ModelOptFp4Config.from_config: W4A16 only for quant_algo W4A16_NVFP4;
+        # TensorRT-LLM QuantAlgo.W4A16_NVFP4 likewise
+        mode = "W4A16" if algo == "W4A16_NVFP4" else "W4A4"
+    if mode == "W4A4" and len(have) < len(nvfp4):
+        lacking = [m for m in nvfp4 if m not in have]
+        why = {"vllm": "W4A4 needs an input_scale per NVFP4 module; the uninitialised ones give NaN (vLLM #45212)",
+               "sglang": "SGLang runs W4A4 and defaults a missing input_scale to 1.0, which silently clips "
+                         "activations; write quant_algo W4A16_NVFP4 for weight-only",
+               "trtllm": "TensorRT-LLM's NVFP4 linear and MoE load an input_scale per module"}[engine]
+        return _verdict(False, None, f"{lacking[0]}: no input_scale ({len(lacking)} module(s)): {why}")
+    problems = _exclusion_problems(engine, architecture, kinds, exclude, "modelopt")
+    if problems:
+        return _verdict(False, None, f"{source} exclusions: {_first(problems)}")
+    return _verdict(True, mode, f"{source}: ModelOpt {algo}, exclusions cover every bf16 Linear")
+
+
+def _ct_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
+    if engine == "trtllm":
+        return _verdict(False, None, "TensorRT-LLM matches exclusions with fnmatch only (modeling_utils.py "
+                                     "QuantConfig.is_module_excluded_from_quantization) and reads NVFP4 from "
+                                     "ModelOpt's hf_quant_config.json; write --format modelopt for it")
+    groups = qc.get("config_groups") or {}
+    if qc.get("format") != "nvfp4-pack-quantized" and not any(
+            isinstance(g, dict) and g.get("format") == "nvfp4-pack-quantized" for g in groups.values()):
+        return _verdict(False, None, "config.json: compressed-tensors format is not nvfp4-pack-quantized")
+    acts = [g.get("input_activations") for g in groups.values() if isinstance(g, dict)]
+    mode = "W4A16" if all(a is None for a in acts) else "W4A4"
+    nvfp4, have = _input_scales(kinds, names)
+    if mode == "W4A4" and len(have) < len(nvfp4):
+        lacking = [m for m in nvfp4 if m not in have]
+        return _verdict(False, None, f"{lacking[0]}: no input_global_scale ({len(lacking)} module(s)) while "
+                                     "input_activations is set: W4A4 divides by an uninitialised scale")
+    problems = _exclusion_problems(engine, architecture, kinds, list(qc.get("ignore") or []), "compressed-tensors")
+    if problems:
+        return _verdict(False, None, f"config.json ignore: {_first(problems)}")
+    return _verdict(True, mode, "compressed-tensors nvfp4-pack-quantized, ignore covers every bf16 Linear")
+
+
+def _deepseek_v4_fp8_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
+    """DeepSeek-V4 with config.json ``quant_method: fp8``.
+
+    vLLM 0.33.0 models/deepseek_v4/quant_config.py ``DeepseekV4FP8Config.get_quant_method``: routed experts get
+    ``ModelOptNvFp4FusedMoE`` (W4A4: ``_get_nvfp4_config`` is quant_algo NVFP4, so every expert needs its
+    input_scale) when config.json ``quantization_config.moe_quant_algo`` is "NVFP4", else the MXFP4 method;
+    every other Linear gets Fp8Config's method (FP8 block weights, or unquantized when in ``ignored_layers``,
+    exact names per quant_utils.py ``is_layer_skipped``). SGLang 0.5.23 models/deepseek_v4.py has no NVFP4
+    expert path (``quant_method: fp8`` goes to the FP8 or online-NVFP4 configs); TensorRT-LLM is not checked.
+    """
+    if engine == "sglang":
+        return _verdict(False, None, "SGLang 0.5.23 models/deepseek_v4.py reads no moe_quant_algo: quant_method "
+                                     "fp8 builds FP8 or online NVFP4 experts, not these NVFP4 tensors")
+    if engine == "trtllm":
+        return _verdict(False, None, "TensorRT-LLM: DeepSeek-V4 NVFP4 experts under an FP8 config "
+                                     "(moe_quant_algo) are not read by its loader as far as checked; not claimed")
+    if str(qc.get("moe_quant_algo") or "").upper() != "NVFP4":
+        return _verdict(False, None, "config.json quant_method fp8 without moe_quant_algo NVFP4: vLLM builds the "
+                                     "MXFP4 expert method (deepseek_v4/quant_config.py)")
+    experts = [m for m, k in kinds.items() if k == "nvfp4" and _EXPERT.match(m)]
+    dense = [m for m, k in kinds.items() if k == "nvfp4" and not _EXPERT.match(m)]
+    if dense:
+        return _verdict(False, None, f"{dense[0]}: an NVFP4 Linear outside the routed experts; vLLM's DeepSeek-V4 "
+                                     "FP8 config gives it an FP8 block layer (deepseek_v4/quant_config.py)")
+    lacking = [m for m in experts if f"{m}.input_scale" not in names]
+    if lacking:
+        return _verdict(False, None, f"{lacking[0]}: no input_scale ({len(lacking)} expert module(s)); the "
+                                     "moe_quant_algo NVFP4 path is W4A4 only (ModelOptNvFp4FusedMoE with quant_algo "
+                                     "NVFP4), so give input scales (--input-scale or --scales)")
+    ignored = list(qc.get("ignored_layers") or [])
+    problems = []
+    linear = [m for m, k in kinds.items() if k == "plain" and not _EXPERT.match(m) and _is_linear(m)]
+    for name, shards in engine_modules(architecture, linear):
+        try:
+            if not _shards_rule(name, shards, lambda s: s in ignored):
+                problems.append(f"{name}: bf16 weights not in ignored_layers (gets an FP8 layer)")
+        except MixedShards as exc:
+            problems.append(str(exc))
+    if problems:
+        return _verdict(False, None, f"config.json ignored_layers: {_first(problems)}")
+    return _verdict(True, "W4A4", "DeepSeek-V4 fp8 config with moe_quant_algo NVFP4: routed experts NVFP4 W4A4")
+
+
+def engine_verdicts(config: dict, hf_quant_config: dict | None, tensor_names: list[str]) -> dict[str, dict]:
+    """``{"vllm": {"loads", "mode", "why"}, "sglang": ..., "trtllm": ...}`` for a checkpoint folder.
+
+    ``config``: config.json; ``hf_quant_config``: hf_quant_config.json or None; ``tensor_names``: every tensor
+    of every shard. ``mode`` is "W4A4" or "W4A16" where it loads, else None; ``why`` says which rule decided.
+    """
+    architecture = (config.get("architectures") or [None])[0]
+    names = set(tensor_names)
+    if _gpt_oss_fused(tensor_names):
+        return _gpt_oss_verdicts()
+    kinds = _classify(tensor_names)
+    out = {}
+    for engine in ENGINES:
+        qc, source = _quant_config_for(engine, config, hf_quant_config)
+        if qc is None:
+            out[engine] = _verdict(False, None, f"no quantization config the engine reads ({source})")
+            continue
+        method = str(qc.get("quant_method", "")).lower()
+        if architecture == ARCH_DEEPSEEK_V4 and method == "fp8":
+            out[engine] = _deepseek_v4_fp8_verdict(engine, qc, architecture, kinds, names)
+        elif method.startswith("modelopt") or isinstance(qc.get("quantization"), dict):
+            out[engine] = _modelopt_verdict(engine, qc, source, architecture, kinds, names)
+        elif method in {"compressed-tensors", "compressed_tensors"}:
+            out[engine] = _ct_verdict(engine, qc, architecture, kinds, names)
+        else:
+            out[engine] = _verdict(False, None, f"{source}: quant_method {method!r} is not an NVFP4 description")
+    return out
+
+
+def verdict_line(verdicts: dict[str, dict]) -> str:
+    """One line: ``vllm loads W4A16; sglang loads W4A16; trtllm does not load (why)``."""
+    parts = []
+    for engine in ENGINES:
+        v = verdicts[engine]
+        parts.append(f"{engine} loads {v['mode']}" if v["loads"] else f"{engine} does not load ({v['why']})")
+    return "; ".join(parts)
