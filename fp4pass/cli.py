@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import errno
 import importlib
 import io as _stdio
 import logging
@@ -48,7 +50,27 @@ exit codes: 0 done, 1 a numeric check failed, 2 bad input or usage, 3 a bug (ple
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # usage errors: one line, exit 2 (argparse's own convention)
         self.print_usage(sys.stderr)
-        self.exit(2, f"fp4pass: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _CommandParser(_Parser):
+    """A subcommand's parser: an argument it does not know is its own error (its usage, ``fp4pass convert:``),
+    with the closest flag it has, rather than the top-level parser's after the fact."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._suggestion(extras)}")
+        return namespace, extras
+
+    def _suggestion(self, extras: list[str]) -> str:
+        flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        for extra in extras:
+            if extra.startswith("-"):
+                close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--quiet", action="store_true", help="no progress bar, no notes, warnings only")
     common.add_argument("-v", "--verbose", action="store_true",
                         help="also show the log lines of the libraries fp4pass runs (onnx_ir, onnxruntime)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     for name in COMMANDS:
         importlib.import_module(f"fp4pass.commands.{name}").register(sub, common)
     return parser
@@ -196,8 +218,13 @@ def _run(args) -> tuple[int, BaseException | None]:
         return int(args.run(args) or 0), None
     except FP4PassError as exc:
         return fail(exc.exit_code, f"error: {_one_line(exc)}", exc)
-    except OSError as exc:  # reading or writing a file: the name and the system's reason
-        return fail(EXIT_USAGE, f"error: {_os_message(exc)}", exc)
+    except (OSError, RuntimeError) as exc:
+        if _out_of_threads(exc):  # the system's limit on threads, reached at the count asked for
+            return fail(EXIT_USAGE, f"error: cannot start another thread ({_one_line(exc)}); {_threads_hint(args)}",
+                        exc)
+        if isinstance(exc, RuntimeError):
+            return _bug(args, fail, exc)
+        return fail(EXIT_USAGE, f"error: {_os_message(exc)}", exc)  # a file: the name and the system's reason
     except MemoryError as exc:
         return fail(EXIT_USAGE, "error: not enough memory for the sizes asked for", exc)
     except KeyboardInterrupt as exc:
@@ -205,11 +232,33 @@ def _run(args) -> tuple[int, BaseException | None]:
     except Terminated as exc:
         return fail(EXIT_TERMINATED, "terminated", exc)
     except Exception as exc:  # noqa: BLE001 - anything else is a bug: say so in one line
-        if _Interrupts.seen:  # a library that Ctrl-C broke on its way out (an import cut short)
-            return fail(EXIT_INTERRUPTED, "interrupted", exc)
-        hint = "" if args.debug else "; --debug shows the traceback"
-        return fail(EXIT_BUG, f"internal error: {type(exc).__name__}: {_one_line(exc)} "
-                              f"(a bug in fp4pass, please report it{hint})", exc)
+        return _bug(args, fail, exc)
+
+
+def _bug(args, fail, exc: BaseException) -> tuple[int, BaseException]:
+    if _Interrupts.seen:  # a library that Ctrl-C broke on its way out (an import cut short)
+        return fail(EXIT_INTERRUPTED, "interrupted", exc)
+    hint = "" if args.debug else "; --debug shows the traceback"
+    return fail(EXIT_BUG, f"internal error: {type(exc).__name__}: {_one_line(exc)} "
+                          f"(a bug in fp4pass, please report it{hint})", exc)
+
+
+#: how Python (threading), torch/OpenMP (pthread_create) and the C library say that no thread could be started
+_THREAD_FAILURES = ("can't start new thread", "pthread_create", "thread creation failed", "cannot create thread")
+
+
+def _out_of_threads(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno == errno.EAGAIN:
+        return True  # EAGAIN with no file: fork/clone refused by the process or user thread limit
+    text = str(exc).lower()
+    return any(words in text for words in _THREAD_FAILURES)
+
+
+def _threads_hint(args) -> str:
+    asked = getattr(args, "threads", None)
+    if asked is not None:
+        return f"--threads {asked} is more than this system allows; give a smaller --threads"
+    return "the system's thread limit is reached (ulimit -u); fewer threads, or fewer processes at once"
 
 
 def main(argv: list[str] | None = None, *, _sigint_after=None) -> int:

@@ -75,6 +75,14 @@ def _initializer_bytes(model: ir.Model) -> int:
                if value.const_value is not None)
 
 
+def _nothing_to_convert(loaded) -> str:
+    """Exit 2's line for a model holding no MXFP4 weight at all, converted or declined, when no activation
+    quantizers were asked for either (``calib``/``scales``): the same rule as a checkpoint folder's."""
+    where = str(loaded.path) if loaded.path is not None else f"the {loaded.kind} given"
+    return (f"{where}: no MXFP4 weights found (no FP4 DequantizeLinear, QMoE 'fp4', GatherBlockQuantized or "
+            "Quark MX fake-quant on an initializer); nothing to convert")
+
+
 def convert(
     model_or_path,
     method: str = "auto",
@@ -156,6 +164,8 @@ def convert(
         log.info("%d initializers were also listed as graph inputs; converted as initializers and no longer "
                  "listed as inputs", len(listed_inputs))
     records, declined = find_weights(model, folder)
+    if not records and not declined and calib is None and scales is None:  # nothing found, nothing asked for
+        raise UsageError(_nothing_to_convert(loaded))
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None, effort=effort,
                               threads=threads) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order

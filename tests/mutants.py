@@ -4,6 +4,7 @@
     python tests/mutants.py --list          # the mutants and their tests
     python tests/mutants.py nibble-order    # only the mutants named
     python tests/mutants.py --all-tests     # each mutant against the whole default suite (slow)
+    python tests/mutants.py -j 4            # 4 mutants at a time (default: one per core this process may use)
 
 A mutant is a list of edits ``(file, exact old text, new text)``; every occurrence of the old text in that
 file is replaced. For each mutant the repository (without .git and caches) is copied into a temporary
@@ -17,6 +18,9 @@ checkout itself is never touched. Outcomes:
 - ``survived (open)``: a mutant marked ``open_question``: no input is known that tells it from the code (its
   note says what was searched); reported, not counted as a failure.
 
+Mutants run ``--jobs`` at a time, each in its own copy; a line ``[n/N]`` reports each as it finishes, and the
+summary at the end lists them in the order above.
+
 Every pytest run gets a fresh hypothesis example database and a fixed hypothesis seed, and the mutants' tests
 first run on an unmutated copy (the baseline): a mutant counts as killed only against tests that pass without it.
 
@@ -26,6 +30,7 @@ Exit status: 0 when no mutant survived and all applied, 1 otherwise, 2 when the 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -380,12 +385,51 @@ def run_mutant(mutant: Mutant, all_tests: bool, verbose: bool) -> tuple[str, str
         return "killed (error)", f"pytest exit {proc.returncode}: {detail}"
 
 
+def default_jobs() -> int:
+    """One mutant per core this process may run on (its CPU affinity, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of jobs")
+    return value
+
+
+def run_all(chosen: list[Mutant], all_tests: bool, verbose: bool, jobs: int, report) -> dict[str, str]:
+    """Run ``chosen``, ``jobs`` at a time; ``report(line)`` gets one ``[n/N]`` line as each finishes. Returns
+    each mutant's outcome by name."""
+    outcomes: dict[str, str] = {}
+
+    def one(m: Mutant) -> tuple[Mutant, str, str, float]:
+        start = time.perf_counter()
+        outcome, detail = run_mutant(m, all_tests, verbose)
+        if outcome == "SURVIVED" and m.open_question:
+            outcome = "survived (open)"
+        return m, outcome, detail, time.perf_counter() - start
+
+    width = len(str(len(chosen)))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, m) for m in chosen]
+        for n, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            m, outcome, detail, seconds = future.result()
+            outcomes[m.name] = outcome
+            report(f"[{n:>{width}}/{len(chosen)}] {outcome:<16} {m.name:<40} {seconds:6.1f}s  {detail}")
+    return {m.name: outcomes[m.name] for m in chosen}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--all-tests", action="store_true", help="run the whole default suite for each mutant")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
+    parser.add_argument("-j", "--jobs", type=_positive, default=None, metavar="N",
+                        help=f"mutants run at a time, each in its own copy (default: {default_jobs()}, one per core)")
     args = parser.parse_args(argv)
     known = {m.name: m for m in MUTANTS}
     unknown = [n for n in args.names if n not in known]
@@ -404,14 +448,9 @@ def main(argv=None) -> int:
     if not passed:
         print("the tests fail without any mutation: no mutant can be judged")
         return 2
-    outcomes = {}
-    for m in chosen:
-        start = time.perf_counter()
-        outcome, detail = run_mutant(m, args.all_tests, args.verbose)
-        if outcome == "SURVIVED" and m.open_question:
-            outcome = "survived (open)"
-        outcomes[m.name] = outcome
-        print(f"{outcome:<16} {m.name:<40} {time.perf_counter() - start:6.1f}s  {detail}", flush=True)
+    jobs = args.jobs or default_jobs()
+    print(f"{len(chosen)} mutants, {jobs} at a time", flush=True)
+    outcomes = run_all(chosen, args.all_tests, args.verbose, jobs, lambda line: print(line, flush=True))
     survived = [n for n, o in outcomes.items() if o == "SURVIVED"]
     unapplied = [n for n, o in outcomes.items() if o == "could not apply"]
     open_ = [n for n, o in outcomes.items() if o == "survived (open)"]

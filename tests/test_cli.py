@@ -131,3 +131,92 @@ def test_an_error_after_ctrl_c_is_the_interruption_not_a_bug(tmp_path, capsys, m
     assert main(["clean", str(tmp_path)]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+# -- usage errors name their own command and suggest the flag meant -------------------------------------------
+
+
+@pytest.mark.parametrize("argv, command, typo, meant", [
+    (["convert", "models/moe.onnx", "-o", "x.onnx", "--chek"], "convert", "--chek", "--check"),
+    (["convert", "models/moe.onnx", "-o", "x.onnx", "--snr-mn=30"], "convert", "--snr-mn=30", "--snr-min"),
+    (["diff", "a.onnx", "b.onnx", "--intermediatez"], "diff", "--intermediatez", "--intermediates"),
+    (["inspect", "models/moe.onnx", "--jsn"], "inspect", "--jsn", "--json"),
+])
+def test_a_flag_typo_is_the_subcommands_error_with_the_closest_flag(capsys, argv, command, typo, meant):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: fp4pass {command} "), err  # the subcommand's usage, not the top level's
+    assert err.strip().splitlines()[-1] == (f"fp4pass {command}: error: unrecognized arguments: {typo} "
+                                            f"(did you mean {meant}?)")
+
+
+def test_a_bad_choice_is_the_subcommands_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", "models/moe.onnx", "-o", "x.onnx", "--method", "autoo"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("fp4pass convert: error: argument --method")
+
+
+def test_nothing_close_suggests_nothing(capsys):
+    with pytest.raises(SystemExit):
+        main(["study", "--zzzzzz"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "fp4pass study: error: unrecognized arguments: --zzzzzz"
+
+
+# -- --help: every argument explained, folders named as such ----------------------------------------------------
+
+
+def _subparsers():
+    import argparse
+
+    from fp4pass.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_every_argument_of_every_command_has_help():
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in _subparsers().items() for a in p._actions
+               if not a.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "calibrate"])
+def test_commands_that_take_folders_do_not_call_their_input_an_onnx_file(command):
+    p = _subparsers()[command]
+    (model,) = [a for a in p._actions if a.dest == "model"]
+    assert model.metavar == "IN" and "folder" in model.help and "ONNX" in model.help
+    if command == "convert":
+        (out,) = [a for a in p._actions if a.dest == "output"]
+        assert out.metavar == "OUT" and "folder" in out.help
+
+
+# -- running out of threads is the user's limit, not a bug ------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("can't start new thread"),
+                                 RuntimeError("pthread_create failed: Resource temporarily unavailable"),
+                                 OSError(11, "Resource temporarily unavailable")])
+def test_out_of_threads_is_exit_2_naming_threads(monkeypatch, capsys, exc):
+    from fp4pass.commands import convert
+
+    def run(args):
+        raise exc
+
+    monkeypatch.setattr(convert, "run", run)
+    assert main(["convert", "models/moe.onnx", "-o", "never.onnx", "--threads", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--threads 2" in err and "bug" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_any_other_runtime_error_is_still_a_bug(monkeypatch, capsys):
+    from fp4pass.commands import convert
+
+    def run(args):
+        raise RuntimeError("index out of range in self")
+
+    monkeypatch.setattr(convert, "run", run)
+    assert main(["convert", "models/moe.onnx", "-o", "never.onnx"]) == 3
+    assert "a bug in fp4pass" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fp4pass.bench import BenchResult, measure
-from fp4pass.convert import mxfp4_to_nvfp4
+from fp4pass.convert import DEFAULT_EFFORT, mxfp4_to_nvfp4
 from fp4pass.formats import MXFP4Tensor
 
 
@@ -39,7 +39,7 @@ def bench_convert(device: torch.device, quick: bool) -> list[BenchResult]:
         if label == "lossy":
             requant = measure(lambda: mxfp4_to_nvfp4(mx, "requant"), repeat=2, device=device)
         for method in methods:
-            name, effort = ("auto", "fast") if method == "auto-fast" else (method, None)
+            name, effort = ("auto", "fast") if method == "auto-fast" else (method, DEFAULT_EFFORT)
             seconds = measure(lambda: mxfp4_to_nvfp4(mx, name, effort=effort), repeat=20 if label == "lossless" else 2,
                               device=device)
             extra = {"bytes_per_s": nbytes / seconds, "shape": shape}

@@ -121,5 +121,5 @@ def bench_peers(device: torch.device, quick: bool = False, rounds: int = 3, log=
         extra["mse_ratio"] = extra["mse"] / extra["peer_mse"] if extra["peer_mse"] > 0 else float("nan")
         extra["same_values"] = bool(torch.equal(mine.dequantize(), other.dequantize()))
         results.append(BenchResult(f"peers {name} lossy [{device.type}]", statistics.median(ours_t), peer,
-                                   statistics.median(theirs_t), 1.0, extra))
+                                   statistics.median(theirs_t), 1.0, extra, quick=quick))
     return results

@@ -47,6 +47,7 @@ from fp4pass.formats.constants import E4M3_NORMAL_WINDOW
 from fp4pass.metrics import snr_db
 from fp4pass.npz import npz_files, read_npz
 from fp4pass.onnx.activations import activation_axis_reason, einsum_contracts_last
+from fp4pass.onnx.feeds import dims_mismatch
 from fp4pass.progress import progress
 
 __all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "einsum_contracts_last", "iter_feeds",
@@ -116,13 +117,9 @@ def _check_layout(dims: tuple, dtype: np.dtype, value: ir.Value, where: str, nam
     shape = value.shape
     if shape is None:
         return
-    if len(dims) != len(shape):
-        raise CalibrationDataError(f"{where}: array {name!r} has rank {len(dims)} {list(dims)}, graph "
-                                   f"input wants rank {len(shape)} {[str(d) for d in shape]}")
-    for axis, (got, want) in enumerate(zip(dims, shape)):
-        if isinstance(want, int) and got != want:
-            raise CalibrationDataError(f"{where}: array {name!r} dim {axis} is {got}, graph input wants {want} "
-                                       f"(shape {[str(d) for d in shape]})")
+    reason = dims_mismatch(dims, shape)  # the same words as diff's and convert --check's --inputs
+    if reason:
+        raise CalibrationDataError(f"{where}: array {name!r} {reason}")
 
 
 def _check_feed(feed: dict, inputs: dict[str, ir.Value], where: str) -> dict[str, np.ndarray]:

@@ -7,8 +7,9 @@ import sys
 
 import torch
 
-from fp4pass.bench import AREAS, format_row, format_table, run_benchmarks
+from fp4pass.bench import AREAS, HEADER, RATIO_NOTE, run_benchmarks
 from fp4pass.choices import Device, values
+from fp4pass.errors import FP4PassError
 from fp4pass.io import check_outputs, write_json
 
 EPILOG = """examples:
@@ -22,7 +23,8 @@ def register(sub, common) -> None:
     p = sub.add_parser("bench", parents=[common], help="run the benchmarks (ratios to same-process baselines)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
-    p.add_argument("--device", choices=values(Device), default=Device.AUTO.value)
+    p.add_argument("--device", choices=values(Device), default=Device.AUTO.value,
+                   help="auto (default): CPU, and CUDA too where torch sees a GPU; cpu; cuda")
     p.add_argument("--area", action="append", choices=AREAS, help="only these areas (repeatable)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--peers", action="store_true",
@@ -38,34 +40,41 @@ def run(args) -> int:
     use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if use_cuda else [])
     if args.peers:
-        return _run_peers(args, devices)
+        from fp4pass.bench import peers
+
+        if not peers.peers_available():
+            print(f"fp4pass bench: {peers.INSTALL_HINT}", file=sys.stderr)
+            return 2
+
+        def measured(device, log):
+            return peers.bench_peers(device, args.quick, args.rounds, log=log)
+    else:
+        def measured(device, log):
+            return run_benchmarks(device, args.quick, args.area or AREAS, log=log)
+
+    print(HEADER, flush=True)  # the table, one row as each is measured (long runs), on stdout only
     results = []
     for device in devices:
-        results += run_benchmarks(device, args.quick, args.area or AREAS, log=lambda row: _progress(args, row))
-    print(format_table(results))
+        results += _benchmarks_own_input(lambda: measured(device, _row))
+    print(RATIO_NOTE)
     if args.json:
-        write_json(args.json, {"devices": [str(d) for d in devices], "results": [r.to_json() for r in results]})
+        write_json(args.json, {"devices": [str(d) for d in devices], "quick": args.quick,
+                               "results": [r.to_json() for r in results]})
     return 0
 
 
-def _progress(args, row: str) -> None:
-    """Each row on stderr as it is measured (long runs), unless --quiet; the table goes to stdout at the end."""
-    if not args.quiet:
-        print(row, file=sys.stderr)
+def _row(row: str) -> None:
+    print(row, flush=True)
 
 
-def _run_peers(args, devices) -> int:
-    from fp4pass.bench import peers
+def _benchmarks_own_input(measure):
+    """Run ``measure()``. The benchmarks build every tensor, model and option they pass, so an input error
+    raised inside them is fp4pass's own bug (exit 3), never the user's bad input (exit 2)."""
+    try:
+        return measure()
+    except FP4PassError as exc:
+        raise BenchmarkBug(f"a benchmark passed fp4pass input it refuses: {exc}") from exc
 
-    if not peers.peers_available():
-        print(f"fp4pass bench: {peers.INSTALL_HINT}", file=sys.stderr)
-        return 2
-    results = []
-    for device in devices:
-        for r in peers.bench_peers(device, args.quick, args.rounds):
-            _progress(args, format_row(r))
-            results.append(r)
-    print(format_table(results))
-    if args.json:
-        write_json(args.json, {"devices": [str(d) for d in devices], "results": [r.to_json() for r in results]})
-    return 0
+
+class BenchmarkBug(RuntimeError):
+    """An :class:`~fp4pass.errors.FP4PassError` raised from inside a benchmark (see ``_benchmarks_own_input``)."""

@@ -31,9 +31,11 @@ checkpoint folders (the model runs through transformers, one decoder layer at a 
 def register(sub, common) -> None:
     p = sub.add_parser("calibrate", parents=[common], help="calibrate NVFP4 activation scales (SCALES.json)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="IN.onnx|CKPT_DIR")
+    p.add_argument("model", metavar="IN", help="the model to calibrate: an ONNX file, or a checkpoint folder "
+                                                "(config.json + *.safetensors)")
     p.add_argument("--data", required=True, metavar="DATA.npz|DIR", help="calibration inputs")
-    p.add_argument("-o", "--output", required=True, metavar="SCALES.json")
+    p.add_argument("-o", "--output", required=True, metavar="SCALES.json",
+                   help="where the activation scales go (the file convert --scales reads)")
     add_calibrator_arguments(p)
     _safety.add_provider_arguments(p)
     _safety.add_allow_invalid(p)

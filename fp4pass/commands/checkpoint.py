@@ -117,10 +117,34 @@ def _convert(args) -> int:
         return 1
     if args.report:
         write_json(args.report, report)
+    summary = summary_line(report)
     if not args.quiet:
-        print(format_report(report))
-    print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
+        table = format_report(report).splitlines()
+        if table and table[-1] == summary:  # the summary goes to stderr, once, as for ONNX models
+            table.pop()
+        if table:
+            print("\n".join(table))
+    print(f"fp4pass convert: {summary}", file=sys.stderr)
+    if report.get("check") is not None:
+        print(f"fp4pass convert: {check_line(report['check'])}", file=sys.stderr)
     return 0
+
+
+def check_line(check: dict) -> str:
+    """--check's verdict in one line: how many experts were compared, how many came out identical to their
+    MXFP4 source, and which reader decoded the NVFP4 result."""
+    failures = check.get("failures", [])
+    verdict = "FAILED" if failures else "PASSED"
+    identical = check.get("experts_identical", 0)
+    line = (f"check {verdict}: {check.get('experts_checked', 0)} experts compared with their MXFP4 source, "
+            f"{identical} identical")
+    if check.get("experts_checked", 0) > identical:
+        line += ", the rest within plain requantization's error" if not failures else f", {len(failures)} failed"
+    wide = check.get("decoded_in_float64") or []
+    if wide:  # values past the reader's float32/bf16 range: fp4pass's own float64 decode (fp4pass.checkpoint.check)
+        line += (f"; {len(wide)} of them decoded in float64 instead (first {wide[0]['expert']}: "
+                 f"{wide[0]['why']})")
+    return f"{line}; decoded by {check.get('reader', 'an unnamed reader')}"
 
 
 def inspect_if_folder(args) -> int | None:

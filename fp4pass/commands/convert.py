@@ -35,18 +35,27 @@ On a non-zero exit no model is left under OUT.onnx (--keep-unchecked keeps it wh
 def register(sub, common) -> None:
     p = sub.add_parser("convert", parents=[common], help="rewrite MXFP4 weights into NVFP4",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="IN.onnx")
-    p.add_argument("-o", "--output", metavar="OUT.onnx", required=True)
-    p.add_argument("--method", choices=values(Method), default=Method.AUTO.value)
+    p.add_argument("model", metavar="IN", help="the MXFP4 model: an ONNX file, or a checkpoint folder "
+                                                "(config.json + *.safetensors)")
+    p.add_argument("-o", "--output", metavar="OUT", required=True,
+                   help="the NVFP4 result: an ONNX file for an ONNX IN, a new or empty folder for a checkpoint")
+    p.add_argument("--method", choices=values(Method), default=Method.AUTO.value,
+                   help="auto (default): lossless where the exponent spread allows, else the least error of "
+                        "requant and hybrid and more; hybrid, requant (plain NVFP4 quantization), verbatim: "
+                        "one method everywhere (docs/conversion.md)")
     p.add_argument("--scale-form", choices=values(ScaleForm), default=ScaleForm.DQ.value,
                    help="dq: global scale in the scale DQ; alpha: on the consumer's output")
-    p.add_argument("--target", choices=values(Target), default=Target.TRT.value)
+    p.add_argument("--target", choices=values(Target), default=Target.TRT.value,
+                   help="the runtime the ONNX model is written for: trt (TensorRT, ModelOpt's forms; default), "
+                        "ort (onnxruntime: QMoE nvfp4), reference (standard ops only)")
     p.add_argument("--calib", metavar="DATA.npz|DIR", help="calibrate and insert activation quantizers")
     add_calibrator_arguments(p)
     p.add_argument("--scales", metavar="SCALES.json", help="reuse a saved calibration")
     p.add_argument("--report", metavar="REPORT.json", help="write the per-tensor report")
     p.add_argument("--check", action="store_true", help="diff input and output under onnxruntime")
-    p.add_argument("--external-data", choices=values(ExternalData), default=ExternalData.AUTO.value)
+    p.add_argument("--external-data", choices=values(ExternalData), default=ExternalData.AUTO.value,
+                   help="tensors in OUT.data beside OUT: auto (default: when the input had external data or "
+                        "the model is over 2 GB), always, never")
     p.add_argument("--effort", choices=values(Effort), default=Effort.BEST.value,
                    help="auto's search on lossy groups: best (wide) or fast (narrow)")
     p.add_argument("--threads", type=int, default=1, metavar="N",

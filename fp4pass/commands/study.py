@@ -21,7 +21,8 @@ def register(sub, common) -> None:
     p = sub.add_parser("study", parents=[common], help="MSE of every conversion method on 27 tensor scenarios",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="OUT.json", help="write the study as JSON")
-    p.add_argument("--device", choices=values(Device), default=Device.AUTO.value)
+    p.add_argument("--device", choices=values(Device), default=Device.AUTO.value,
+                   help="where the study runs: auto (default: CUDA where torch sees a GPU, else CPU), cpu, cuda")
     p.set_defaults(run=run)
 
 

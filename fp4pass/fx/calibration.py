@@ -61,6 +61,7 @@ from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_
 from fp4pass.fx import ops  # noqa: F401  (registers torch.ops.fp4pass.dequantize_*)
 from fp4pass.fx.shapes import check_inputs, guard_error, input_problem
 from fp4pass.progress import progress
+from fp4pass.fx.noise import quiet_torch
 
 __all__ = ["calibrate", "calibration_targets", "insert_fake_quantizers", "FxCalibrationTarget", "DEQUANT_TARGETS"]
 
@@ -358,10 +359,12 @@ def _with_fake_quantizers(program, scales: ActivationScales, targets: list[FxCal
         gm = copy.deepcopy(program.graph_module)
         insert_fake_quantizers(gm.graph, scales, targets)
         gm.recompile()
+        with quiet_torch():  # copying the call graph's treespecs warns of torch's own LeafSpec deprecation
+            call_graph = copy.deepcopy(program.module_call_graph)
         return torch.export.ExportedProgram(
             root=gm, graph=gm.graph, graph_signature=copy.deepcopy(program.graph_signature),
             state_dict=program.state_dict, range_constraints=copy.deepcopy(program.range_constraints),
-            module_call_graph=copy.deepcopy(program.module_call_graph), example_inputs=program.example_inputs,
+            module_call_graph=call_graph, example_inputs=program.example_inputs,
             constants=program.constants, verifiers=program.verifiers)
     gm = _copy_sharing_weights(program)
     insert_fake_quantizers(gm.graph, scales, targets)

@@ -75,6 +75,7 @@ from fp4pass.onnx.act_quant import TRT_DOMAIN, TRT_MIN_OPSET, trt_quantizer
 from fp4pass.onnx.emulate import MIN_OPSET as REFERENCE_MIN_OPSET
 from fp4pass.onnx.emulate import nvfp4_fake_quant
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
+from fp4pass.fx.noise import quiet_torch
 
 __all__ = ["export", "TARGETS", "TRANSLATION_TABLE", "lower_placeholders"]
 
@@ -558,9 +559,10 @@ def export(model, example_inputs, path: str | os.PathLike | None = None, target:
     else:
         raise UsageError(f"fx export: expected an ExportedProgram or an nn.Module, got {type(model).__name__}")
     need = _needed_opset(program, target)
-    onnx_program = torch.onnx.export(
-        program, args, kwargs=kwargs or None, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
-        opset_version=min(need, FP4_DQ_OPSET), optimize=True, verbose=False)
+    with quiet_torch():  # torch's LeafSpec deprecation and torchvision notes, nothing about the model
+        onnx_program = torch.onnx.export(
+            program, args, kwargs=kwargs or None, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
+            opset_version=min(need, FP4_DQ_OPSET), optimize=True, verbose=False)
     onnx_model = onnx_program.model
     tensors = {**program.state_dict, **program.constants}
     _unshare_scales(onnx_model.graph, tensors)  # a converted program: scales named after their weight

@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from fp4pass.formats.constants import MS_DOMAIN as _MS
 
-__all__ = ["plan_feeds"]
+__all__ = ["plan_feeds", "dims_mismatch"]
 
 # input positions of the past key and value in onnxruntime's attention contrib ops
 _PAST_INPUTS = {"GroupQueryAttention": (3, 4), "MultiHeadAttention": (6, 7)}
@@ -138,3 +138,18 @@ def plan_feeds(model: ir.Model, given: dict, shapes: dict, past_length: int = 0,
     if made:
         notes.append(f"inputs made from the graph's own shapes (past length {past_length}): {', '.join(made)}")
     return given, shapes
+
+
+def dims_mismatch(dims: tuple, shape) -> str | None:
+    """Why an array of ``dims`` cannot feed a graph input of ``shape`` (``onnx_ir`` dims: ints and symbols):
+    its rank, or the first static dim that differs, with the index, what it got and what the input wants;
+    None when it fits. Checked before onnxruntime runs, whose own message names neither."""
+    if shape is None:
+        return None
+    wanted = [str(d) for d in shape]
+    if len(dims) != len(shape):
+        return f"has rank {len(dims)} {list(dims)}, graph input wants rank {len(shape)} {wanted}"
+    for axis, (got, want) in enumerate(zip(dims, shape)):
+        if isinstance(want, int) and got != want:
+            return f"dim {axis} is {got}, graph input wants {want} (shape {wanted})"
+    return None

@@ -50,7 +50,7 @@ from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.npz import read_npz
 from fp4pass.onnx.alpha_scope import missing_global_scale
-from fp4pass.onnx.feeds import plan_feeds
+from fp4pass.onnx.feeds import dims_mismatch, plan_feeds
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
@@ -131,7 +131,8 @@ class DiffResult:
             what = "first divergent" if self.snr_min is not None else "first divergent (differs at all; no --snr-min)"
             snr = "identical" if fd["snr_db"] is None else f"{fd['snr_db']:.2f} dB"
             lines.append(f"{what}: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} snr {snr}")
-        threshold = "" if self.snr_min is None else f" (snr-min {self.snr_min:g} dB)"
+        threshold = (" (no SNR threshold applied: --snr-min not given; only NaN/Inf fail)" if self.snr_min is None
+                     else f" (snr-min {self.snr_min:g} dB)")
         lines.append(("PASSED" if self.passed else "FAILED") + threshold)
         return "\n".join(lines)
 
@@ -205,7 +206,11 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
     for value in model.graph.inputs:
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         if value.name in given:
-            feeds[value.name] = _as_input_type(value.name, np.asarray(given[value.name]), dtype, notes)
+            array = np.asarray(given[value.name])
+            reason = dims_mismatch(array.shape, value.shape)
+            if reason:
+                raise UsageError(f"input {value.name!r}: the given array {reason}")
+            feeds[value.name] = _as_input_type(value.name, array, dtype, notes)
             continue
         if value.const_value is not None:
             continue  # an input with a default initializer (old IR)
@@ -238,10 +243,9 @@ def _load_inputs(inputs, model: ir.Model) -> dict | None:
         if name not in graph_inputs:
             raise UsageError(f"{inputs}: array {name!r} is not a graph input of the model "
                              f"(inputs: {list(graph_inputs)})")
-        shape = graph_inputs[name].shape
-        if shape is not None and len(shape) != len(dims):
-            raise UsageError(f"{inputs}: array {name!r} has rank {len(dims)} {list(dims)}, the input wants rank "
-                             f"{len(shape)} {[str(d) for d in shape]}")
+        reason = dims_mismatch(dims, graph_inputs[name].shape)  # rank and static dims, as calibrate checks
+        if reason:
+            raise UsageError(f"{inputs}: array {name!r} {reason}")
 
     return read_npz(inputs, error=UsageError, check=check)[0]
 

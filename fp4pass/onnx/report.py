@@ -180,6 +180,14 @@ def summary_line(report: dict) -> str:
     return line
 
 
+def check_threshold(check: dict) -> str:
+    """What the check's verdict was held to: the SNR threshold, or that none applied (the W4A4 default)."""
+    threshold = check.get("snr_min")
+    if threshold is None:
+        return " (no SNR threshold applied: --snr-min not given; only NaN/Inf fail)"
+    return f" (every output's SNR >= {threshold:g} dB)"
+
+
 def _num(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -217,7 +225,8 @@ def format_report(report: dict) -> str:
         lines += ["", *aligned(rows, right={1, 2})]
     check = report.get("check")
     if check:
-        lines += ["", f"check on {check['provider']}: {'PASSED' if check['passed'] else 'FAILED'}"]
+        lines += ["", f"check on {check['provider']}: {'PASSED' if check['passed'] else 'FAILED'}"
+                      f"{check_threshold(check)}"]
         rows = [("output", "shape", "SNR dB", "max_abs_err", "rel_l2", "cosine")]
         for o in check["outputs"]:
             snr = ("identical" if o["snr_db"] is None and o["max_abs_err"] == 0 and not (o.get("nan") or o.get("inf"))
