@@ -199,11 +199,12 @@ def test_sigterm_is_handled_like_ctrl_c(work, capsys, monkeypatch):
 def test_clean_removes_what_a_killed_run_left(work, capsys):
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(proc.stdout)
-    from fp4pass.io import host_token
+    from fp4pass.io import host_token, write_marker
 
     stale = work / f"{TMP_PREFIX}{dead}-h{host_token()}-0000-o.onnx.d"
     stale.mkdir()
     (stale / "o.onnx.data").write_bytes(bytes(1000))
+    write_marker(stale, pid=dead)
     code, err = cli(capsys, "clean", work)
     assert code == 0 and "removed 1 stale" in err and not stale.exists()
 

@@ -16,7 +16,16 @@ bytes). Per expert (per Linear, or per expert of a stack): where the exponent sp
 value is at most 17 over the group that shares the global scale (and the method is not ``requant``), the decoded values must equal the source
 exactly; elsewhere the squared error must be no larger than that of plain NVFP4 requantization of the same
 values (ModelOpt's formulas, decoded by the same reader), with a relative slack of 1e-3 for the reader's bf16
-arithmetic. The result: ``{"passed", "reader", "experts_checked", "experts_identical", "failures": [...]}``.
+arithmetic. The result: ``{"passed", "reader", "experts_checked", "experts_identical", "failures": [...],
+"decoded_in_float64": [...]}``.
+
+Where compressed-tensors cannot hold the values (its decode runs in bf16/float32): an expert whose source
+reaches :data:`F32_HIGH` (E8M0 codes near 254: up to 6 * 2^127, past float32's largest) or holds a non-zero
+magnitude below :data:`F32_LOW` (codes near 0: float32 subnormals, where bf16 keeps no precision), or whose
+decode by the reader is not finite, is decoded here instead, in float64, from the bytes in the output file
+(E2M1 nibbles, E4M3 block scales through ml_dtypes, the global scale as written): ``decoded_in_float64``
+lists each such expert and why. Its requantization baseline is computed on the values scaled by a power of
+two into float32's range (NVFP4 quantization commutes with such a scaling), and the error scaled back.
 """
 
 from __future__ import annotations
@@ -27,12 +36,19 @@ import torch
 
 from fp4pass.checkpoint.detect import FusedExperts
 from fp4pass.checkpoint.output_forms import MODELOPT
+from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.errors import FP4PassError
 from fp4pass.extras import require
 from fp4pass.formats.constants import LOSSLESS_SPREAD
 
 __all__ = ["check_checkpoint", "decode_mxfp4"]
 
 SLACK = 1e-3
+#: source magnitudes from which compressed-tensors' bf16/float32 decode overflows (2^127: an E2M1 value of 2 or
+#: more times an E8M0 scale of 2^127 is past float32's largest), and below which it loses precision (float32
+#: subnormals)
+F32_HIGH = 2.0**127
+F32_LOW = 2.0**-126
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
 
 
@@ -49,6 +65,45 @@ def _held_spread(codes: np.ndarray, scales: np.ndarray) -> int:
     holds = ((codes & 0x77) != 0).reshape(*scales.shape, 16).any(-1)
     k = scales.astype(np.int64)[holds]
     return int(k.max() - k.min()) if k.size else 0
+
+
+def decode_nvfp4(packed: np.ndarray, scales_e4m3: np.ndarray, multiplier: float) -> np.ndarray:
+    """float64 [N, K] from packed E2M1 codes uint8 [N, K/2] (low nibble first), E4M3 block scales (their bytes,
+    [N, K/16]) and the global multiplier: code * scale * multiplier, exact in float64 (no rounding: 4 + 4 + 24
+    significant bits)."""
+    nibbles = np.stack((packed & 0x0F, packed >> 4), axis=-1).reshape(packed.shape[0], -1)
+    values = E2M1[nibbles].reshape(*scales_e4m3.shape, 16)
+    scale = np.ascontiguousarray(scales_e4m3).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (values * scale[..., None] * float(multiplier)).reshape(packed.shape[0], -1)
+
+
+def _why_float64(x: np.ndarray, y: np.ndarray) -> str | None:
+    """Why the reader's decode ``y`` of the source values ``x`` cannot be compared (module docstring), or None."""
+    magnitude = np.abs(x)
+    top = float(magnitude.max()) if magnitude.size else 0.0
+    held = magnitude[magnitude > 0]
+    low = float(held.min()) if held.size else None
+    if top >= F32_HIGH:
+        return f"source values up to {top:.6g} (E8M0 codes near 254): compressed-tensors' float32/bf16 overflows"
+    if low is not None and low < F32_LOW:
+        return (f"source values down to {low:.6g} (E8M0 codes near 0): below float32's normal range, where "
+                "compressed-tensors' float32/bf16 loses them")
+    if not np.isfinite(y).all():
+        return "compressed-tensors' decode is not finite"
+    return None
+
+
+def _requant_sse_scaled(x: np.ndarray) -> float:
+    """SSE of plain NVFP4 quantization of ``x`` (any float64 range), decoded in float64: the values are scaled by a
+    power of two 2^-p into float32's range, quantized, decoded and scaled back (the error by 4^p)."""
+    from fp4pass.formats import NVFP4Tensor
+
+    top = float(np.abs(x).max()) if x.size else 0.0
+    p = int(np.floor(np.log2(top))) if top > 0 else 0
+    xs = np.ldexp(x, -p)
+    nv = NVFP4Tensor.quantize(torch.from_numpy(xs).float())
+    y = decode_nvfp4(nv.codes.numpy(), nv.scales.view(torch.uint8).numpy(), float(nv.global_scale.reshape(())))
+    return float(((y - xs) ** 2).sum()) * 4.0**p
 
 
 def _requant_sse(x: np.ndarray, decode) -> float:
@@ -87,18 +142,30 @@ def _modelopt_linear(f, module: str) -> dict:
     return {k.rpartition(".")[2]: v for k, v in out.items()}
 
 
-def _compare(name: str, x: np.ndarray, y: np.ndarray, spread: int, reader: _Reader, result: dict) -> None:
+def _compare(name: str, x: np.ndarray, y: np.ndarray, spread: int, reader: _Reader, result: dict,
+             own=None) -> None:
+    """Compare expert ``name``: ``x`` its source values, ``y`` the reader's decode of the output; ``own()`` the
+    float64 decode of the output (:func:`decode_nvfp4`), used where the reader cannot hold the values."""
     result["experts_checked"] += 1
+    why = _why_float64(x, y) if own is not None else None
+    if why is not None:
+        y = own()
+        result["decoded_in_float64"].append({"expert": name, "why": why})
     if spread <= result["exact_up_to_spread"]:
         if np.array_equal(x, y):
             result["experts_identical"] += 1
             return
         bad = np.argwhere(x != y)[0]
         result["failures"].append({"expert": name, "reason": f"spread {spread} <= 17 but value at {bad.tolist()} is "
-                                                             f"{y[tuple(bad)]!r}, source {x[tuple(bad)]!r}"})
+                                                             f"{float(y[tuple(bad)])!r}, source "
+                                                             f"{float(x[tuple(bad)])!r}"})
         return
     sse = float(((y - x) ** 2).sum())
-    baseline = _requant_sse(x, reader.decode)
+    try:
+        baseline = _requant_sse_scaled(x) if why is not None else _requant_sse(x, reader.decode)
+    except FP4PassError as exc:
+        raise CheckpointError(f"--check: expert {name}: plain requantization of its source (the baseline) "
+                              f"failed: {exc}") from None
     if sse > baseline * (1 + SLACK):
         result["failures"].append({"expert": name, "reason": f"SSE {sse:.6g} above plain requantization's "
                                                              f"{baseline:.6g}"})
@@ -116,7 +183,7 @@ def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") ->
 
     result = {"reader": "compressed-tensors NVFP4PackedCompressor" + (" via ModelOptNvfp4Converter"
                                                                      if fmt == MODELOPT else ""),
-              "experts_checked": 0, "experts_identical": 0, "failures": [],
+              "experts_checked": 0, "experts_identical": 0, "failures": [], "decoded_in_float64": [],
               "exact_up_to_spread": -1 if method == "requant" else LOSSLESS_SPREAD}
     index = {}
     handles = {}
@@ -140,7 +207,8 @@ def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") ->
                 t = {p: f.get_tensor(f"{lin.module}.{p}") for p in ("weight_packed", "weight_scale",
                                                                      "weight_global_scale")}
             y = reader.decode(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
-            _compare(lin.module, decode_mxfp4(codes, scales), y, spread, reader, result)
+            _compare(lin.module, decode_mxfp4(codes, scales), y, spread, reader, result,
+                     own=_own_linear(f, lin.module, fmt))
     result["passed"] = not result["failures"]
     return result
 
@@ -154,6 +222,22 @@ def _check_fused(unit: FusedExperts, catalog, index, reader: _Reader, result: di
     src_codes = catalog.read(unit.codes.name).view(torch.uint8).reshape(unit.experts, unit.rows, -1).numpy()
     src_scales = catalog.read(unit.scales.name).view(torch.uint8).numpy()
     spread = _held_spread(src_codes, src_scales)
+    multiplier = float(f.get_tensor(f"{p}_weight_scale_2").double())
     for e in range(unit.experts):
-        y = reader.decode(codes_t[e].t().contiguous(), scales_t[e].t().contiguous(), divisor)
-        _compare(f"{p}[{e}]", decode_mxfp4(src_codes[e], src_scales[e]), y, spread, reader, result)
+        packed, block = codes_t[e].t().contiguous(), scales_t[e].t().contiguous()
+        y = reader.decode(packed, block, divisor)
+        _compare(f"{p}[{e}]", decode_mxfp4(src_codes[e], src_scales[e]), y, spread, reader, result,
+                 own=lambda: decode_nvfp4(packed.numpy(), block.view(torch.uint8).numpy(), multiplier))
+
+
+def _own_linear(f, module: str, fmt: str):
+    """The float64 decode of one Linear as written in the output (:func:`decode_nvfp4`), for :func:`_compare`."""
+    def decode() -> np.ndarray:
+        if fmt == MODELOPT:
+            packed, block = f.get_tensor(f"{module}.weight"), f.get_tensor(f"{module}.weight_scale")
+            multiplier = float(f.get_tensor(f"{module}.weight_scale_2").double())
+        else:
+            packed, block = f.get_tensor(f"{module}.weight_packed"), f.get_tensor(f"{module}.weight_scale")
+            multiplier = 1.0 / float(f.get_tensor(f"{module}.weight_global_scale").double().reshape(()))
+        return decode_nvfp4(packed.view(torch.uint8).numpy(), block.view(torch.uint8).numpy(), multiplier)
+    return decode

@@ -54,8 +54,14 @@ def _name(item) -> str:
 
 
 def _check(value: float, where: str) -> float:
+    from fp4pass.calib.scales import INPUT_SCALE_MAX, INPUT_SCALE_MIN
+
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise CheckpointError(f"{where}: input_scale {value!r} is not a finite positive number")
+    if not INPUT_SCALE_MIN <= value <= INPUT_SCALE_MAX:  # the range SCALES.json holds its values to
+        raise CheckpointError(f"{where}: input_scale {value!r} is outside [{INPUT_SCALE_MIN:.4g}, "
+                              f"{INPUT_SCALE_MAX:.4g}] (float32 would make it inf or 0, or the block scales times "
+                              "it would not be finite)")
     return float(value)
 
 

@@ -27,6 +27,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """argparse type: a thread count from 1 to what this machine can start (:func:`fp4pass.convert.max_threads`:
+    4 per CPU, within the user's process limit); more fails in OpenMP (or crashes) instead of helping."""
+    from fp4pass.convert import check_threads
+
+    value = positive_int(text)
+    try:
+        return check_threads(value, "")
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
+
+
 def seed(text: str) -> int:
     """argparse type: a seed for numpy's generator, 0 <= seed < 2^63."""
     try:

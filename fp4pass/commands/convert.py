@@ -58,7 +58,7 @@ def register(sub, common) -> None:
                         "the model is over 2 GB), always, never")
     p.add_argument("--effort", choices=values(Effort), default=Effort.BEST.value,
                    help="auto's search on lossy groups: best (wide) or fast (narrow)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
+    p.add_argument("--threads", type=_safety.thread_count, default=1, metavar="N",
                    help="torch intra-op threads for the weight conversion (default 1: fastest on 2 shared cores)")
     _add_safety_arguments(p)
     checkpoint.add_convert_arguments(p)  # IN a folder: a safetensors checkpoint (fp4pass.commands.checkpoint)

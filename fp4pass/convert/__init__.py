@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import math
 
 import torch
@@ -35,7 +36,7 @@ from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPR
 from fp4pass.metrics import snr_db
 
 __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
-           "DEFAULT_EFFORT", "DEFAULT_THREADS", "intra_op_threads"]
+           "DEFAULT_EFFORT", "DEFAULT_THREADS", "intra_op_threads", "max_threads", "check_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,46 @@ def mxfp4_to_nvfp4(
     if threads is not None and threads < 1:
         raise UsageError(f"{mx.name}: threads must be >= 1, got {threads}")
     with intra_op_threads(threads):
+    if threads is not None:
+        check_threads(threads, "threads")
         return _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort)
 
 
 @contextlib.contextmanager
+#: the most intra-op threads whatever the machine: far past where more threads stop helping
+THREADS_CEILING = 1024
+
+
+def max_threads() -> int:
+    """The most torch intra-op threads a conversion may ask for: 4 per CPU this process may run on (more only
+    wait for a core; OpenMP fails, or crashes, when the system refuses one of them), at most
+    :data:`THREADS_CEILING`, and at most half of the processes and threads this user may start
+    (``RLIMIT_NPROC``: the other half for what already runs)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    cap = min(THREADS_CEILING, 4 * max(cpus, 1))
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            cap = min(cap, max(1, soft // 2))
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+    return max(1, cap)
+
+
+def check_threads(threads: int, flag: str = "--threads") -> int:
+    """``threads`` when it is between 1 and :func:`max_threads`; else :class:`UsageError` naming ``flag``."""
+    cap = max_threads()
+    if type(threads) is not int or not 1 <= threads <= cap:
+        raise UsageError(f"{flag} {threads!r}: give a whole number from 1 to {cap} (4 per CPU this process may "
+                         f"use; more threads only wait, and the system may refuse to start them)")
+    return threads
+
+
 def intra_op_threads(threads: int | None):
     """Set torch's intra-op thread count for the block (None: leave it), and restore it afterwards."""
     before = torch.get_num_threads()  # "None: leave it" for callers that manage threads themselves

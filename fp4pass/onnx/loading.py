@@ -645,12 +645,8 @@ def save(
         if on_tensor is not None:
             on_tensor(tensor, info.total)
 
-    fio.remove_stale(path.parent)
-    staging = fio.temp_name(path, ".d")
-    try:
-        staging.mkdir()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot write in {path.parent} ({exc.strerror})") from None
+    fio.remove_stale(path.parent, keep=inputs)
+    staging = fio.make_temp_folder(path, ".d")  # with its marker: only such folders are ever swept
     try:
         staged = staging / path.name
         if use_external:
