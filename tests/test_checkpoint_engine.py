@@ -1,14 +1,21 @@
-"""fp4pass.checkpoint.engine: which units skip reading their codes, per-expert conversion of a stack, and the
-E4M3 block scales of a lossless window that reaches E4M3's subnormals (oracle: ml_dtypes)."""
+"""fp4pass.checkpoint.engine: which units skip reading their codes, per-expert conversion of a stack, the E4M3
+block scales of a lossless window that reaches E4M3's subnormals (oracle: ml_dtypes), and each unit's figures
+per member against independent decoders (tests/checkpoint_oracles.py)."""
 
 from __future__ import annotations
+
+import math
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
+from checkpoint_oracles import mx_decode, nv_decode
+from fp4pass.checkpoint import engine
+from fp4pass.checkpoint.detect import DEEPSEEK, FusedExperts, Linear
 from fp4pass.checkpoint.engine import convert_experts, takes_lossless_path
+from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
 from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.formats import MXFP4Tensor
 
@@ -63,3 +70,164 @@ def test_convert_experts_equals_one_call_with_per_expert_groups():
     assert torch.equal(nv.global_scale, ref.global_scale)
     assert [p["lossless"] for p in parts] == [True, True, False, True]
     assert sum(p["blocks16_requantized"] for p in parts) == stats.blocks16_requantized
+
+
+# -- the engine's pieces against independent decoders (numpy + ml_dtypes) ------------------------------------
+
+
+@pytest.mark.parametrize("low,high,lossless", [(0, 8, False), (0, 9, True), (1, 9, True), (237, 254, True),
+                                               (236, 254, False), (240, 255, False), (126, 126, True)])
+def test_lossless_path_at_its_edges(low, high, lossless):
+    """Spread 17 and 18; the lowest top exponent whose 2^(k_max - 8) is a normal float32 (code 9: 2^-126);
+    the NaN code 255 never takes the path; the engine agrees wherever it converts."""
+    e8m0 = np.full((8, 2), low)
+    e8m0[-1, -1] = high
+    mx = _mx(e8m0)
+    assert takes_lossless_path(mx.scales, "auto") is lossless
+    assert not takes_lossless_path(mx.scales, "requant")
+    if high != 255:
+        nv, stats = mxfp4_to_nvfp4(mx, "auto", group_dims=0)
+        if lossless:
+            assert nv.codes.data_ptr() == mx.codes.data_ptr() and stats.blocks16_requantized == 0
+
+
+def test_no_blocks_is_not_the_lossless_path():
+    assert not takes_lossless_path(torch.empty((0, 2), dtype=torch.uint8), "auto")
+
+
+class _Catalog:
+    """``read(name, out)`` from a dict of tensors, as Catalog.read does from the shards."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def read(self, name, out=None):
+        t = self.tensors[name]
+        if out is None:
+            return t.clone()
+        out.view(torch.uint8).copy_(t.view(torch.uint8).reshape(out.shape))
+        return out
+
+
+def _entry(name, t):
+    return TensorEntry(name, "U8", tuple(t.shape), 0, t.numel(), "shard-7.safetensors")
+
+
+def _linears(e8m0s, seed=0):
+    rng = np.random.default_rng(seed)
+    tensors, linears = {}, []
+    for i, e8m0 in enumerate(e8m0s):
+        rows, blocks = e8m0.shape
+        codes = torch.from_numpy(rng.integers(0, 256, (rows, blocks * 16), dtype=np.uint8))
+        scales = torch.from_numpy(e8m0.astype(np.uint8))
+        tensors[f"m{i}.weight"], tensors[f"m{i}.scale"] = codes, scales
+        linears.append(Linear(f"m{i}", DEEPSEEK, _entry(f"m{i}.weight", codes), _entry(f"m{i}.scale", scales), rows,
+                              blocks * 32, [f"m{i}.weight", f"m{i}.scale"]))
+    return _Catalog(tensors), linears
+
+
+def _oracle_part(codes, e8m0, out_codes, out_scales, s):
+    x = mx_decode(codes, e8m0)
+    y = nv_decode(out_codes, out_scales, s)
+    err = y - x
+    same = (out_codes == codes).reshape(codes.shape[0], -1, 8).all(-1) & (err == 0).reshape(codes.shape[0], -1,
+                                                                                             16).all(-1)
+    return {"blocks16_total": same.size, "blocks16_verbatim": int(same.sum()),
+            "mse": float((err ** 2).mean()), "max_abs_err": float(np.abs(err).max()),
+            "snr_db": float(10 * np.log10((x ** 2).sum() / (err ** 2).sum())) if (err != 0).any() else None}
+
+
+@pytest.mark.parametrize("chunk", [1 << 21, 64])
+def test_a_lossy_pair_measured_per_member(monkeypatch, chunk):
+    """w1 lossy (a block 22 octaves down, holding values), w3 not: one global scale for both; each member's
+    figures are those of its own decoded values (measured in row chunks of any size)."""
+    monkeypatch.setattr(engine, "MEASURE_ROWS_ELEMENTS", chunk)
+    rng = np.random.default_rng(4)
+    w1, w3 = rng.integers(118, 124, (24, 4)), rng.integers(119, 126, (24, 4))
+    w1[3, 1] = 100
+    catalog, linears = _linears([w1, w3])
+    catalog.tensors["m0.weight"][3, 16:32] = 0x66  # the low block holds 4.0s
+    conv = engine.convert_linears(catalog, linears, "auto")
+    assert conv.codes is not None and len(conv.parts) == 2
+    for i, part in enumerate(conv.parts):
+        codes = catalog.tensors[f"m{i}.weight"].numpy()
+        want = _oracle_part(codes, catalog.tensors[f"m{i}.scale"].numpy(), conv.codes[i].numpy(),
+                            conv.scales[i].numpy(), conv.global_scale)
+        assert part["global_scale"] == [conv.global_scale] and part["method_used"] == "auto"
+        for key in ("blocks16_total", "blocks16_verbatim"):
+            assert part[key] == want[key], (i, key)
+        assert part["blocks16_requantized"] == want["blocks16_total"] - want["blocks16_verbatim"]
+        assert part["mse"] == pytest.approx(want["mse"], rel=1e-12, abs=0)
+        assert part["max_abs_err"] == want["max_abs_err"]
+        assert part["lossless"] == (want["blocks16_verbatim"] == want["blocks16_total"])
+        if want["snr_db"] is None:
+            assert part["snr_db"] is None
+        else:
+            assert part["snr_db"] == pytest.approx(want["snr_db"], rel=1e-12)
+    assert not conv.parts[0]["lossless"] and conv.parts[0]["blocks16_verbatim"] > 0
+
+
+def test_a_lossless_pair_copies_codes_and_shares_the_top_scale():
+    rng = np.random.default_rng(5)
+    w1, w3 = rng.integers(110, 120, (16, 2)), rng.integers(112, 124, (16, 2))
+    w3[0, 0] = 124
+    catalog, linears = _linears([w1, w3])
+    conv = engine.convert_linears(catalog, linears, "auto")
+    assert conv.codes is None and conv.global_scale == math.ldexp(1.0, 124 - 127 - 8)
+    for i, part in enumerate(conv.parts):
+        assert part == {"blocks16_total": 64, "blocks16_verbatim": 64, "blocks16_requantized": 0,
+                        "global_scale": [conv.global_scale], "mse": 0.0, "max_abs_err": 0.0, "snr_db": None,
+                        "method_used": "auto", "lossless": True}
+        y = nv_decode(catalog.tensors[f"m{i}.weight"].numpy(), conv.scales[i].numpy(), conv.global_scale)
+        np.testing.assert_array_equal(y, mx_decode(catalog.tensors[f"m{i}.weight"].numpy(), [w1, w3][i]))
+
+
+def test_one_linear_takes_the_engines_own_figures():
+    rng = np.random.default_rng(6)
+    e8m0 = rng.integers(118, 124, (16, 2))
+    e8m0[0, 0] = 90
+    catalog, linears = _linears([e8m0])
+    catalog.tensors["m0.weight"][0, :16] = 0x77
+    conv = engine.convert_linears(catalog, linears, "auto")
+    ref, stats = mxfp4_to_nvfp4(MXFP4Tensor(catalog.tensors["m0.weight"], catalog.tensors["m0.scale"], 32), "auto",
+                                group_dims=0)
+    assert conv.parts == [{**stats.to_json(), "lossless": False}]
+    assert torch.equal(conv.codes[0], ref.codes) and torch.equal(conv.scales[0], ref.scales)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_an_e8m0_nan_names_its_tensor_and_index(which):
+    catalog, linears = _linears([np.full((4, 2), 120), np.full((4, 2), 121)])
+    catalog.tensors[f"m{which}.scale"][2, 1] = 255
+    with pytest.raises(CheckpointError, match=rf"^shard-7.safetensors: tensor 'm{which}.scale': E8M0 code 255 "
+                                              r"\(NaN\) at index \(2, 1\)$"):
+        engine.convert_linears(catalog, linears, "auto")
+
+
+def test_a_stack_with_one_global_scale_measured_per_expert():
+    rng = np.random.default_rng(7)
+    e8m0 = rng.integers(118, 124, (3, 8, 2))
+    e8m0[1, 0, 0] = 96
+    codes = torch.from_numpy(rng.integers(0, 256, (3, 8, 32), dtype=np.uint8))
+    codes[1, 0, :16] = 0x77
+    blocks = codes.reshape(3, 8, 2, 16)
+    scales = torch.from_numpy(e8m0.astype(np.uint8))
+    catalog = _Catalog({"s_blocks": blocks, "s_scales": scales})
+    unit = FusedExperts("p", "s", _entry("s_blocks", blocks), _entry("s_scales", scales), 3, 8, 64)
+    conv = engine.convert_fused(catalog, unit, "auto")
+    assert conv.codes is not None and [p["lossless"] for p in conv.parts] == [True, False, True]
+    for e, part in enumerate(conv.parts):
+        want = _oracle_part(codes[e].numpy(), e8m0[e], conv.codes[e].numpy(), conv.scales[e].numpy(),
+                            conv.global_scale)
+        assert (part["blocks16_verbatim"], part["max_abs_err"]) == (want["blocks16_verbatim"], want["max_abs_err"])
+
+
+@pytest.mark.parametrize("value,expected", [(2.0, 0.5), (0.25, 4.0), (3.0, float(np.float32(1) / np.float32(3)))])
+def test_reciprocal_is_float32(value, expected):
+    assert engine.reciprocal(value) == expected
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, 1e-45])
+def test_reciprocal_refuses_what_has_none(value):
+    with pytest.raises(CheckpointError, match="is not a finite positive float32"):
+        engine.reciprocal(value)
