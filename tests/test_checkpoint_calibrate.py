@@ -396,3 +396,22 @@ def test_bf16_dequantization_matches_an_independent_decode():
     scales[3, 5] = 255
     with pytest.raises(Exception, match="all scales"):
         mx_dequantize(codes, scales, torch.bfloat16, "all")
+
+
+@pytest.mark.slow
+def test_readme_calibration_commands_run_as_written(tmp_path, capsys):
+    """The README's calibrated-checkpoint commands, from the repository root, outputs moved under tmp_path."""
+    import shlex
+
+    readme = (ROOT.parents[1] / "README.md").read_text()
+    block = readme.split("Calibrating a checkpoint (docs/checkpoint.md)", 1)[1].split("```bash\n", 1)[1]
+    lines = block.split("```", 1)[0].strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith(".venv/bin/fp4pass ") for line in lines)
+    for line in lines:
+        argv = [a.replace("/tmp/", f"{tmp_path}/") if a.startswith("/tmp/") else str(ROOT.parents[1] / a)
+                if a.startswith("models/") else a for a in shlex.split(line)[1:]]
+        code, err = cli(capsys, *argv)
+        assert code == 0, (line, err)
+    assert (tmp_path / "gpt-oss-calibrated" / "model.safetensors").is_file()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in json.loads((tmp_path / "scales.json").read_text())["tensors"]
+    assert (tmp_path / "kimi-calibrated" / "model.safetensors").is_file()
