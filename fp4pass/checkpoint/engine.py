@@ -196,11 +196,14 @@ def convert_fused(catalog, unit: FusedExperts, method: str, **options) -> Conver
 
 
 def convert_experts(mx: MXFP4Tensor, method: str = "auto", **options) -> tuple[NVFP4Tensor, list[dict]]:
-    """An expert stack [E, N, K] with one S per expert, converted expert by expert.
-
-    The result equals ``mxfp4_to_nvfp4(mx, method)`` group for group (per-expert groups); running each expert
-    on its own keeps every lossless expert on the fast path whatever its neighbours hold.
+    """An expert stack [E, N, K] with one S per expert: ``mxfp4_to_nvfp4(mx, method, group_dims=1)``, whose
+    experts convert as each would alone (a lossy expert never takes its lossless neighbours off the scale-only
+    path), and its figures per expert. Methods without figures per group (``verbatim``) go expert by expert.
     """
+    if method != "verbatim":
+        nv, stats = mxfp4_to_nvfp4(mx, method, group_dims=1, **options)
+        if stats.groups is not None:
+            return nv, [stats_entry(part) for part in stats.groups]
     e = mx.shape[0]
     codes = torch.empty_like(mx.codes)
     scales = torch.empty((*mx.shape[:-1], mx.shape[-1] // 16), dtype=torch.uint8)

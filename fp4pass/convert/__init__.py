@@ -22,13 +22,14 @@ import contextlib
 import logging
 import os
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from fp4pass.convert.layout import EMPTY_K, GroupLayout, exact_pow2, exact_pow2_list, exponent_range, scale_code_range
 from fp4pass.convert import patterns as pattern_mod
 from fp4pass.convert.methods import AUTO_STEPS, auto_candidates, choose_m, pow2_scale_codes
-from fp4pass.convert.stats import ConversionStats, lossless_stats, measure_stats
+from fp4pass.convert.stats import ConversionStats, lossless_stats, measure_stats, signal_energy
 from fp4pass.choices import Effort, Method, MRule, values
 from fp4pass.errors import ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, global_scale_from_amax
@@ -76,13 +77,12 @@ def mxfp4_to_nvfp4(
         raise UsageError(f"{mx.name}: unknown effort {effort!r}; choose one of {', '.join(EFFORTS)}")
     if threads is not None and threads < 1:
         raise UsageError(f"{mx.name}: threads must be >= 1, got {threads}")
-    with intra_op_threads(threads):
     if threads is not None:
         check_threads(threads, "threads")
+    with intra_op_threads(threads):
         return _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort)
 
 
-@contextlib.contextmanager
 #: the most intra-op threads whatever the machine: far past where more threads stop helping
 THREADS_CEILING = 1024
 
@@ -117,6 +117,7 @@ def check_threads(threads: int, flag: str = "--threads") -> int:
     return threads
 
 
+@contextlib.contextmanager
 def intra_op_threads(threads: int | None):
     """Set torch's intra-op thread count for the block (None: leave it), and restore it afterwards."""
     before = torch.get_num_threads()  # "None: leave it" for callers that manage threads themselves
@@ -146,6 +147,10 @@ def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     all_groups = list(range(layout.groups))
     halves = layout.k // 16
     code_lo, code_hi = scale_code_range(scales, layout, mx.name)  # also refuses E8M0 code 255
+    if method == "auto" and reference is None and layout.groups > 1:
+        near = [u - l <= LOSSLESS_SPREAD for l, u in zip(code_lo, code_hi)]
+        if any(near) and not all(near):
+            return _convert_apart(mx, layout, near, code_lo, code_hi, m_rule, chunk_elements, effort)
     # auto only: hybrid's m is defined by the blocks that hold a value (seed Algo 3), which needs the codes
     fast_lossless = method == "auto" and all(u - l <= LOSSLESS_SPREAD for l, u in zip(code_lo, code_hi))
     if fast_lossless:
@@ -205,6 +210,7 @@ def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     if proven_lossless and reference is None:
         scale_list = [math.ldexp(1.0, e) for e in m] if fast_lossless else global_scale.flatten().tolist()
         stats = lossless_stats(layout.total_rows * halves, scale_list, method)
+        stats.groups = [lossless_stats(layout.rows_per_group * halves, [g], method) for g in scale_list]
     elif reference is None and method != "verbatim":  # the statistics come out of the pattern search
         stats = _engine_stats(engine, codes, scales, layout, lossy if method != "requant" else None, method,
                               global_scale, chunks_of)
@@ -251,17 +257,139 @@ def _encode_lossy(codes, scales, layout: GroupLayout, lossy: torch.Tensor, k_max
 
 def _engine_stats(choice: pattern_mod.Choice, codes, scales, layout: GroupLayout, lossy, method: str,
                   global_scale, chunks_of) -> ConversionStats:
-    """Statistics from the pattern search; groups not searched (lossless, ``lossy`` given) add their signal."""
+    """Statistics from the pattern search, tensor-wide and per group; groups not searched (lossless, ``lossy``
+    given) add their signal (``signal_energy``: from the codes, no dequantization)."""
+    rows_halves = layout.rows_per_group * (layout.k // 16)
     halves = layout.total_rows * (layout.k // 16)
     sse, signal = float(choice.sse.sum()), float(choice.signal.sum())
     verbatim = int(round(float(choice.verbatim.sum())))
     max_err = float(choice.max_abs_err.max()) if choice.max_abs_err.numel() else 0.0
-    if lossy is not None and lossy.numel() < layout.groups:
-        rest = sorted(set(range(layout.groups)) - set(lossy.tolist()))
-        for lo, hi in chunks_of(rest):
-            x = MXFP4Tensor(codes[lo:hi], scales[lo:hi], layout.mx_block).dequantize().double()
-            signal += float(x.square().sum())
-        verbatim += len(rest) * layout.rows_per_group * (layout.k // 16)
+    scale_list = global_scale.flatten().tolist()
+    searched = list(range(layout.groups)) if lossy is None else lossy.tolist()
+    groups: list = [None] * layout.groups
+    g_sse, g_signal = choice.sse.tolist(), choice.signal.tolist()
+    g_err, g_verbatim = choice.max_abs_err.tolist(), choice.verbatim.tolist()
+    for local, g in enumerate(searched):
+        n = rows_halves * 16
+        kept = int(round(g_verbatim[local]))
+        groups[g] = ConversionStats(rows_halves, kept, rows_halves - kept, [scale_list[g]],
+                                    g_sse[local] / n if n else 0.0, g_err[local], snr_db(g_signal[local], g_sse[local]),
+                                    method, extra={"sse": g_sse[local], "signal": g_signal[local]})
+    rest = [g for g in range(layout.groups) if groups[g] is None]
+    if rest:
+        signal += signal_energy(codes, scales, layout.mx_block, chunks_of(rest))
+        verbatim += len(rest) * rows_halves
+        for g in rest:
+            groups[g] = lossless_stats(rows_halves, [scale_list[g]], method)
     n = halves * 16
-    return ConversionStats(halves, verbatim, halves - verbatim, global_scale.flatten().tolist(),
-                           sse / n if n else 0.0, max_err, snr_db(signal, sse), method)
+    return ConversionStats(halves, verbatim, halves - verbatim, scale_list, sse / n if n else 0.0, max_err,
+                           snr_db(signal, sse), method, extra={"sse": sse, "signal": signal}, groups=groups)
+
+
+def _convert_apart(mx: MXFP4Tensor, layout: GroupLayout, near: list[bool], code_lo, code_hi, m_rule, chunk_elements,
+                   effort) -> tuple[NVFP4Tensor, ConversionStats]:
+    """``auto`` on a tensor of several groups, some of them (``near``) with all their E8M0 codes within 17: each
+    group converts as it would alone (``group_dims=0`` on that group), so that a lossy group never takes its
+    lossless neighbours off the scale-only path.
+
+    The ``near`` groups get m = k_max - 8 from their E8M0 codes, their block scales by integer arithmetic and
+    their nibbles as they are (none is re-encoded); the others go through the search together (their codes
+    copied out: a few groups as a rule). When some group is lossy, the output needs its own codes (a copy of
+    the input's, the re-encoded groups written over it) and the tensor's SNR needs the signal of the ``near``
+    groups (``signal_energy``, from their codes): on CPU these two memory passes run on one helper thread
+    while the search runs, since neither depends on it.
+    """
+    groups, rows, halves = layout.groups, layout.rows_per_group, layout.k // 16
+    codes, scales = layout.flat(mx)
+    codes3 = codes.reshape(groups, rows, -1)
+    scales3 = scales.reshape(groups, rows, -1)
+    device = codes.device
+    out_scales = torch.empty(groups, rows, halves, dtype=torch.uint8, device=device)
+    global_scale = torch.empty(groups, dtype=torch.float32, device=device)
+    per_group: list = [None] * groups
+    m = {g: code_hi[g] - E8M0_BIAS - E4M3_POW2_MAX_EXP for g in range(groups) if near[g]}
+    fast = [g for g in m if m[g] >= -126]
+    tiny = [g for g in m if m[g] < -126]  # a subnormal 2^m: whether the group holds a value reads its codes
+    searched = [g for g in range(groups) if not near[g]]
+    searched_index = torch.tensor(searched, device=device)
+    searched_codes = codes3.index_select(0, searched_index)
+    searched_scales = scales3.index_select(0, searched_index)
+    # lossy unless every searched group's blocks that hold a value lie within 17 octaves (then nothing is
+    # re-encoded and the codes stay shared)
+    k_max, k_min = exponent_range(searched_codes.reshape(-1, layout.k // 2), searched_scales.reshape(len(searched) * rows, -1),
+                                  GroupLayout(torch.Size((len(searched), rows, layout.k)), 1, len(searched), rows,
+                                              layout.k, layout.mx_block, mx.name))
+    lossy = bool(((k_max != EMPTY_K) & (k_max - k_min > LOSSLESS_SPREAD)).any())
+
+    def lossless_side() -> tuple[torch.Tensor | None, float]:
+        """The near groups' scales and global scales; for a lossy tensor, the output's codes and their signal."""
+        if fast:
+            index = torch.tensor(fast, device=device)
+            sub = GroupLayout(torch.Size((len(fast), rows, layout.k)), 1, len(fast), rows, layout.k, layout.mx_block,
+                              mx.name)
+            part = scales3.index_select(0, index).reshape(len(fast) * rows, -1)
+            ms = [m[g] for g in fast]
+            remapped = pow2_scale_codes(part, sub, ms, [code_lo[g] for g in fast], [code_hi[g] for g in fast])
+            out_scales.index_copy_(0, index, remapped.reshape(len(fast), rows, halves))
+            global_scale.index_copy_(0, index, exact_pow2_list(ms, device))
+            for g, e in zip(fast, ms):
+                per_group[g] = lossless_stats(rows * halves, [math.ldexp(1.0, e)], "auto")
+        if not lossy:
+            return None, 0.0
+        return codes.clone(), signal_energy(codes, scales, layout.mx_block, layout.row_chunks(fast, chunk_elements))
+
+    def search() -> list:
+        """The groups out of reach together (as in one call, group by group), each tiny one on its own."""
+        changed = []
+        runs = [(searched, searched_index, searched_codes, searched_scales)]
+        for g in tiny:
+            index = torch.tensor([g], device=device)
+            runs.append(([g], index, codes3.index_select(0, index), scales3.index_select(0, index)))
+        for run, index, sub_codes, sub_scales in runs:
+            sub = MXFP4Tensor(sub_codes, sub_scales, layout.mx_block, name=mx.name)
+            nv, sub_stats = _convert(sub, "auto", 1 if len(run) > 1 else 0, None, m_rule, chunk_elements, effort)
+            out_scales.index_copy_(0, index, nv.scales.reshape(len(run), rows, halves))
+            global_scale.index_copy_(0, index, nv.global_scale.reshape(-1))
+            for g, st in zip(run, sub_stats.groups if len(run) > 1 else [sub_stats]):
+                per_group[g] = st
+            if nv.codes.data_ptr() != sub_codes.data_ptr():
+                changed.append((index, nv.codes.reshape(len(run), rows, -1)))
+        return changed
+
+    if lossy and device.type == "cpu":
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4pass-lossless-groups") as pool:
+            side = pool.submit(lossless_side)
+            try:
+                changed = search()
+            finally:
+                out_codes, fast_signal = side.result()
+    else:
+        changed = search()
+        out_codes, fast_signal = lossless_side()
+    if changed:
+        if out_codes is None:
+            out_codes = codes.clone()
+        for index, new in changed:
+            out_codes.reshape(groups, rows, -1).index_copy_(0, index, new)
+    else:
+        out_codes = codes  # every group kept its nibbles: shared with the input, as on the lossless path
+    nv = NVFP4Tensor(out_codes.reshape(mx.codes.shape), out_scales.reshape(*mx.shape[:-1], halves),
+                     global_scale.reshape(layout.group_shape), name=mx.name)
+    scale_list = global_scale.tolist()
+    total = groups * rows * halves
+    requantized = sum(st.blocks16_requantized for st in per_group)
+    sse = sum(st.extra.get("sse", 0.0) for st in per_group)
+    if requantized == 0 and sse == 0:
+        stats = lossless_stats(total, scale_list, "auto")
+    else:
+        if not lossy:  # searched, yet not foreseen: the near groups' signal was not summed alongside
+            fast_signal = signal_energy(codes, scales, layout.mx_block, layout.row_chunks(fast, chunk_elements))
+        signal = fast_signal + sum(st.extra.get("signal", 0.0) for st in per_group)
+        quiet = [g for g in range(groups) if g not in fast and "signal" not in per_group[g].extra]
+        signal += signal_energy(codes, scales, layout.mx_block, layout.row_chunks(quiet, chunk_elements))
+        n = total * 16
+        stats = ConversionStats(total, total - requantized, requantized, scale_list, sse / n,
+                                max(st.max_abs_err for st in per_group), snr_db(signal, sse), "auto",
+                                extra={"sse": sse, "signal": signal})
+    stats.groups = per_group
+    return nv, stats

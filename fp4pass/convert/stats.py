@@ -10,18 +10,25 @@ and auto otherwise take the same figures from their pattern search (``fp4pass.co
   ``blocks16_requantized``: the rest (requantized, or for ``verbatim`` snapped to a clamped scale).
 - ``global_scale``: the FP32 global scales (dequant multipliers), flattened, one per group.
 - ``mse_vs_reference``: mean (x_nv - reference)^2, only when a reference tensor was given.
+
+``groups`` (not a report key): the same figures per group (one :class:`ConversionStats` each, in group order)
+where the conversion has them without measuring again (lossless groups, and groups searched by pattern); None
+where it does not (``verbatim``, or a ``reference`` given): callers then measure per group themselves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
+import numpy as np
 import torch
 
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, decode_e8m0
 from fp4pass.metrics import snr_db
 
-__all__ = ["ConversionStats", "measure_stats"]
+__all__ = ["ConversionStats", "measure_stats", "signal_energy"]
 
 
 @dataclass
@@ -36,6 +43,7 @@ class ConversionStats:
     method_used: str
     mse_vs_reference: float | None = None
     extra: dict = field(default_factory=dict, repr=False)  # diagnostics, not part of the report's keys
+    groups: list | None = field(default=None, repr=False, compare=False)  # per group (module docstring)
 
     def to_json(self) -> dict:
         out = {
@@ -65,6 +73,64 @@ def lossless_stats(total_halves: int, global_scale: list[float], method: str) ->
     ``global_scale``: the FP32 global scales as host floats, flattened.
     """
     return ConversionStats(total_halves, total_halves, 0, list(global_scale), 0.0, 0.0, None, method)
+
+
+#: 4 * e2m1(m)^2 for the magnitudes m = 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6): integers
+_E2M1_SQUARE_X4 = np.array([0, 1, 4, 9, 16, 36, 64, 144], dtype=np.uint16)
+_BYTE = np.arange(256)
+#: 4 * (e2m1(low nibble)^2 + e2m1(high nibble)^2) of a packed byte (<= 288); the sign bits do not count
+BYTE_ENERGY_X4 = _E2M1_SQUARE_X4[_BYTE & 7] + _E2M1_SQUARE_X4[(_BYTE >> 4) & 7]
+_PAIR = np.arange(1 << 16)
+#: the same for two bytes read as one uint16 (<= 576): half as many lookups, in a 128 KiB table
+PAIR_ENERGY_X4 = (BYTE_ENERGY_X4[_PAIR & 0xFF] + BYTE_ENERGY_X4[_PAIR >> 8]).astype(np.uint16)
+_LANES = np.uint64(0x0001000100010001)
+
+
+def signal_energy(codes: torch.Tensor, scales: torch.Tensor, mx_block: int, chunks) -> float:
+    """sum x^2 over the MXFP4 values of rows ``chunks`` (row ranges of the flat codes [n, K/2], scales [n, K/B]).
+
+    x = e2m1(c) * 2^k, so sum x^2 = sum_k 4^k * E_k / 4 with E_k = sum over the blocks at exponent k of
+    sum_i 4 e2m1(c_i)^2, an integer. The E_k are summed exactly (integers well under 2^53 in float64), by table
+    lookups on the packed bytes and no float dequantization; the one rounding is in the final sum over the
+    exponents (at most 255 terms, ``math.fsum``). Finite for every E8M0 code below 255.
+
+    On CPU the table is read two bytes at a time, and a block's energies (four uint16 lanes per 64-bit word)
+    are added lane-wise, then across the lanes by one multiply (the sum stays below 2^16).
+    """
+    per_block = mx_block // 2
+    hist = np.zeros(256, dtype=np.float64)
+    if codes.device.type == "cpu":
+        words = per_block // 8  # 64-bit words of codes per block
+        lanes = words > 0 and per_block % 8 == 0 and 288 * per_block < (1 << 16)
+        for lo, hi in _small(chunks, codes.shape[1]):
+            raw = codes[lo:hi].numpy()
+            if lanes:
+                index = raw.view(np.uint16).astype(np.intp)
+                energy = np.take(PAIR_ENERGY_X4, index).view(np.uint64).reshape(-1, words)
+                lane_sum = energy[:, 0].copy()
+                for w in range(1, words):  # column adds: numpy's sum over a short axis is far slower
+                    lane_sum += energy[:, w]
+                block = (lane_sum * _LANES) >> np.uint64(48)
+            else:
+                block = np.take(BYTE_ENERGY_X4.astype(np.uint32), raw).reshape(-1, per_block).sum(-1)
+            hist += np.bincount(scales[lo:hi].numpy().reshape(-1), weights=block, minlength=256)
+    else:
+        table = torch.from_numpy(BYTE_ENERGY_X4.astype(np.float64)).to(codes.device)
+        total = torch.zeros(256, dtype=torch.float64, device=codes.device)
+        for lo, hi in chunks:
+            block = table[codes[lo:hi].long()].reshape(-1, per_block).sum(-1)
+            total.index_add_(0, scales[lo:hi].reshape(-1).long(), block)
+        hist = total.cpu().numpy()
+    return math.fsum(math.ldexp(float(e), 2 * (c - 127) - 2) for c, e in enumerate(hist.tolist()) if e)
+
+
+def _small(chunks, row_bytes: int, max_bytes: int = 1 << 18):
+    """The row ranges of ``chunks`` cut to about ``max_bytes`` of codes each (what the lookups make stays in
+    cache)."""
+    step = max(1, max_bytes // max(row_bytes, 1))
+    for lo, hi in chunks:
+        for start in range(lo, hi, step):
+            yield start, min(start + step, hi)
 
 
 def measure_stats(

@@ -80,7 +80,8 @@ def group_stats(mx, nv, group_dims: int, stats=None) -> list[dict]:
     ``group_dims`` is 0 (one global scale for the whole tensor: the tensor-wide keys say it all).
 
     ``mx``: the MXFP4Tensor converted, ``nv``: the NVFP4Tensor written. ``stats``: the converter's tensor-wide
-    statistics; when they say every 16-half was kept verbatim with zero error, nothing is measured again.
+    statistics; when they say every 16-half was kept verbatim with zero error, nothing is measured again, nor
+    when they carry the same figures per group (``stats.groups``, from the converter's pattern search).
     """
     if not group_dims:
         return []
@@ -90,6 +91,11 @@ def group_stats(mx, nv, group_dims: int, stats=None) -> list[dict]:
     halves = rows * (k // 16)
     if stats is not None and stats["mse"] == 0 and stats["blocks16_verbatim"] == stats["blocks16_total"]:
         return [_lossless_group(g, halves) for g in range(groups)]
+    per_group = getattr(stats, "groups", None)
+    if per_group is not None and len(per_group) == groups:  # the converter's own figures per group
+        return [{"expert": g, "blocks16_total": st.blocks16_total, "blocks16_verbatim": st.blocks16_verbatim,
+                 "mse": st.mse, "max_abs_err": st.max_abs_err, "snr_db": st.snr_db,
+                 "lossless": st.extra.get("sse", st.mse * halves * 16) == 0.0} for g, st in enumerate(per_group)]
     mx_codes = mx.codes.reshape(groups, rows, -1)
     mx_scales = mx.scales.reshape(groups, rows, -1)
     nv_codes = nv.codes.reshape(groups, rows, -1)
