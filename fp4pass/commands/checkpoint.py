@@ -30,6 +30,8 @@ experts have no compressed-tensors form (exit 2). --check reads the result back 
 """
 
 INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b        # a checkpoint folder: MXFP4 weights, spread, lossless forecast
+  fp4pass inspect gpt-oss-20b-nvfp4  # an NVFP4 folder (ours, ModelOpt's, llm-compressor's): problems, engine verdicts
+  fp4pass inspect Qwen3-30B-A3B-NVFP4 --engine vllm --json   # one engine; exit 0 clean, 1 problems, 2 unreadable
 """
 
 # ONNX-only flags of ``fp4pass convert`` and their defaults: given with a folder they are refused
@@ -152,7 +154,14 @@ def inspect_if_folder(args) -> int | None:
     if not _is_folder(args.model):
         return None
     from fp4pass.checkpoint import format_inspection, inspect
+    from fp4pass.checkpoint.validate import format_validation, is_nvfp4_folder, validate
 
+    if is_nvfp4_folder(args.model):  # an NVFP4 checkpoint: check it against the engines
+        result = validate(args.model, engine=getattr(args, "engine", None))
+        print(json.dumps(result, indent=2) if args.json else format_validation(result))
+        return 1 if result["problems"] else 0
+    if getattr(args, "engine", None):
+        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not one")
     info = inspect(args.model)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from fp4pass.commands import _safety, checkpoint
+from fp4pass.errors import UsageError
 
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
@@ -19,6 +20,8 @@ def register(sub, common) -> None:
     p.add_argument("model", metavar="IN", help="an ONNX file, or a checkpoint folder (config.json + *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _safety.add_allow_invalid(p)
+    p.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
+                   help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it")
     p.set_defaults(run=run)
 
 
@@ -26,6 +29,8 @@ def run(args) -> int:
     code = checkpoint.inspect_if_folder(args)  # a safetensors checkpoint folder
     if code is not None:
         return code
+    if args.engine:
+        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not a folder")
     from fp4pass.onnx.inspection import format_inspection, inspect
 
     _safety.check_model(args, args.model)

@@ -1,0 +1,957 @@
+"""Check any NVFP4 checkpoint folder (fp4pass's, ModelOpt's, llm-compressor's) against what the engines load.
+
+Only the headers and the scales are read, never the weights' codes: the scalar global and input scales in full,
+and at most :data:`BLOCK_SAMPLE_BYTES` of each block-scale tensor (evenly spread), so a 120B checkpoint is
+checked in seconds.
+
+Forms recognised (from the configs and the tensor names):
+
+- ModelOpt unified HF: ``hf_quant_config.json`` and/or config.json ``quantization_config`` with
+  ``quant_method: modelopt``; per Linear ``M``: ``M.weight`` U8 [N, K/2], ``M.weight_scale`` F8_E4M3
+  [N, K/16], ``M.weight_scale_2`` F32 scalar and ``M.input_scale`` F32 scalar, both MULTIPLIERS
+  (W = e2m1 x weight_scale x weight_scale_2; an activation is quantized with 1/input_scale);
+- ModelOpt's gpt-oss fused expert stacks (``P`` = ``...mlp.experts.gate_up_proj`` or ``.down_proj``):
+  ``P`` U8 [E, K/2, N], ``P_weight_scale`` F8_E4M3 [E, K/16, N], ``P_weight_scale_2``, ``P_input_scale``;
+- compressed-tensors ``nvfp4-pack-quantized``: ``M.weight_packed`` U8 [N, K/2], ``M.weight_scale`` F8_E4M3
+  [N, K/16], ``M.weight_global_scale`` and ``M.input_global_scale`` F32 [1], both DIVISORS
+  (W = e2m1 x weight_scale / weight_global_scale);
+- DeepSeek-V4's ``quant_method: fp8`` with ``moe_quant_algo: NVFP4`` (ModelOpt tensor names, W4A4).
+
+Magnitudes. With ``s_max`` the largest block scale and ``g`` the global scale read as a multiplier, the largest
+weight the checkpoint decodes to is ``6 x s_max x g``. A real weight's amax lies in [2^-14, 2^10]; a global
+scale stored in the other convention gives ``6 x s_max / g`` instead, which for ModelOpt's ``g = amax / 2688``
+is ~7e6 / amax (out of that range by orders of magnitude). So a scale whose stored reading is implausible while
+its reciprocal reading is plausible is a divisor stored as a multiplier (or the reverse). Activations: the
+amax ``2688 x input_scale`` must lie in [2^-12, 2^16] under the same test. A global scale of exactly 1 with
+every block scale at most 16 (448 is E4M3's top) means the global scale was folded into the E4M3 block scales:
+small blocks then fall into E4M3's subnormals (2^-9 steps) and lose up to a quarter of their value.
+
+Every problem names the module or tensor, the consequence and the fix; ``engines`` lists the engines it
+affects (all when absent). Exit codes of ``fp4pass inspect``: 0 no problem, 1 problems, 2 unreadable folder.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp4pass.checkpoint import catalog as catalog_mod
+from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, read_json_file
+from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
+
+__all__ = ["validate", "format_validation", "is_nvfp4_folder", "Problem", "KINDS", "BLOCK_SAMPLE_BYTES"]
+
+#: problem kinds, each with what it does to a deployment
+KINDS = {
+    "missing_shard": "a shard the index names is not in the folder",
+    "unreadable_shard": "a shard's header cannot be read",
+    "missing_tensor": "a quantized module lacks its packed weight",
+    "missing_scale": "a quantized module lacks a scale the engine loads",
+    "scale_missing_some_experts": "some experts of a layer have an input scale, others none",
+    "zero_scale": "a scale is zero",
+    "negative_scale": "a scale is negative",
+    "nonfinite_scale": "a scale is NaN or infinite",
+    "w1_w3_mismatch": "gate (w1) and up (w3) of one expert have different scales",
+    "scale_convention": "a divisor stored as a multiplier, or the reverse",
+    "folded_global_scale": "the global scale folded into the E4M3 block scales",
+    "unexcluded_linear": "a bf16/f16/f32 Linear the engine would quantize (not in the exclusions)",
+    "quantized_lm_head": "lm_head is quantized",
+    "quantized_router": "a MoE router (gate) is quantized",
+    "dtype_shape": "dtypes or shapes that do not fit the form",
+    "missing_config_field": "a config field the engine needs is missing",
+    "bad_config_value": "a config value the engines do not accept",
+    "config_disagreement": "config.json and hf_quant_config.json disagree",
+    "engine_cannot_load": "the engine's loader cannot load this form",
+    "no_quantized_modules": "no NVFP4 module found",
+}
+
+BLOCK_SAMPLE_BYTES = 16384  # per block-scale tensor: 4 evenly spread pieces of 4 KiB (all of a smaller one)
+_PIECES = 4
+WEIGHT_AMAX_RANGE = (2.0 ** -14, 2.0 ** 10)
+ACT_AMAX_RANGE = (2.0 ** -12, 2.0 ** 16)
+FP4_MAX, E4M3_MAX = 6.0, 448.0
+FOLDED_BLOCK_MAX = 16.0
+ENGINE_NAMES = ("vllm", "sglang", "trtllm")
+
+_FLOAT_WEIGHTS = ("BF16", "F16", "F32")
+_EMBEDDING_LEAVES = {"embed_tokens", "embed", "embeddings", "word_embeddings", "wte", "wpe", "tok_embeddings",
+                     "embed_positions"}
+_ROUTER_LEAVES = {"gate", "router", "shared_expert_gate"}
+_MOE_PARENTS = {"mlp", "ffn", "block_sparse_moe", "moe", "feed_forward"}
+_GATE, _UP = ("w1", "gate_proj"), ("w3", "up_proj")
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
+_FUSED = re.compile(r"^(?P<p>.+\.experts\.(?:gate_up_proj|down_proj))_(?P<what>weight_scale_2|weight_scale|"
+                    r"input_scale)$")
+# per-module tensor suffix -> (role, convention)
+_SUFFIXES = {"weight_scale_2": ("global", "multiplier"), "input_scale": ("input", "multiplier"),
+             "weight_global_scale": ("global", "divisor"), "input_global_scale": ("input", "divisor"),
+             "weight_scale": ("block", None), "weight_packed": ("codes", "divisor"), "weight": ("codes", None)}
+
+
+def _engines():
+    from fp4pass.checkpoint import engines
+
+    return engines
+
+
+@dataclass
+class Problem:
+    """One finding: ``kind`` (a key of :data:`KINDS`), a message with the consequence and the fix."""
+
+    kind: str
+    message: str
+    module: str | None = None
+    tensor: str | None = None
+    engines: list[str] | None = None  # None: every engine
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "message": self.message}
+        for key in ("module", "tensor", "engines"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass
+class Module:
+    """A quantized module: a Linear (per expert or dense) or a gpt-oss fused expert stack."""
+
+    name: str
+    layout: str  # "linear" | "fused-experts"
+    codes: TensorEntry | None = None
+    block: TensorEntry | None = None
+    global_: TensorEntry | None = None
+    input: TensorEntry | None = None
+    convention: str | None = None  # "multiplier" (ModelOpt) | "divisor" (compressed-tensors)
+    global_value: np.ndarray | None = None  # as stored
+    input_value: np.ndarray | None = None
+    block_max: float | None = None  # the sample's largest finite block scale
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out = {"module": self.name, "layout": self.layout}
+        if self.codes is not None:
+            out["weight"] = self.codes.name
+            out["weight_shape"] = list(self.codes.shape)
+        if self.convention:
+            out["convention"] = self.convention
+        for key, value in (("global_scale", self.global_value), ("input_scale", self.input_value)):
+            if value is not None and value.size:
+                out[key] = float(value.reshape(-1)[0]) if value.size == 1 else [float(v) for v in value.reshape(-1)]
+        if self.block_max is not None:
+            out["block_scale_max"] = self.block_max
+        return out
+
+
+@dataclass
+class _Folder:
+    """A checkpoint folder read leniently: the shards that could be opened, the problems of the others."""
+
+    path: Path
+    config: dict
+    quant_config: dict | None  # hf_quant_config.json
+    shards: dict[str, SafetensorsFile]
+    tensors: dict[str, TensorEntry]
+    problems: list[Problem]
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
+
+
+def _member(folder: Path, name: str, follow_symlinks: bool) -> Path:
+    """``folder / name`` under the catalog's rule on symlinks (a link out of the folder is refused)."""
+    member_path = getattr(catalog_mod, "member_path", None)
+    return member_path(folder, name, follow_symlinks) if member_path else folder / name
+
+
+def _read_folder(folder, follow_symlinks: bool = False) -> _Folder:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder")
+    config_path = _member(folder, CONFIG_NAME, follow_symlinks)
+    if not config_path.exists():
+        raise CheckpointError(f"{folder}: no {CONFIG_NAME}: not a Hugging Face checkpoint folder")
+    config = read_json_file(config_path, CONFIG_NAME)
+    quant_path = _member(folder, QUANT_CONFIG_NAME, follow_symlinks)
+    quant_config = read_json_file(quant_path, QUANT_CONFIG_NAME) if quant_path.exists() else None
+    problems: list[Problem] = []
+    index_path = _member(folder, INDEX_NAME, follow_symlinks)
+    weight_map = None
+    if index_path.exists():
+        index = read_json_file(index_path, "the index")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map is not an object of tensor name -> shard file")
+        names = sorted(set(weight_map.values()))
+    else:
+        names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".safetensors"))
+    if not names:
+        raise CheckpointError(f"{folder}: no *.safetensors shards and no index: nothing to read")
+    shards: dict[str, SafetensorsFile] = {}
+    try:
+        for name in names:
+            if name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
+                raise CheckpointError(f"{index_path}: shard {name!r} is not a file name in the folder")
+            path = _member(folder, name, follow_symlinks)
+            if not path.exists():
+                count = sum(1 for v in weight_map.values() if v == name) if weight_map else 0
+                problems.append(Problem(
+                    "missing_shard", f"{name}: named by {INDEX_NAME} for {count} tensor(s) but not in the folder; "
+                    "every engine stops loading at it; fix: copy the shard in (an interrupted download?) or "
+                    "rewrite the index", tensor=name))
+                continue
+            try:
+                shards[name] = SafetensorsFile(path)
+            except CheckpointError as exc:
+                problems.append(Problem("unreadable_shard", f"{exc}; every engine fails to load it; fix: "
+                                        "download or write the shard again", tensor=name))
+    except BaseException:
+        for shard in shards.values():
+            shard.close()
+        raise
+    tensors: dict[str, TensorEntry] = {}
+    for name, shard in shards.items():
+        for entry in shard.entries.values():
+            if weight_map is not None and weight_map.get(entry.name) != name:
+                continue  # a tensor the index does not place here: engines do not read it from this shard
+            tensors.setdefault(entry.name, entry)
+    if weight_map is not None:
+        for tensor, shard_name in weight_map.items():
+            if shard_name in shards and tensor not in tensors:
+                problems.append(Problem("missing_tensor", f"{tensor}: {INDEX_NAME} places it in {shard_name}, "
+                                        "which does not hold it; engines fail to load; fix: rewrite the index",
+                                        tensor=tensor))
+    return _Folder(folder, config, quant_config, shards, tensors, problems)
+
+
+# ----------------------------------------------------------------------------------------------- the configs
+
+@dataclass
+class _Configs:
+    form: str
+    quant_algo: str | None
+    qc: dict | None  # config.json quantization_config
+    hq: dict | None  # hf_quant_config.json "quantization"
+    input_needed: dict[str, bool]  # per engine: W4A4 (input scales loaded) or W4A16
+    exclude: dict[str, list[str]]  # per engine: the exclusion list it reads
+
+
+def _groups(qc: dict | None) -> dict:
+    groups = (qc or {}).get("config_groups")
+    return groups if isinstance(groups, dict) else {}
+
+
+def _read_configs(config: dict, quant_file: dict | None, problems: list[Problem]) -> _Configs:
+    qc = config.get("quantization_config")
+    qc = qc if isinstance(qc, dict) else None
+    hq = None
+    if quant_file is not None:
+        hq = quant_file.get("quantization")
+        if not isinstance(hq, dict):
+            problems.append(Problem("missing_config_field", f"{QUANT_CONFIG_NAME}: no \"quantization\" object; "
+                                    "TensorRT-LLM and vLLM cannot read it; fix: write {\"quantization\": "
+                                    "{\"quant_algo\": ..., \"kv_cache_quant_algo\": ..., \"group_size\": 16, "
+                                    "\"exclude_modules\": [...]}}", tensor=QUANT_CONFIG_NAME))
+            hq = {}
+    method = str((qc or {}).get("quant_method", "")).lower()
+    if method.startswith("modelopt") or (qc is None and hq is not None):
+        form = "modelopt"
+        algo = (qc or {}).get("quant_algo") or (hq or {}).get("quant_algo")
+    elif method == "compressed-tensors":
+        form = "compressed-tensors"
+        algo = None
+    elif method == "fp8" and (qc or {}).get("moe_quant_algo"):
+        form = "deepseek-fp8-moe-nvfp4"
+        algo = str(qc["moe_quant_algo"])
+    else:
+        form = "unknown"
+        algo = None
+    algo = str(algo).upper() if algo else None
+    input_needed = {name: False for name in ENGINE_NAMES}
+    if form == "modelopt":
+        w4a4 = algo == "NVFP4"
+        groups = _groups(qc)
+        vllm_w4a16 = bool(groups) and all(isinstance(g, dict) and g.get("input_activations") is None
+                                          for g in groups.values())
+        input_needed = {"vllm": w4a4 and not vllm_w4a16, "sglang": w4a4, "trtllm": w4a4}
+    elif form == "compressed-tensors":
+        w4a4 = any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
+                   and g["input_activations"].get("dynamic") is not True for g in _groups(qc).values())
+        input_needed = {name: w4a4 for name in ENGINE_NAMES}
+    elif form == "deepseek-fp8-moe-nvfp4":
+        input_needed = {name: algo == "NVFP4" for name in ENGINE_NAMES}
+    qc_exclude = None
+    if qc is not None:
+        qc_exclude = qc.get("ignore", qc.get("exclude_modules"))
+    hq_exclude = (hq or {}).get("exclude_modules")
+    first = qc_exclude if qc_exclude is not None else hq_exclude
+    exclude = {"vllm": first, "sglang": first,
+               "trtllm": hq_exclude if hq_exclude is not None else qc_exclude}
+    exclude = {k: [str(p) for p in v] if isinstance(v, list) else [] for k, v in exclude.items()}
+    return _Configs(form, algo, qc, hq, input_needed, exclude)
+
+
+def _check_configs(cfg: _Configs, problems: list[Problem]) -> None:
+    """Required fields, accepted values, and config.json against hf_quant_config.json."""
+    hq, qc = cfg.hq, cfg.qc
+    if hq is not None and hq != {}:
+        missing = [k for k in ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules") if k not in hq]
+        readers = ["trtllm"] if qc is not None else list(ENGINE_NAMES)
+        for key in missing:
+            problems.append(Problem(
+                "missing_config_field", f"{QUANT_CONFIG_NAME}: quantization.{key} is missing; vLLM refuses the "
+                f"file (\"NVFP4 quantization requires the following fields\") and TensorRT-LLM cannot read it; "
+                f"fix: add \"{key}\" (null where it does not apply)", tensor=QUANT_CONFIG_NAME, engines=readers))
+        if "group_size" in hq and hq["group_size"] != 16:
+            problems.append(Problem("bad_config_value", f"{QUANT_CONFIG_NAME}: group_size {hq['group_size']!r}; "
+                                    "NVFP4 blocks are 16 elements; fix: \"group_size\": 16",
+                                    tensor=QUANT_CONFIG_NAME, engines=readers))
+    if cfg.form == "modelopt" and qc is not None and not qc.get("quant_algo"):
+        problems.append(Problem("missing_config_field", f"{CONFIG_NAME}: quantization_config.quant_algo is "
+                                "missing; vLLM raises \"Missing 'quant_algo' in quantization config\"; fix: "
+                                "\"quant_algo\": \"NVFP4\" (or \"W4A16_NVFP4\" without input scales)",
+                                tensor=CONFIG_NAME, engines=["vllm", "sglang"]))
+    if cfg.form == "compressed-tensors":
+        groups = _groups(qc)
+        if not groups:
+            problems.append(Problem("missing_config_field", f"{CONFIG_NAME}: quantization_config.config_groups is "
+                                    "missing or empty; compressed-tensors and vLLM quantize nothing or refuse; "
+                                    "fix: one group with targets [\"Linear\"] and the NVFP4 weights arguments",
+                                    tensor=CONFIG_NAME))
+        top = qc.get("format")
+        for gname, group in groups.items():
+            group = group if isinstance(group, dict) else {}
+            fmt = group.get("format", top)
+            if fmt is None:
+                problems.append(Problem("missing_config_field", f"{CONFIG_NAME}: quantization_config has no "
+                                        f"\"format\" (top level or in {gname}); vLLM cannot tell the packed NVFP4 "
+                                        "form; fix: \"format\": \"nvfp4-pack-quantized\"", tensor=CONFIG_NAME))
+            elif fmt != "nvfp4-pack-quantized":
+                problems.append(Problem("bad_config_value", f"{CONFIG_NAME}: {gname} format {fmt!r} with NVFP4 "
+                                        "tensors; engines read the tensors in another layout; fix: "
+                                        "\"nvfp4-pack-quantized\"", tensor=CONFIG_NAME))
+            weights = group.get("weights")
+            if not isinstance(weights, dict):
+                problems.append(Problem("missing_config_field", f"{CONFIG_NAME}: {gname} has no \"weights\"; "
+                                        "nothing is quantized; fix: the NVFP4 weights arguments",
+                                        tensor=CONFIG_NAME))
+                continue
+            want = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
+            for key, value in want.items():
+                if weights.get(key) != value:
+                    problems.append(Problem("bad_config_value", f"{CONFIG_NAME}: {gname}.weights.{key} is "
+                                            f"{weights.get(key)!r}, NVFP4 needs {value!r}; vLLM picks another "
+                                            f"scheme or refuses; fix: \"{key}\": {value!r}", tensor=CONFIG_NAME))
+    if cfg.form == "unknown":
+        problems.append(Problem("missing_config_field", f"{CONFIG_NAME}: no quantization_config that names NVFP4 "
+                                f"(quant_method modelopt or compressed-tensors) and no {QUANT_CONFIG_NAME}; "
+                                "engines load the NVFP4 tensors as plain weights and fail; fix: write the "
+                                "quantization config of the form the tensors are in", tensor=CONFIG_NAME))
+    if qc is not None and hq:
+        _compare(cfg, qc, hq, problems)
+
+
+def _compare(cfg: _Configs, qc: dict, hq: dict, problems: list[Problem]) -> None:
+    def disagree(what: str, a, b) -> None:
+        problems.append(Problem("config_disagreement", f"{what}: {CONFIG_NAME} says {a!r}, {QUANT_CONFIG_NAME} "
+                                f"says {b!r}; vLLM and SGLang read {CONFIG_NAME}, TensorRT-LLM reads "
+                                f"{QUANT_CONFIG_NAME}, so they serve different models; fix: write the same in "
+                                "both", tensor=QUANT_CONFIG_NAME))
+
+    if cfg.form != "modelopt":
+        disagree("quant_method", qc.get("quant_method"), "modelopt")
+        return
+    a, b = qc.get("quant_algo"), hq.get("quant_algo")
+    if a and b and str(a).upper() != str(b).upper():
+        disagree("quant_algo", a, b)
+    if "group_size" in qc and "group_size" in hq and qc["group_size"] != hq["group_size"]:
+        disagree("group_size", qc["group_size"], hq["group_size"])
+    if "kv_cache_quant_algo" in qc and "kv_cache_quant_algo" in hq and qc["kv_cache_quant_algo"] != hq[
+            "kv_cache_quant_algo"]:
+        disagree("kv_cache_quant_algo", qc["kv_cache_quant_algo"], hq["kv_cache_quant_algo"])
+    lists = {key: qc[key] for key in ("ignore", "exclude_modules") if isinstance(qc.get(key), list)}
+    hq_list = hq.get("exclude_modules")
+    if isinstance(hq_list, list):
+        for key, value in lists.items():
+            if sorted(map(str, value)) != sorted(map(str, hq_list)):
+                only_a = sorted(set(map(str, value)) - set(map(str, hq_list)))
+                only_b = sorted(set(map(str, hq_list)) - set(map(str, value)))
+                disagree(f"exclusions ({key} vs exclude_modules)", f"{len(value)} entries, {only_a[:3]} not in "
+                         f"the other", f"{len(hq_list)} entries, {only_b[:3]} not in the other")
+                break
+
+
+# --------------------------------------------------------------------------------------------- the tensors
+
+def _find_modules(tensors: dict[str, TensorEntry]) -> dict[str, Module]:
+    """Every quantized module, from its scale tensors (a module with no scale tensor is not NVFP4)."""
+    modules: dict[str, Module] = {}
+    for name, entry in tensors.items():
+        fused = _FUSED.match(name)
+        if fused:
+            mod = modules.setdefault(fused["p"], Module(fused["p"], "fused-experts", convention="multiplier"))
+            role = {"weight_scale": "block", "weight_scale_2": "global", "input_scale": "input"}[fused["what"]]
+            setattr(mod, {"block": "block", "global": "global_", "input": "input"}[role], entry)
+            continue
+        prefix, _, suffix = name.rpartition(".")
+        if suffix not in _SUFFIXES or suffix in ("weight", "weight_packed") or not prefix:
+            continue
+        role, convention = _SUFFIXES[suffix]
+        mod = modules.setdefault(prefix, Module(prefix, "linear"))
+        setattr(mod, {"block": "block", "global": "global_", "input": "input"}[role], entry)
+        if convention:
+            if mod.convention and mod.convention != convention:
+                mod.extra["mixed"] = True
+            mod.convention = mod.convention or convention
+    for mod in modules.values():
+        if mod.layout == "fused-experts":
+            mod.codes = tensors.get(mod.name)
+        else:
+            mod.codes = tensors.get(f"{mod.name}.weight_packed") or tensors.get(f"{mod.name}.weight")
+            if mod.convention is None:
+                mod.convention = "divisor" if f"{mod.name}.weight_packed" in tensors else "multiplier"
+    # a block scale alone is not NVFP4 (FP8 block-quantized weights carry a weight_scale too): keep a module when
+    # its block scale is E4M3 beside packed U8 codes, or it has an NVFP4 global scale
+    out = {}
+    for name, mod in modules.items():
+        nvfp4_codes = mod.codes is not None and mod.codes.dtype == "U8"
+        fp8_weight = mod.codes is not None and mod.codes.dtype.startswith("F8")
+        if fp8_weight and mod.global_ is None:
+            continue
+        if mod.global_ is not None or (nvfp4_codes and mod.block is not None) or mod.layout == "fused-experts":
+            out[name] = mod
+    return out
+
+
+def _scalar(folder: _Folder, entry: TensorEntry) -> np.ndarray | None:
+    if entry.dtype not in ("F32", "F16", "BF16", "F64") or entry.nbytes > 1 << 20:
+        return None
+    shard = folder.shards[entry.shard]
+    return shard.read(entry.name).to(torch.float64).reshape(-1).numpy()
+
+
+def _block_sample(folder: _Folder, entry: TensorEntry) -> np.ndarray | None:
+    """Up to :data:`BLOCK_SAMPLE_BYTES` of an E4M3 block-scale tensor, decoded, in evenly spread pieces."""
+    if entry.dtype != "F8_E4M3" or entry.nbytes == 0:
+        return None
+    shard = folder.shards[entry.shard]
+    if entry.nbytes <= BLOCK_SAMPLE_BYTES:
+        raw = np.empty(entry.nbytes, dtype=np.uint8)
+        shard.read_bytes(entry.name, 0, raw)
+    else:
+        piece = BLOCK_SAMPLE_BYTES // _PIECES
+        raw = np.empty(piece * _PIECES, dtype=np.uint8)
+        step = (entry.nbytes - piece) // (_PIECES - 1)
+        for i in range(_PIECES):
+            shard.read_bytes(entry.name, i * step, raw[i * piece:(i + 1) * piece])
+    return torch.from_numpy(raw).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+
+
+def _check_shapes(mod: Module, problems: list[Problem]) -> bool:
+    """dtype and shape rules of the module's form; False when the scales cannot be read as NVFP4."""
+    ok = True
+
+    def bad(tensor: str, what: str, fix: str) -> None:
+        nonlocal ok
+        ok = False
+        problems.append(Problem("dtype_shape", f"{tensor}: {what}; the engine's loader refuses it (shape or dtype "
+                                f"mismatch in weight_loader); fix: {fix}", module=mod.name, tensor=tensor))
+
+    codes, block = mod.codes, mod.block
+    codes_name = mod.name if mod.layout == "fused-experts" else f"{mod.name}.{'weight_packed' if mod.convention == 'divisor' else 'weight'}"
+    if codes is None:
+        problems.append(Problem("missing_tensor", f"{codes_name}: missing, but the module has NVFP4 scales; the "
+                                "engine builds an NVFP4 layer and finds no weight (\"was never loaded\", or "
+                                "garbage); fix: write the packed E2M1 weight", module=mod.name, tensor=codes_name))
+        ok = False
+    if block is None:
+        tensor = f"{mod.name}_weight_scale" if mod.layout == "fused-experts" else f"{mod.name}.weight_scale"
+        problems.append(Problem("missing_scale", f"{tensor}: missing; the engine's block scales stay uninitialised "
+                                "(garbage output) or the load fails; fix: write the E4M3 block scales [N, K/16]",
+                                module=mod.name, tensor=tensor))
+        ok = False
+    rank = 3 if mod.layout == "fused-experts" else 2
+    if codes is not None and (codes.dtype != "U8" or len(codes.shape) != rank):
+        bad(codes.name, f"{codes.dtype} {list(codes.shape)}, packed E2M1 needs U8 of rank {rank}",
+            "two E2M1 codes per byte, uint8")
+        codes = None
+    if block is not None and (block.dtype != "F8_E4M3" or len(block.shape) != rank):
+        bad(block.name, f"{block.dtype} {list(block.shape)}, NVFP4 block scales are F8_E4M3 of rank {rank}",
+            "float8_e4m3fn block scales (an E8M0/U8 scale is MXFP4, not NVFP4)")
+        block = None
+    if codes is not None and block is not None:
+        if rank == 2:
+            n, half = codes.shape
+            want = [n, -(-2 * half // 16)]
+            got = list(block.shape)
+            layout = "[N, K/16] beside the weight's [N, K/2]"
+        else:
+            e, half, n = codes.shape
+            want = [e, -(-2 * half // 16), n]
+            got = list(block.shape)
+            layout = "[E, K/16, N] beside the weight's [E, K/2, N]"
+        if got != want:
+            bad(block.name, f"shape {got}, expected {want} ({layout} {list(codes.shape)})",
+                "block scales of one E4M3 per 16 weights along the input dimension")
+    for entry, role in ((mod.global_, "global"), (mod.input, "input")):
+        if entry is None:
+            continue
+        per_expert = mod.layout == "fused-experts" and codes is not None and math.prod(entry.shape) == codes.shape[0]
+        if entry.dtype != "F32" or (math.prod(entry.shape) != 1 and not per_expert):
+            bad(entry.name, f"{entry.dtype} {list(entry.shape)}, a {role} scale is one F32 ([] or [1])",
+                "one float32 number")
+    return ok
+
+
+def _value_problems(mod: Module, entry: TensorEntry, values: np.ndarray, role: str, problems: list[Problem]) -> bool:
+    """Zero, negative or non-finite scalar scales; True when every value is a usable positive number."""
+    conv = "multiplier" if mod.convention == "multiplier" else "divisor"
+    what = "input scale" if role == "input" else "weight global scale"
+    if role == "input":
+        effect = ("the engine quantizes activations with 1/input_scale = inf: NaN output on the prompts that reach "
+                  "this module (vLLM #45212)" if conv == "multiplier" else
+                  "activations quantized with a zero or broken divisor: NaN or zero output")
+        fix = ("a finite positive amax/2688 from calibration, or the largest over the layer's experts "
+               "(what ModelOpt writes for experts calibration never reached)")
+    else:
+        effect = "every weight of the module dequantizes to 0, NaN or the wrong sign: the model's output is garbage"
+        fix = "the finite positive global scale the block scales were made with"
+    if conv == "divisor":
+        fix = "the reciprocal of " + fix
+    good = True
+    for kind, mask, adjective in (("nonfinite_scale", ~np.isfinite(values), "NaN or infinite"),
+                                  ("zero_scale", values == 0, "zero"),
+                                  ("negative_scale", np.isfinite(values) & (values < 0), "negative")):
+        if mask.any():
+            good = False
+            problems.append(Problem(kind, f"{entry.name}: {what} ({conv}) is {adjective} "
+                                    f"({values[mask][0]!r}); {effect}; fix: {fix}", module=mod.name, tensor=entry.name))
+    return good
+
+
+def _check_values(folder: _Folder, mod: Module, problems: list[Problem]) -> None:
+    if mod.global_ is not None and mod.global_.dtype in ("F32", "F16", "BF16"):
+        mod.global_value = _scalar(folder, mod.global_)
+    if mod.input is not None and mod.input.dtype in ("F32", "F16", "BF16"):
+        mod.input_value = _scalar(folder, mod.input)
+    sample = _block_sample(folder, mod.block) if mod.block is not None else None
+    if sample is not None and sample.size:
+        nan = np.isnan(sample)
+        if nan.any():
+            problems.append(Problem("nonfinite_scale", f"{mod.block.name}: {int(nan.sum())} of {sample.size} block "
+                                    "scales read are NaN (E4M3 0x7F/0xFF); those blocks dequantize to NaN; fix: "
+                                    "finite block scales (at most 448)", module=mod.name, tensor=mod.block.name))
+        neg = sample < 0
+        if neg.any():
+            problems.append(Problem("negative_scale", f"{mod.block.name}: {int(neg.sum())} of {sample.size} block "
+                                    "scales read are negative; those blocks dequantize with the wrong sign; fix: "
+                                    "non-negative block scales", module=mod.name, tensor=mod.block.name))
+        finite = sample[np.isfinite(sample)]
+        mod.block_max = float(finite.max()) if finite.size else None
+    global_ok = False
+    if mod.global_value is not None and mod.global_value.size:
+        global_ok = _value_problems(mod, mod.global_, mod.global_value, "global", problems)
+    input_ok = False
+    if mod.input_value is not None and mod.input_value.size:
+        input_ok = _value_problems(mod, mod.input, mod.input_value, "input", problems)
+    if global_ok and mod.block_max:
+        _check_weight_magnitude(mod, problems)
+    if input_ok:
+        _check_input_magnitude(mod, problems)
+
+
+def _inside(value: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] <= value <= bounds[1]
+
+
+def _check_weight_magnitude(mod: Module, problems: list[Problem]) -> None:
+    stored = float(mod.global_value.max())
+    multiplier = stored if mod.convention == "multiplier" else 1.0 / stored
+    if multiplier == 1.0:
+        if mod.block_max <= FOLDED_BLOCK_MAX:
+            problems.append(Problem(
+                "folded_global_scale", f"{mod.global_.name}: global scale 1 and the block scales at most "
+                f"{mod.block_max:g} (E4M3 reaches 448): the per-tensor scale was folded into the E4M3 block scales, "
+                "so small blocks fall into E4M3's subnormals (steps of 2^-9) and lose up to 25% of their value; "
+                "fix: requantize with a float32 global scale = amax/2688 and block scales up to 448",
+                module=mod.name, tensor=mod.global_.name))
+        return
+    as_stored = FP4_MAX * mod.block_max * multiplier
+    other = FP4_MAX * mod.block_max / multiplier
+    if not _inside(as_stored, WEIGHT_AMAX_RANGE) and _inside(other, WEIGHT_AMAX_RANGE):
+        expected, wrote = (("a multiplier (weight_scale_2)", "a divisor") if mod.convention == "multiplier" else
+                           ("a divisor (weight_global_scale)", "a multiplier"))
+        problems.append(Problem(
+            "scale_convention", f"{mod.global_.name}: {stored:.6g} decodes the weights to an amax of {as_stored:.3g} "
+            f"(6 x block max {mod.block_max:g} x scale), but to {other:.3g} read the other way: {wrote} was stored "
+            f"where the form keeps {expected}; the engine scales the weights by {as_stored / other:.3g}x; fix: "
+            f"store its reciprocal {1.0 / stored:.6g}", module=mod.name, tensor=mod.global_.name))
+
+
+def _check_input_magnitude(mod: Module, problems: list[Problem]) -> None:
+    stored = float(mod.input_value.max())
+    as_stored = 2688.0 * stored if mod.convention == "multiplier" else 2688.0 / stored
+    other = 2688.0 / stored if mod.convention == "multiplier" else 2688.0 * stored
+    if not _inside(as_stored, ACT_AMAX_RANGE) and _inside(other, ACT_AMAX_RANGE):
+        wrote = "a divisor" if mod.convention == "multiplier" else "a multiplier"
+        problems.append(Problem(
+            "scale_convention", f"{mod.input.name}: {stored:.6g} means an activation amax of {as_stored:.3g}, "
+            f"{other:.3g} read the other way: {wrote} was stored; activations are quantized {as_stored / other:.3g}x "
+            f"off (all zeros or all clipped); fix: store its reciprocal {1.0 / stored:.6g}",
+            module=mod.name, tensor=mod.input.name))
+
+
+def _input_name(mod: Module) -> str:
+    if mod.layout == "fused-experts":
+        return f"{mod.name}_input_scale"
+    return f"{mod.name}.{'input_global_scale' if mod.convention == 'divisor' else 'input_scale'}"
+
+
+def _global_name(mod: Module) -> str:
+    if mod.layout == "fused-experts":
+        return f"{mod.name}_weight_scale_2"
+    return f"{mod.name}.{'weight_global_scale' if mod.convention == 'divisor' else 'weight_scale_2'}"
+
+
+def _check_presence(modules: dict[str, Module], cfg: _Configs, problems: list[Problem]) -> None:
+    """Global scales everywhere; input scales where an engine loads them, for all experts of a layer or none."""
+    for mod in modules.values():
+        if mod.global_ is None:
+            tensor = _global_name(mod)
+            problems.append(Problem("missing_scale", f"{tensor}: missing; the engine's global scale stays "
+                                    "uninitialised (garbage or NaN output; vLLM does not check for missing weights "
+                                    "of a quantized model); fix: write the float32 global scale", module=mod.name,
+                                    tensor=tensor))
+    needing = [e for e, need in cfg.input_needed.items() if need]
+    if not needing:
+        return
+    with_input = [m for m in modules.values() if m.input is not None]
+    without = [m for m in modules.values() if m.input is None]
+    if not without:
+        return
+    if not with_input:
+        algo = cfg.quant_algo or "input activations quantized"
+        problems.append(Problem(
+            "missing_scale", f"no module has an input scale, but the config says W4A4 ({algo}); "
+            f"{', '.join(needing)} quantize activations with an input scale that was never loaded (garbage, or "
+            "1.0 in SGLang); fix: write input scales, or declare weight-only (quant_algo W4A16_NVFP4, "
+            "input_activations null)", engines=needing))
+        return
+    layers: dict[str, list[Module]] = {}
+    for mod in modules.values():
+        match = _EXPERT.match(mod.name)
+        if match:
+            layers.setdefault(f"{match['layer']}.*.{match['proj']}", []).append(mod)
+    reported = set()
+    for pattern, mods in layers.items():
+        missing = [m for m in mods if m.input is None]
+        if missing and len(missing) < len(mods):
+            reported.update(m.name for m in missing)
+            problems.append(Problem(
+                "scale_missing_some_experts", f"{_input_name(missing[0])}: {len(missing)} of {len(mods)} experts "
+                f"of {pattern} have no input scale (experts calibration never reached?); the engine reads 0 or "
+                "garbage for them: NaN output on the prompts routed there (vLLM #45212); fix: give those experts "
+                "the largest input scale of the layer, as ModelOpt does", module=missing[0].name,
+                tensor=_input_name(missing[0]), engines=needing))
+    for mod in without:
+        if mod.name not in reported:
+            tensor = _input_name(mod)
+            problems.append(Problem("missing_scale", f"{tensor}: missing while the other modules have one (W4A4); "
+                                    "the engine's input scale stays uninitialised: NaN or garbage; fix: write its "
+                                    "calibrated input scale", module=mod.name, tensor=tensor, engines=needing))
+
+
+def _check_pairs(modules: dict[str, Module], problems: list[Problem]) -> None:
+    """w1/w3 (gate/up) of one expert share one weight global scale and one input scale in every engine."""
+    pairs: dict[str, dict[str, Module]] = {}
+    for mod in modules.values():
+        match = _EXPERT.match(mod.name)
+        if match and match["proj"] in _GATE + _UP:
+            pairs.setdefault(f"{match['layer']}.{match['e']}", {})["gate" if match["proj"] in _GATE else "up"] = mod
+    for expert, pair in pairs.items():
+        if len(pair) != 2:
+            continue
+        gate, up = pair["gate"], pair["up"]
+        for attr, what in (("global_value", "weight global scale"), ("input_value", "input scale")):
+            a, b = getattr(gate, attr), getattr(up, attr)
+            if a is None or b is None or not a.size or not b.size or np.array_equal(a, b):
+                continue
+            problems.append(Problem(
+                "w1_w3_mismatch", f"{expert}: {gate.name.rpartition('.')[2]} and {up.name.rpartition('.')[2]} have "
+                f"different {what}s ({float(a[0]):.6g} vs {float(b[0]):.6g}); the engines fuse them into one w13 "
+                "with one scale: vLLM keeps w1's with a warning (w3 dequantized wrong), TensorRT-LLM asserts; fix: "
+                "requantize both with one shared scale (the larger amax)", module=up.name,
+                tensor=_global_name(up) if attr == "global_value" else _input_name(up)))
+
+
+def _leaf(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def _parent_leaf(name: str) -> str:
+    return _leaf(name.rpartition(".")[0])
+
+
+def _is_router(name: str) -> bool:
+    return _leaf(name) in _ROUTER_LEAVES and (_parent_leaf(name) in _MOE_PARENTS or _leaf(name) != "gate")
+
+
+def _is_lm_head(name: str) -> bool:
+    return _leaf(name) == "lm_head" or name in ("head", "output")
+
+
+def _check_roles(modules: dict[str, Module], problems: list[Problem]) -> None:
+    for mod in modules.values():
+        if _is_lm_head(mod.name):
+            problems.append(Problem("quantized_lm_head", f"{mod.name}: lm_head is NVFP4; vLLM's ParallelLMHead "
+                                    "fails or gives garbage with NVFP4 weights (vLLM #44081), and logits lose "
+                                    "accuracy everywhere; fix: keep lm_head in bf16 and list it in the exclusions",
+                                    module=mod.name))
+        elif _is_router(mod.name):
+            problems.append(Problem("quantized_router", f"{mod.name}: the MoE router is NVFP4; engines build the "
+                                    "router unquantized (GateLinear / ReplicatedLinear without a quant config) and "
+                                    "fail on its packed weight, and routing is too sensitive for 4 bits; fix: keep "
+                                    "the router in bf16 and list it in the exclusions", module=mod.name))
+
+
+def _fused_map(eng, engine: str, architecture: str | None) -> dict:
+    """The fused modules ``engine`` builds for ``architecture`` (SGLang splits its fallback pair whatever the
+    model: its quantization/utils.py ``_FALLBACK_FUSED_SHARDS``)."""
+    if engine == "sglang":
+        return getattr(eng, "_SGLANG_FALLBACK_FUSED", {})
+    return eng.FUSED_SHARDS.get(architecture or "", {})
+
+
+def _check_exclusions(folder: _Folder, modules: dict[str, Module], cfg: _Configs, engines: list[str],
+                      problems: list[Problem]) -> None:
+    """bf16/f16/f32 Linears (2-D ``.weight``) that an engine would quantize because its exclusions miss them,
+    the engine's fused modules (``qkv_proj`` over ``q_proj``, ``k_proj``, ``v_proj``) judged as it judges them:
+    :func:`fp4pass.checkpoint.engines.is_excluded`."""
+    if cfg.form not in ("modelopt", "compressed-tensors"):
+        return  # DeepSeek-V4's fp8 config: its ignored_layers are judged by the engine verdicts
+    eng = _engines()
+    architecture = (folder.config.get("architectures") or [None])[0]
+    kept = []
+    for name, entry in folder.tensors.items():
+        if not name.endswith(".weight") or entry.dtype not in _FLOAT_WEIGHTS or len(entry.shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if module in modules or _leaf(module) in _EMBEDDING_LEAVES or "norm" in _leaf(module) or _EXPERT.match(module):
+            continue
+        kept.append(module)
+    misses: dict[str, list[str]] = {}
+    why: dict[str, str] = {}
+    for engine in engines:
+        for layer, shards in eng.engine_modules(architecture, kept, _fused_map(eng, engine, architecture)):
+            try:
+                excluded = eng.is_excluded(engine, layer, cfg.exclude[engine], shards, form=cfg.form,
+                                           architecture=architecture)
+            except eng.MixedShards as exc:
+                excluded, why[layer] = False, f"{exc}: the engine refuses the model"
+            if not excluded:
+                for module in shards or [layer]:
+                    misses.setdefault(module, []).append(engine)
+                    if shards:
+                        why.setdefault(module, f"{engine} fuses it into {layer}, which it excludes only when the "
+                                               "fused name or every shard's name matches exactly")
+    for module, who in misses.items():
+        problems.append(Problem(
+            "unexcluded_linear", f"{module}.weight: {folder.tensors[module + '.weight'].dtype} Linear not in the "
+            f"exclusions ({why.get(module, 'no exclusion entry matches it')}); {', '.join(who)} build an NVFP4 "
+            "layer for it and fail (shape mismatch, or \"weight_scale was never loaded\"); fix: add "
+            f"\"{module}\" to the exclusions (exact names, or a prefix wildcard such as "
+            f"\"{module.rpartition('.')[0] or module}*\")", module=module, tensor=f"{module}.weight", engines=who))
+
+
+# ------------------------------------------------------------------------------------------------- verdicts
+
+# the engines each form is written for: an engine outside them that cannot load the form (TensorRT-LLM and
+# compressed-tensors) is said in its verdict, and is a problem only when asked for with ``engine``
+_FORM_TARGETS = {"compressed-tensors": ("vllm", "sglang"), "deepseek-fp8-moe-nvfp4": ("vllm",)}
+
+
+def _targets(cfg: _Configs, config: dict, engine: str | None) -> list[str]:
+    """The engines whose rules the checkpoint is held to: ``engine`` when given, else the form's (DeepSeek-V4:
+    vLLM only, the one engine whose NVFP4 path for it was read)."""
+    if engine is not None:
+        return [engine]
+    eng = _engines()
+    names = [n for n in eng.ENGINES if n in _FORM_TARGETS.get(cfg.form, eng.ENGINES)]
+    if (config.get("architectures") or [None])[0] == getattr(eng, "ARCH_DEEPSEEK_V4", None):
+        names = [n for n in names if n == "vllm"]
+    return names
+
+_FAILS_LOAD = {"missing_shard", "unreadable_shard", "missing_tensor", "dtype_shape", "unexcluded_linear",
+               "missing_config_field", "quantized_lm_head", "quantized_router", "bad_config_value"}
+
+
+def _verdicts(folder: _Folder, problems: list[Problem]) -> dict:
+    eng = _engines()
+    verdicts = eng.engine_verdicts(folder.config, folder.quant_config, list(folder.tensors))
+    out = {}
+    for name, verdict in verdicts.items():
+        verdict = dict(verdict)
+        mine = [p for p in problems if p.engines is None or name in p.engines]
+        verdict["problems"] = sorted({p.kind for p in mine})
+        failing = sorted({p.kind for p in mine if p.kind in _FAILS_LOAD})
+        if failing and verdict.get("loads"):
+            verdict["loads"] = False
+            verdict["why"] = f"problems found: {', '.join(failing)}" + (
+                f"; {verdict['why']}" if verdict.get("why") else "")
+        out[name] = verdict
+    return out
+
+
+def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -> dict:
+    """Check the NVFP4 checkpoint folder ``folder``; ``{"form", "quant_algo", "modules", "problems", "engines",
+    ...}`` (module docstring). ``engine``: one of vllm, sglang, trtllm: only its verdict and the problems that
+    concern it. Raises :class:`CheckpointError` when nothing can be read (no config.json, no shard, no index)."""
+    names = list(_engines().ENGINES)
+    if engine is not None and engine not in names:
+        raise CheckpointError(f"unknown engine {engine!r}; choose one of {', '.join(names)}")
+    data = _read_folder(folder, follow_symlinks)
+    try:
+        problems = data.problems
+        cfg = _read_configs(data.config, data.quant_config, problems)
+        _check_configs(cfg, problems)
+        modules = _find_modules(data.tensors)
+        targets = _targets(cfg, data.config, engine)
+        for mod in modules.values():
+            if _check_shapes(mod, problems):
+                _check_values(data, mod, problems)
+            else:
+                _check_values_scalars_only(data, mod, problems)
+        _check_presence(modules, cfg, problems)
+        _check_pairs(modules, problems)
+        _check_roles(modules, problems)
+        if not modules:
+            problems.append(Problem("no_quantized_modules", f"{data.path}: no NVFP4 module (no weight_scale_2, "
+                                    "weight_global_scale or E4M3 block scale beside packed weights); this is not "
+                                    "an NVFP4 checkpoint; fix: point at the quantized folder"))
+        else:
+            _check_exclusions(data, modules, cfg, targets, problems)
+        verdicts = _verdicts(data, problems)
+        for name, verdict in verdicts.items():
+            if name in targets and not verdict.get("loads") and not any(
+                    p.kind in _FAILS_LOAD and (p.engines is None or name in p.engines) for p in problems):
+                problems.append(Problem("engine_cannot_load", f"{name}: "
+                                        f"{verdict.get('why') or 'cannot load this form'}", engines=[name]))
+                verdict["problems"] = sorted(set(verdict["problems"]) | {"engine_cannot_load"})
+        for p in problems:  # an engine outside the form's targets: its verdict says it, not a problem
+            if p.engines is not None:
+                p.engines = [e for e in p.engines if e in targets]
+        problems = [p for p in problems if p.engines is None or p.engines]
+        for name, verdict in verdicts.items():
+            verdict["problems"] = sorted({p.kind for p in problems if p.engines is None or name in p.engines})
+        if engine is not None:
+            problems = [p for p in problems if p.engines is None or engine in p.engines]
+            verdicts = {engine: verdicts[engine]} if engine in verdicts else {}
+        layouts = sorted({m.layout for m in modules.values()})
+        return {"source": str(data.path), "form": cfg.form, "quant_algo": cfg.quant_algo, "layouts": layouts,
+                "input_scales": "needed" if any(cfg.input_needed.values()) else "not needed",
+                "modules": [m.to_json() for m in modules.values()],
+                "problems": [p.to_json() for p in problems], "engines": verdicts,
+                "shards": sorted(data.shards), "tensors": len(data.tensors)}
+    finally:
+        data.close()
+
+
+def _check_values_scalars_only(data: _Folder, mod: Module, problems: list[Problem]) -> None:
+    """A module whose codes or block scales do not fit: its scalar scales are still checked for their values."""
+    for entry, role, attr in ((mod.global_, "global", "global_value"), (mod.input, "input", "input_value")):
+        if entry is not None and entry.dtype == "F32" and math.prod(entry.shape) <= 1 << 16:
+            values = _scalar(data, entry)
+            setattr(mod, attr, values)
+            if values is not None and values.size:
+                _value_problems(mod, entry, values, role, problems)
+
+
+def is_nvfp4_folder(folder, follow_symlinks: bool = False) -> bool:
+    """Whether ``folder`` holds an NVFP4 checkpoint (a config that says so, or NVFP4 scale tensor names), from
+    config.json, hf_quant_config.json and the shards' headers only; False for MXFP4 and unquantized folders."""
+    folder = Path(folder)
+    if (folder / QUANT_CONFIG_NAME).is_file():
+        return True
+    try:
+        config = read_json_file(folder / CONFIG_NAME, CONFIG_NAME) if (folder / CONFIG_NAME).is_file() else {}
+    except CheckpointError:
+        return False
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict):
+        method = str(qc.get("quant_method", "")).lower()
+        if method.startswith("modelopt") or qc.get("moe_quant_algo"):
+            return True
+        formats = [qc.get("format")] + [g.get("format") for g in _groups(qc).values() if isinstance(g, dict)]
+        if "nvfp4-pack-quantized" in formats:
+            return True
+        if method == "compressed-tensors" or qc.get("quant_method"):
+            return False
+    try:
+        data = _read_folder(folder, follow_symlinks)
+    except CheckpointError:
+        return False
+    try:
+        return bool(_find_modules(data.tensors))
+    finally:
+        data.close()
+
+
+def format_validation(info: dict) -> str:
+    """A readable report of :func:`validate`'s result."""
+    lines = [f"{info['source']}: form {info['form']}" + (f" ({info['quant_algo']})" if info.get("quant_algo") else "")
+             + f", {len(info['modules'])} quantized module(s) in {len(info['shards'])} shard(s), "
+             f"layouts {', '.join(info['layouts']) or 'none'}, input scales {info['input_scales']}"]
+    lines.append("")
+    lines.append(f"{'engine':<8} {'loads':<6} {'mode':<8} why")
+    for name, v in info["engines"].items():
+        lines.append(f"{name:<8} {'yes' if v.get('loads') else 'NO':<6} {str(v.get('mode') or '-'):<8} "
+                     f"{v.get('why') or ''}")
+    lines.append("")
+    shown = info["modules"][:20]
+    if shown:
+        lines.append(f"{'module':<60} {'layout':<14} {'global scale':>14} {'input scale':>14}")
+        for m in shown:
+            g, i = m.get("global_scale"), m.get("input_scale")
+            fmt = lambda v: "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else f"[{len(v)}]")  # noqa: E731
+            lines.append(f"{m['module']:<60} {m['layout']:<14} {fmt(g):>14} {fmt(i):>14}")
+        if len(info["modules"]) > len(shown):
+            lines.append(f"... {len(info['modules']) - len(shown)} more (--json lists all)")
+        lines.append("")
+    if not info["problems"]:
+        lines.append("no problem found")
+    else:
+        lines.append(f"{len(info['problems'])} problem(s):")
+        for p in info["problems"]:
+            who = f" [{', '.join(p['engines'])}]" if p.get("engines") else ""
+            lines.append(f"  {p['kind']}{who}: {p['message']}")
+    return "\n".join(lines)
+
+
+#: kinds that, in a folder fp4pass itself wrote, can only come from a broken writer (exit 3); the others
+#: (an engine that cannot load the form yet, exclusions an engine reads differently, a source's quantized lm_head)
+#: are reported in convert's output and report
+WRITER_BUGS = {"missing_shard", "unreadable_shard", "missing_tensor", "zero_scale", "negative_scale",
+               "nonfinite_scale", "w1_w3_mismatch", "scale_convention", "folded_global_scale", "dtype_shape",
+               "missing_config_field", "bad_config_value", "config_disagreement", "scale_missing_some_experts",
+               "no_quantized_modules"}
+
+
+def validate_own_output(folder) -> dict:
+    """:func:`validate` on a folder fp4pass has just written (before it is renamed into place): ``{"problems",
+    "engines"}`` for the report; raises :class:`~fp4pass.errors.InvalidOutputError` (exit 3: a bug in fp4pass)
+    when a problem of :data:`WRITER_BUGS` is found (a per-module missing global scale too)."""
+    from fp4pass.errors import InvalidOutputError
+
+    result = validate(folder)
+    bugs = [p for p in result["problems"] if p["kind"] in WRITER_BUGS
+            or (p["kind"] == "missing_scale" and p.get("engines") is None)]
+    if bugs:
+        raise InvalidOutputError(f"the NVFP4 checkpoint just written breaks its own form ({bugs[0]['kind']}: "
+                                 f"{bugs[0]['message']}; {len(bugs)} problem(s)); nothing was written; please report")
+    return {"problems": result["problems"], "engines": result["engines"]}
