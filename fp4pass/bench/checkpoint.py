@@ -7,9 +7,12 @@ lossy expert against its lossless neighbours.
 - gpt-oss fused experts (gpt-oss-20b shapes, 4 layers, 1.6 GB) into ModelOpt's transposed layout (goal <= 3x);
 - peak RSS growth of the conversion (a child process: its max RSS after the conversion minus before it) over the
   largest tensor's bytes (goal <= 2x);
-- one lossy expert in a [32, 5760, 2880] stack converted expert by expert (``fp4pass.checkpoint.engine
-  .convert_experts``) against that expert alone plus the 31 others alone (goal <= 1.2x); the engine's one call on
-  the whole stack (``mxfp4_to_nvfp4`` with per-expert groups) is reported beside it.
+- one lossy expert in a [32, 5760, 2880] stack through each front door: the checkpoint engine
+  (``fp4pass.checkpoint.engine.convert_experts``), ``fp4pass.fx.convert`` (a GraphModule reading the stack through
+  ``dequantize_mxfp4``) and ``fp4pass.onnx.convert`` (an in-memory model with DequantizeLinear FP4/E8M0 on it),
+  each against the parts through the engine: that expert alone plus the 31 others alone (goal <= 1.2x). The
+  parts keep the 31 lossless experts' nibbles as they are (a scale remap); the whole stack also writes a copy of
+  every nibble (its output owns its codes) and, for the report's SNR, sums the lossless experts' signal.
 
 Each figure is the pair of median ratio among five back-to-back pairs (three when ``quick``; ``sync`` before
 each run); ``ratios`` lists them all, and ``best_ratio`` is the conversion's fastest run over ``cp -r``'s fastest.
@@ -38,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from fp4pass.bench import BenchResult, measure
+import fp4pass.fx
+import fp4pass.onnx
+from fp4pass.bench import BenchResult
 from fp4pass.checkpoint.engine import convert_experts
-from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.examples.checkpoints import build_checkpoint
 from fp4pass.formats import MXFP4Tensor
 
@@ -194,7 +198,43 @@ def _stack(quick: bool, lossy: int) -> MXFP4Tensor:
     return MXFP4Tensor(codes, scales, 32, name="stack")
 
 
+def _fx_door(mx: MXFP4Tensor):
+    """A GraphModule reading the stack through ``torch.ops.fp4pass.dequantize_mxfp4`` into a bmm (built untimed)."""
+    root = torch.nn.Module()
+    root.register_buffer("codes", mx.codes)
+    root.register_buffer("scales", mx.scales)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    w = graph.call_function(torch.ops.fp4pass.dequantize_mxfp4.default, (graph.get_attr("codes"),
+                                                                           graph.get_attr("scales")))
+    wt = graph.call_function(torch.ops.aten.transpose.int, (w, 1, 2))
+    graph.output(graph.call_function(torch.ops.aten.bmm.default, (x, wt)))
+    gm = torch.fx.GraphModule(root, graph)
+    return lambda: fp4pass.fx.convert(gm)
+
+
+def _onnx_door(mx: MXFP4Tensor):
+    """An onnx_ir model with DequantizeLinear (FP4 codes, E8M0 scales, block 32) on the stack into a MatMul."""
+    import numpy as np
+    import onnx_ir as ir
+
+    e, n, k = mx.shape
+    codes = ir.PackedTensor(mx.codes.numpy(), ir.DataType.FLOAT4E2M1, shape=ir.Shape([e, n, k]), name="W")
+    scales = ir.Tensor(mx.scales.numpy().view(np.uint8), dtype=ir.DataType.FLOAT8E8M0, name="W_scale")
+    w, s = ir.Value(name="W", const_value=codes), ir.Value(name="W_scale", const_value=scales)
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([e, "t", k]))
+    dq = ir.node("DequantizeLinear", [w, s], attributes={"axis": -1, "block_size": 32,
+                                                         "output_dtype": ir.DataType.FLOAT}, name="dq")
+    t = ir.node("Transpose", dq.outputs, attributes={"perm": [0, 2, 1]}, name="t")
+    mm = ir.node("MatMul", [x, t.outputs[0]], name="mm")
+    mm.outputs[0].name = "y"
+    graph = ir.Graph([x], mm.outputs, nodes=[dq, t, mm], initializers=[w, s], opset_imports={"": 24})
+    model = ir.Model(graph, ir_version=12)
+    return lambda: fp4pass.onnx.convert(model)
+
+
 def bench_lossy_expert(device: torch.device, quick: bool) -> list[BenchResult]:
+    """One lossy expert in a stack through each front door against the parts through the engine (module docstring)."""
     if device.type != "cpu":
         return []
     lossy = 5
@@ -203,19 +243,27 @@ def bench_lossy_expert(device: torch.device, quick: bool) -> list[BenchResult]:
     alone = MXFP4Tensor(mx.codes[lossy:lossy + 1].clone(), mx.scales[lossy:lossy + 1].clone(), 32)
     keep = [i for i in range(e) if i != lossy]
     rest = MXFP4Tensor(mx.codes[keep].contiguous(), mx.scales[keep].contiguous(), 32)
-    wholes, parts_list = [], []
+    doors = {"checkpoint engine": lambda: (lambda: convert_experts(mx)), "fx.convert": lambda: _fx_door(mx),
+             "onnx.convert": lambda: _onnx_door(mx)}
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
     convert_experts(alone)  # warm-up
-    for _ in range(3):  # interleaved rounds, medians: other load on the machine hits both sides alike
-        wholes.append(measure(lambda: convert_experts(mx), repeat=1))
-        parts_list.append(measure(lambda: convert_experts(alone), repeat=1)
-                          + measure(lambda: convert_experts(rest), repeat=1))
-    whole, parts = sorted(wholes)[1], sorted(parts_list)[1]
-    engine_once = measure(lambda: mxfp4_to_nvfp4(mx, "auto"), repeat=1)
+    wholes: dict[str, list[float]] = {door: [] for door in doors}
+    parts_list = []
+    for _ in range(3):  # interleaved rounds, medians: other load on the machine hits every side alike
+        parts_list.append(timed(lambda: convert_experts(alone)) + timed(lambda: convert_experts(rest)))
+        for door, build in doors.items():
+            wholes[door].append(timed(build()))  # the model is built untimed, each round afresh
+    parts = sorted(parts_list)[1]
     shape = "x".join(map(str, mx.shape))
-    return [BenchResult("checkpoint one lossy expert (per expert)", whole, "lossy alone + rest alone", parts,
-                        None if quick else 1.2, {"shape": shape}),
-            BenchResult("engine one call, one lossy expert", engine_once, "lossy alone + rest alone", parts, None,
-                        {"shape": shape})]
+    return [BenchResult(f"{door} one lossy expert", sorted(runs)[1], "lossy alone + rest alone", parts,
+                        None if quick else 1.2, {"shape": shape, "runs_s": " ".join(f"{r:.2f}" for r in runs),
+                                                 "parts_s": " ".join(f"{p:.2f}" for p in parts_list)})
+            for door, runs in wholes.items()]
 
 
 BENCHMARKS = [bench_lossy_expert, bench_against_cp]

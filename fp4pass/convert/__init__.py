@@ -14,6 +14,11 @@ requant, and hybrid and auto on lossy groups, encode by pattern (:mod:`fp4pass.c
 collects the distinct 16-half patterns (group, exponent, magnitude counts), the search and the float work run
 once per pattern, a second pass writes every half through a byte table; the statistics come from the
 patterns (no dequantizing pass), except with ``reference`` (a pass against the reference tensor).
+
+Every group converts as it would alone (``group_dims=0`` on that group): with ``auto``, a tensor whose groups
+are partly within the lossless spread and partly not is converted apart (``_convert_apart``), the former on
+the scale-only path, the latter searched together. ``stats.groups`` holds the figures per group wherever the
+conversion has them without measuring again; the ONNX pass, the fx pass and the checkpoint engine report them.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -154,6 +155,26 @@ def _map_external(tensor) -> np.ndarray | None:
         return None
 
 
+def _packed_array(tensor) -> np.ndarray | None:
+    """The bytes of an in-memory ``ir.PackedTensor`` that holds them as a uint8 array, as a view (no copy);
+    None for any other tensor."""
+    raw = getattr(tensor, "raw", None)
+    if isinstance(tensor, ir.PackedTensor) and isinstance(raw, np.ndarray) and raw.dtype == np.uint8 \
+            and raw.flags.c_contiguous and raw.nbytes == tensor.nbytes:
+        return raw.reshape(-1)
+    return None
+
+
+def _read_only_tensor(array: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` without copying a read-only array (in-model raw data): the converter reads its
+    input codes and never writes them (what it re-encodes goes to a copy)."""
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
 def _copy_range(source: tuple[str, int, int], file) -> bool:
     """Copy bytes [offset, offset + length) of file ``path`` to ``file`` at its position, inside the kernel.
 
@@ -284,10 +305,10 @@ class WeightConversion:
         else:
             packed = _map_external(self._source)
             if packed is None:
+                packed = _packed_array(self._source)
+            if packed is None:
                 packed = tensor_bytes(self._source)
-                if not packed.flags.writeable:  # a view of in-model raw data
-                    packed = packed.copy()
-        codes = torch.from_numpy(packed.reshape(*lead, k // 2))
+        codes = _read_only_tensor(packed.reshape(*lead, k // 2))
         return MXFP4Tensor(codes, torch.from_numpy(self._read_scales(check=False)), name=self.record.name)
 
     def scaled_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
