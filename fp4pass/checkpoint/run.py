@@ -38,6 +38,7 @@ from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
 from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
 from fp4pass.checkpoint.safetensors_io import DIRECT_ALIGN, CheckpointError, OutputSpec, ShardWriter, aligned_view
+from fp4pass.checkpoint.validate import validate_own_output
 from fp4pass.choices import Method, values
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import UsageError
@@ -312,6 +313,8 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                                        {"effort": effort, "threads": threads})
             _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
             report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start)
+            # `fp4pass inspect` on the folder before its rename: a broken rule of the form is exit 3
+            report["validation"] = validate_own_output(tmp)
             if check:
                 from fp4pass.checkpoint.check import check_checkpoint
 
