@@ -16,6 +16,12 @@ An E8M0 code is the exponent byte 2^(code-127), read as a byte, never cast as a 
 Grouping: ``w1``/``gate_proj`` and ``w3``/``up_proj`` of one module (same parent, same shape) form a pair
 that shares one ``weight_scale_2`` and one ``input_scale``; every other weight is on its own. Expert modules
 (``<layer>.experts.<e>.<proj>``) are grouped by layer and projection for filling missing input scales.
+
+Declined: an MXFP4 weight that cannot be converted as a whole (codes without their scales tensor, codes and
+scales whose shapes or dtypes do not fit, a DeepSeek expert ``.weight`` without its ``.scale`` where the config
+or the other experts of its layer and projection say the experts are FP4), and the other half of a gate/up pair
+one of whose halves is declined (the pair shares its scales: both or neither). ``convert`` refuses a checkpoint
+with any decline unless asked to copy them in their source form (``allow_partial``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.checkpoint.safetensors_io import TensorEntry
 
 __all__ = ["Linear", "FusedExperts", "Detected", "detect", "GPT_OSS", "COMPRESSED_TENSORS", "DEEPSEEK"]
 
@@ -85,7 +91,8 @@ class FusedExperts:
 
 @dataclass
 class Detected:
-    """Conversion units in source order (a Linear, a (gate, up) pair of Linears, or FusedExperts)."""
+    """Conversion units in source order (a Linear, a (gate, up) pair of Linears, or FusedExperts); ``declined``:
+    ``{"tensor", "shard", "reason"}`` of each MXFP4 weight left out (module docstring), in source order."""
 
     units: list
     consumed: set[str]
@@ -93,23 +100,19 @@ class Detected:
     forms: set[str]
 
 
-def _shape_error(entry: TensorEntry, message: str) -> CheckpointError:
-    return CheckpointError(f"{entry.shard}: tensor {entry.name!r}: {message}")
+def _decline(declined: list[dict], gone: set[str], entry: TensorEntry, module: str, reason: str) -> None:
+    """Decline the codes ``entry`` of ``module`` (named in ``gone``, for its gate/up partner)."""
+    declined.append({"tensor": entry.name, "shard": entry.shard, "reason": reason})
+    gone.add(module)
 
 
-def _need_scales(tensors: dict, codes: TensorEntry, scales_name: str) -> TensorEntry:
-    if scales_name not in tensors:
-        raise _shape_error(codes, f"MXFP4 codes without their scales tensor {scales_name!r}")
-    return tensors[scales_name]
-
-
-def _packed_pair(codes: TensorEntry, scales: TensorEntry) -> tuple[int, int]:
-    """(N, K) of packed codes [N, K/2] + E8M0 scales [N, K/32], or a CheckpointError naming what differs."""
+def _packed_mismatch(codes: TensorEntry, scales: TensorEntry) -> str | None:
+    """Why packed codes [N, K/2] and E8M0 scales [N, K/32] do not fit; None when they do."""
     if len(codes.shape) != 2 or len(scales.shape) != 2 or codes.shape[0] != scales.shape[0] \
             or codes.shape[1] != scales.shape[1] * 16:
-        raise _shape_error(codes, f"packed codes {list(codes.shape)} do not match scales {scales.name!r} "
-                                  f"{list(scales.shape)} (expected [N, K/2] and [N, K/32])")
-    return codes.shape[0], codes.shape[1] * 2
+        return (f"packed codes {list(codes.shape)} do not match scales {scales.name!r} {list(scales.shape)} "
+                "(expected [N, K/2] and [N, K/32])")
+    return None
 
 
 def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
@@ -117,42 +120,55 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
     units_at: dict[str, object] = {}  # first source name -> unit, to keep file order
     consumed: set[str] = set()
     declined: list[dict] = []
+    gone: set[str] = set()  # the modules declined
     forms: set[str] = set()
     linears: list[Linear] = []
-    deepseek_fp4 = _deepseek_fp4(config)
+    unscaled: list[TensorEntry] = []  # DeepSeek-form expert weights without a .scale
     for name, entry in tensors.items():
         if name.endswith("_blocks"):
             base = name[: -len("_blocks")]
-            scales = _need_scales(tensors, entry, base + "_scales")
+            module = base[: -len(".weight")] if base.endswith(".weight") else base
+            scales = tensors.get(base + "_scales")
+            if scales is None:
+                _decline(declined, gone, entry, module, f"MXFP4 codes without their scales tensor {base + '_scales'!r}")
+                continue
             if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
-                declined.append({"tensor": name, "reason": f"blocks {entry.dtype} / scales {scales.dtype}: "
-                                                          "not uint8 E2M1 codes with E8M0 scales"})
+                _decline(declined, gone, entry, module, f"blocks {entry.dtype} / scales {scales.dtype}: not uint8 "
+                                                        "E2M1 codes with E8M0 scales")
                 continue
             if len(entry.shape) < 3 or entry.shape[-1] != 16 or tuple(scales.shape) != tuple(entry.shape[:-1]):
-                raise _shape_error(entry, f"gpt-oss blocks {list(entry.shape)} do not match scales "
-                                          f"{scales.name!r} {list(scales.shape)} (expected [..., N, K/32, 16] "
-                                          "and [..., N, K/32])")
+                _decline(declined, gone, entry, module, f"gpt-oss blocks {list(entry.shape)} do not match scales "
+                                                        f"{scales.name!r} {list(scales.shape)} (expected "
+                                                        "[..., N, K/32, 16] and [..., N, K/32])")
+                continue
             k = entry.shape[-2] * 32
             if len(entry.shape) == 4:
                 prefix, _, proj = base.rpartition(".")
                 unit = FusedExperts(prefix, proj, entry, scales, entry.shape[0], entry.shape[1], k)
                 units_at[name] = unit
             elif len(entry.shape) == 3:
-                module = base[: -len(".weight")] if base.endswith(".weight") else base
                 linears.append(Linear(module, GPT_OSS, entry, scales, entry.shape[0], k, [name, scales.name]))
             else:
-                declined.append({"tensor": name, "reason": f"gpt-oss blocks of rank {len(entry.shape)}"})
+                _decline(declined, gone, entry, module, f"gpt-oss blocks of rank {len(entry.shape)}")
                 continue
             consumed.update((name, scales.name))
             forms.add(GPT_OSS)
         elif name.endswith(".weight_packed"):
             module = name[: -len(".weight_packed")]
-            scales = _need_scales(tensors, entry, module + ".weight_scale")
-            if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
-                declined.append({"tensor": name, "reason": f"weight_packed {entry.dtype} with weight_scale "
-                                                          f"{scales.dtype}: not MXFP4 (E8M0 scales)"})
+            scales = tensors.get(module + ".weight_scale")
+            if scales is None:
+                _decline(declined, gone, entry, module,
+                         f"MXFP4 codes without their scales tensor {module + '.weight_scale'!r}")
                 continue
-            rows, cols = _packed_pair(entry, scales)
+            if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
+                _decline(declined, gone, entry, module, f"weight_packed {entry.dtype} with weight_scale "
+                                                        f"{scales.dtype}: not MXFP4 (E8M0 scales)")
+                continue
+            mismatch = _packed_mismatch(entry, scales)
+            if mismatch:
+                _decline(declined, gone, entry, module, mismatch)
+                continue
+            rows, cols = entry.shape[0], entry.shape[1] * 2
             used = [name, scales.name] + [n for n in (module + ".weight_shape",) if n in tensors]
             linears.append(Linear(module, COMPRESSED_TENSORS, entry, scales, rows, cols, used))
             consumed.update(used)
@@ -161,26 +177,72 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
             module = name[: -len(".weight")]
             scale_name = module + ".scale"
             if scale_name not in tensors:
-                if deepseek_fp4 and _EXPERT.match(module):
-                    raise _shape_error(entry, f"MXFP4 expert weight without its scales tensor {scale_name!r}")
+                if _EXPERT.match(module):
+                    unscaled.append(entry)
                 continue
             scales = tensors[scale_name]
             if scales.dtype not in _E8M0_DTYPES:
                 continue
-            try:
-                rows, cols = _packed_pair(entry, scales)
-            except CheckpointError as exc:
-                declined.append({"tensor": name, "reason": str(exc).partition(": ")[2]})
+            mismatch = _packed_mismatch(entry, scales)
+            if mismatch:
+                _decline(declined, gone, entry, module, mismatch)
                 continue
+            rows, cols = entry.shape[0], entry.shape[1] * 2
             linears.append(Linear(module, DEEPSEEK, entry, scales, rows, cols, [name, scale_name]))
             consumed.update((name, scale_name))
             forms.add(DEEPSEEK)
+    _decline_unscaled_experts(unscaled, linears, _deepseek_fp4(config), declined, gone)
+    order = {name: i for i, name in enumerate(tensors)}
+    declined.sort(key=lambda d: order[d["tensor"]])  # the weights that cannot convert first, then their partners
+    linears = _decline_partners(linears, declined, gone, consumed)
     for unit in _pairs(linears):
         first = unit[0] if isinstance(unit, tuple) else unit
         units_at[first.codes.name] = unit
-    order = {name: i for i, name in enumerate(tensors)}
     units = [units_at[k] for k in sorted(units_at, key=order.__getitem__)]
     return Detected(units, consumed, declined, forms)
+
+
+def _expert_key(module: str) -> tuple[str, str] | None:
+    match = _EXPERT.match(module)
+    return (match.group("layer"), match.group("proj")) if match else None
+
+
+def _decline_unscaled_experts(unscaled: list[TensorEntry], linears: list[Linear], fp4_config: bool,
+                              declined: list[dict], gone: set[str]) -> None:
+    """A DeepSeek-form expert ``.weight`` (int8/uint8) without its ``.scale`` is an MXFP4 expert missing its
+    scales when the config says the experts are FP4, or when another expert of its layer and projection is a
+    DeepSeek MXFP4 weight; else it is some other integer weight, copied as it is."""
+    fp4_experts = {_expert_key(lin.module) for lin in linears if lin.form == DEEPSEEK}
+    for entry in unscaled:
+        module = entry.name[: -len(".weight")]
+        if fp4_config or _expert_key(module) in fp4_experts:
+            _decline(declined, gone, entry, module, f"MXFP4 expert weight without its scales tensor "
+                                                    f"{module + '.scale'!r}")
+
+
+def _partner_name(module: str) -> str | None:
+    parent, _, last = module.rpartition(".")
+    for mine, other in ((GATE_NAMES, UP_NAMES), (UP_NAMES, GATE_NAMES)):
+        if last in mine:
+            name = other[mine.index(last)]
+            return f"{parent}.{name}" if parent else name
+    return None
+
+
+def _decline_partners(linears: list[Linear], declined: list[dict], gone: set[str], consumed: set[str]) -> list:
+    """The Linears left once those whose gate/up partner is a declined module (``gone``) are declined too: the
+    pair shares one global scale and one input scale."""
+    out = []
+    for lin in linears:
+        partner = _partner_name(lin.module)
+        if partner in gone:
+            declined.append({"tensor": lin.codes.name, "shard": lin.codes.shard,
+                             "reason": f"the other half of its gate/up pair, {partner}, is declined (the pair shares "
+                                       "one global scale and one input scale: both or neither)"})
+            consumed.difference_update(lin.consumed)
+        else:
+            out.append(lin)
+    return out
 
 
 def _pairs(linears: list[Linear]) -> list:

@@ -37,7 +37,8 @@ from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAM
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
 from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
-from fp4pass.checkpoint.safetensors_io import DIRECT_ALIGN, CheckpointError, OutputSpec, ShardWriter, aligned_view
+from fp4pass.checkpoint.safetensors_io import (DIRECT_ALIGN, CheckpointError, OutputSpec, SafetensorsFile, ShardWriter,
+                                               aligned_view)
 from fp4pass.checkpoint.validate import validate_own_output
 from fp4pass.choices import Method, values
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
@@ -50,6 +51,14 @@ __all__ = ["convert", "inspect", "CheckFailed", "DEFAULT_SHARD_BYTES"]
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5_000_000_000  # as Hugging Face's writer: "5GB"
+
+
+class UnitFailed(CheckpointError):
+    """One unit's conversion failed (its tensors named in the message); ``allow_partial`` declines it."""
+
+    def __init__(self, unit, error: CheckpointError):
+        super().__init__(str(error))
+        self.unit, self.reason = unit, str(error)
 
 
 class CheckFailed(Exception):
@@ -278,7 +287,7 @@ def _open(src_dir, fmt: str, method: str):
 
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
-            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS) -> dict:
+            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``format``: "modelopt" or "compressed-tensors". ``input_scale``: one activation input_scale (a multiplier,
@@ -288,6 +297,12 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     ``check``: read the result back with compressed-tensors and compare (``fp4pass.checkpoint.check``); a
     failure raises :class:`CheckFailed` and nothing is written. ``effort``, ``threads``: of every unit's
     conversion (:func:`fp4pass.convert.mxfp4_to_nvfp4`).
+
+    Every unit is converted whole or not at all. An MXFP4 weight that cannot be (``detect``'s declines: codes
+    without scales, shapes that do not fit; or a unit whose conversion fails) raises CheckpointError naming
+    it, unless ``allow_partial``: then it is copied in its MXFP4 source form and named in the report's
+    ``declined`` (``{"tensor", "shard", "reason"}``). A last check reads the written headers back: no MXFP4
+    codes/scales pair is in the output unless declined.
     """
     fmt = format
     start = time.perf_counter()
@@ -296,6 +311,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     scales_obj, scales_path = _load_scales(scales)
     catalog, found = _open(src_dir, fmt, method)
     with catalog:
+        _refuse_declines(found, allow_partial)
         if not found.units:
             raise CheckpointError(f"{src_dir}: no MXFP4 weights found (none of the gpt-oss *_blocks/_scales, "
                                   "compressed-tensors weight_packed/weight_scale or DeepSeek weight/scale forms)")
@@ -303,26 +319,78 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
         if fmt == COMPRESSED_TENSORS_FORMAT and fused:
             raise CheckpointError(f"{fused[0].codes.shard}: tensor {fused[0].codes.name!r}: gpt-oss fused expert "
                                   "stacks have no standard compressed-tensors NVFP4 form; use --format modelopt")
-        in_scales = resolve_input_scales(found.units, input_scale, scales_obj, scales_path or "SCALES.json")
-        with_input = bool(in_scales.values)
-        plan = _plan(catalog, found, fmt, with_input, max_shard_bytes)
-        exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found))
-        entries: list[dict] = []
-        with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
-            weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
-                                       {"effort": effort, "threads": threads})
-            _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
-            report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start)
-            # `fp4pass inspect` on the folder before its rename: a broken rule of the form is exit 3
-            report["validation"] = validate_own_output(tmp)
-            if check:
-                from fp4pass.checkpoint.check import check_checkpoint
+        while True:
+            in_scales = resolve_input_scales(found.units, input_scale, scales_obj, scales_path or "SCALES.json")
+            with_input = bool(in_scales.values)
+            plan = _plan(catalog, found, fmt, with_input, max_shard_bytes)
+            exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found))
+            entries: list[dict] = []
+            try:
+                with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
+                    weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
+                                               {"effort": effort, "threads": threads})
+                    _no_undeclined_mxfp4(tmp, plan, found)
+                    _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
+                    report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude,
+                                     catalog, start)
+                    # `fp4pass inspect` on the folder before its rename: a broken rule of the form is exit 3
+                    report["validation"] = validate_own_output(tmp)
+                    if check:
+                        from fp4pass.checkpoint.check import check_checkpoint
 
-                report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
-                if not report["check"]["passed"]:
-                    raise CheckFailed(report)
+                        report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
+                        if not report["check"]["passed"]:
+                            raise CheckFailed(report)
+            except UnitFailed as failed:
+                if not allow_partial:
+                    raise CheckpointError(f"{failed.reason}; {_PARTIAL_HINT}") from None
+                found = _decline_unit(found, failed)  # written again without it, from the start
+                if not found.units:
+                    raise CheckpointError(f"{src_dir}: every MXFP4 weight was declined; nothing to convert") from None
+                continue
+            break
         report["summary"]["seconds"] = time.perf_counter() - start
     return report
+
+
+_PARTIAL_HINT = "--allow-partial copies such weights in their MXFP4 form and names them"
+
+
+def _decline_message(d: dict) -> str:
+    return f"{d['shard']}: tensor {d['tensor']!r}: {d['reason']}"
+
+
+def _refuse_declines(found, allow_partial: bool) -> None:
+    """CheckpointError naming the first MXFP4 weight ``detect`` declined, unless ``allow_partial``."""
+    if found.declined and not allow_partial:
+        more = len(found.declined) - 1
+        raise CheckpointError(_decline_message(found.declined[0]) + (f" (and {more} more)" if more else "") +
+                              f"; {_PARTIAL_HINT}")
+
+
+def _decline_unit(found, failed: UnitFailed):
+    """``found`` without the unit whose conversion failed; its codes tensors declined with the error."""
+    unit = failed.unit
+    members = [unit] if isinstance(unit, FusedExperts) else _members(unit)
+    names = {n for m in members for n in m.consumed}
+    declined = found.declined + [{"tensor": m.codes.name, "shard": m.codes.shard, "reason": failed.reason}
+                                 for m in members]
+    return type(found)([u for u in found.units if u is not unit], found.consumed - names, declined, found.forms)
+
+
+def _no_undeclined_mxfp4(tmp: Path, plan: Plan, found) -> None:
+    """The last guard: read the written shard headers back and find MXFP4 weights as ``detect`` does; any that is
+    not a declined one is a bug (an MXFP4 tensor in an NVFP4 checkpoint, in silence)."""
+    tensors: dict = {}
+    for name in plan.shard_names():
+        with SafetensorsFile(tmp / name) as shard:
+            tensors.update(shard.entries)
+    declined = {d["tensor"] for d in found.declined}
+    for unit in detect(tensors, {}).units:
+        for member in [unit] if isinstance(unit, FusedExperts) else _members(unit):
+            if member.codes.name not in declined:
+                raise RuntimeError(f"{member.codes.shard}: tensor {member.codes.name!r} is still an MXFP4 weight in "
+                                   "the NVFP4 output, and was not declined")
 
 
 def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scales: InputScales,
@@ -371,13 +439,19 @@ def _unit_job(catalog, writer: ShardWriter, item: Item, fmt: str, method: str, i
         return lambda: writer.copy_from(item.copy, fd, entry.begin, entry.nbytes)
     unit = item.unit
     if isinstance(unit, FusedExperts):
-        conv = engine.convert_fused(catalog, unit, method, **options)
+        try:
+            conv = engine.convert_fused(catalog, unit, method, **options)
+        except CheckpointError as exc:
+            raise UnitFailed(unit, exc) from None
         wait()
         _write_fused(catalog, writer, unit, conv, in_scales)
         entries.append(_fused_entry(unit, conv, in_scales))
         return None
     members = _members(unit)
-    conv = engine.convert_linears(catalog, members, method, **options)
+    try:
+        conv = engine.convert_linears(catalog, members, method, **options)
+    except CheckpointError as exc:
+        raise UnitFailed(unit, exc) from None
     for i, lin in enumerate(members):
         partner = members[1 - i].module if len(members) == 2 else None
         entries.append(_linear_entry(lin, conv.parts[i], fmt, in_scales, partner))
@@ -424,15 +498,23 @@ def _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, excl
 
 
 def inspect(src_dir) -> dict:
-    """What ``src_dir`` holds: input forms, every MXFP4 weight with its shape, exponent spread and lossless
-    forecast per expert (from the scales alone: a spread <= 17 over all blocks is lossless under ``auto``),
-    the tensors that would be copied, the files around them."""
+    """What ``src_dir`` holds: input forms, every MXFP4 weight with its shape and exponent spread, the tensors
+    that would be copied, the files around them, and per expert whether ``convert`` (method ``auto``, its
+    default effort) keeps it lossless.
+
+    The forecast is the rule of :func:`fp4pass.convert.mxfp4_to_nvfp4` itself, so it agrees with what convert
+    achieves. Where the scales decide it (every block of the unit, w1 and w3 of a pair together, within 17
+    octaves and a normal float32 global scale: auto's lossless path, which never reads the codes) it comes
+    from the scales alone (``forecast_from`` "scales"). Elsewhere auto may still keep experts lossless: blocks
+    that hold no value do not count, and its search may pick a global scale 2^m/c (c an E4M3 mantissa) that
+    keeps some experts exact; then the unit is converted here, in memory, by the engine convert uses, and the
+    forecast is its verdict per expert (``forecast_from`` "codes").
+    """
     catalog, found = _open(src_dir, MODELOPT, "auto")
     with catalog:
         weights = []
         for unit in found.units:
-            for group in ([unit] if isinstance(unit, FusedExperts) else [_members(unit)]):
-                weights.extend(_inspect_group(catalog, group))
+            weights.extend(_inspect_group(catalog, unit))
         lossless = sum(w["experts_lossless_forecast"] for w in weights)
         total = sum(w["experts"] for w in weights)
         return {"source": str(src_dir), "input_forms": sorted(found.forms), "weights": weights,
@@ -444,43 +526,69 @@ def inspect(src_dir) -> dict:
 
 
 def _spread(scales: torch.Tensor) -> tuple[int, int]:
+    """(k_min, k_max) of E8M0 codes over every block (those that hold no value too)."""
     arr = scales.numpy()
     return int(arr.min()) - E8M0_BIAS, int(arr.max()) - E8M0_BIAS
 
 
-def _inspect_group(catalog: Catalog, group) -> list[dict]:
-    if isinstance(group, FusedExperts):
-        scales = catalog.read(group.scales.name).view(torch.uint8)
+def _forecast(catalog: Catalog, unit, scales: torch.Tensor) -> tuple[list[bool], str, str | None]:
+    """(lossless per expert under ``convert``'s auto, "scales" or "codes", the error that stops a conversion)."""
+    experts = unit.experts if isinstance(unit, FusedExperts) else len(_members(unit))
+    if engine.takes_lossless_path(scales, "auto"):
+        return [True] * experts, "scales", None
+    try:
+        if isinstance(unit, FusedExperts):
+            conv = engine.convert_fused(catalog, unit, "auto")
+        else:
+            conv = engine.convert_linears(catalog, _members(unit), "auto")
+    except CheckpointError as exc:
+        return [False] * experts, "codes", str(exc)
+    return [bool(p["lossless"]) for p in conv.parts], "codes", None
+
+
+def _inspect_group(catalog: Catalog, unit) -> list[dict]:
+    """The inspection entries of one unit: a gpt-oss stack, a Linear, or w1 and w3 of a pair (each with its own
+    spread and the pair's shared one, which decides their common global scale)."""
+    if isinstance(unit, FusedExperts):
+        scales = catalog.read(unit.scales.name).view(torch.uint8)
         lo, hi = _spread(scales)
-        per = [_spread(scales[e]) for e in range(group.experts)]
-        return [{"name": group.name, "form": group.form, "shape": [group.experts, group.rows, group.cols],
-                 "experts": group.experts, "k_min": lo, "k_max": hi, "spread": hi - lo,
-                 "global_scale": "one for all experts",
-                 "experts_lossless_forecast": group.experts if hi - lo <= 17 else 0,
-                 "per_expert_spread": [h - l for l, h in per]}]
-    ranges = [_spread(catalog.read(lin.scales.name).view(torch.uint8)) for lin in group]
+        flags, source, problem = _forecast(catalog, unit, scales)
+        entry = {"name": unit.name, "form": unit.form, "shape": [unit.experts, unit.rows, unit.cols],
+                 "experts": unit.experts, "k_min": lo, "k_max": hi, "spread": hi - lo,
+                 "global_scale": "one for all experts", "experts_lossless_forecast": sum(flags),
+                 "per_expert_lossless_forecast": flags, "forecast_from": source,
+                 "per_expert_spread": [h - l for l, h in (_spread(scales[e]) for e in range(unit.experts))]}
+        return [entry | ({"problem": problem} if problem else {})]
+    members = _members(unit)
+    own = [catalog.read(lin.scales.name).view(torch.uint8) for lin in members]
+    ranges = [_spread(s) for s in own]
+    flags, source, problem = _forecast(catalog, unit, torch.stack(own) if len(own) > 1 else own[0])
     lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
     out = []
-    for lin, (l, h) in zip(group, ranges):
+    for i, (lin, (l, h)) in enumerate(zip(members, ranges)):
         entry = {"name": lin.module, "form": lin.form, "shape": [lin.rows, lin.cols], "experts": 1, "k_min": l,
-                 "k_max": h, "spread": h - l, "experts_lossless_forecast": int(hi - lo <= 17)}
-        if len(group) == 2:
+                 "k_max": h, "spread": h - l, "experts_lossless_forecast": int(flags[i]), "forecast_from": source}
+        if len(members) == 2:
             entry["shared_spread"] = hi - lo
-            entry["shares_scales_with"] = [g.module for g in group if g is not lin][0]
+            entry["shares_scales_with"] = members[1 - i].module
+        if problem:
+            entry["problem"] = problem
         out.append(entry)
     return out
 
 
 def format_inspection(info: dict) -> str:
-    """A table of ``inspect``'s result for the terminal."""
+    """A table of ``inspect``'s result for the terminal: each weight's own exponent spread, the spread its gate/up
+    pair shares (which sets their one global scale), the lossless forecast and where it comes from."""
     lines = [f"{info['source']}: input forms {', '.join(info['input_forms']) or 'none'}; "
              f"{len(info['shards'])} shard(s); {len(info['copied'])} tensors copied as they are"]
-    lines.append(f"{'weight':<60} {'form':<18} {'shape':<20} {'spread':>6}  lossless")
+    lines.append(f"{'weight':<60} {'form':<18} {'shape':<20} {'spread':>6} {'pair':>4}  lossless  forecast from")
     for w in info["weights"]:
         shape = "x".join(map(str, w["shape"]))
-        spread = w.get("shared_spread", w["spread"])
-        lines.append(f"{w['name']:<60} {w['form']:<18} {shape:<20} {spread:>6}  "
-                     f"{w['experts_lossless_forecast']}/{w['experts']}")
+        pair = str(w["shared_spread"]) if "shared_spread" in w else "-"
+        lossless = f"{w['experts_lossless_forecast']}/{w['experts']}"
+        lines.append(f"{w['name']:<60} {w['form']:<18} {shape:<20} {w['spread']:>6} {pair:>4}  {lossless:<8}  "
+                     f"{w['forecast_from']}" + (f" ({w['problem']})" if w.get("problem") else ""))
     for d in info["declined"]:
         lines.append(f"declined {d['tensor']}: {d['reason']}")
     if info["not_copied"]:
@@ -499,6 +607,8 @@ def format_report(report: dict) -> str:
         snr = "lossless" if t["lossless"] else f"snr {t['snr_db']:.2f} dB"
         lines.append(f"{t['name']:<60} {t['experts_lossless']}/{t['experts']} lossless  S={t['global_scale'][0]:.6g}"
                      f"  {snr}")
+    for d in report.get("declined", []):
+        lines.append(f"declined, left in its MXFP4 form: {d['tensor']} ({d['shard']}): {d['reason']}")
     lines.append(summary_line(report))
     return "\n".join(lines)
 
@@ -507,5 +617,7 @@ def summary_line(report: dict) -> str:
     s = report["summary"]
     return (f"{s['tensors_converted']} weights converted ({s['experts_lossless']}/{s['experts_total']} experts "
             f"lossless), {s['tensors_copied']} tensors copied, {len(report['shards'])} shard(s), "
-            f"{s['bytes_written'] / 1e6:.1f} MB, format {report['format']}")
+            f"{s['bytes_written'] / 1e6:.1f} MB, format {report['format']}" +
+            (f"; {len(report['declined'])} MXFP4 weight(s) declined (--allow-partial), left in MXFP4 form"
+             if report.get("declined") else ""))
 

@@ -65,6 +65,9 @@ def add_convert_arguments(p) -> None:
                    help="one activation input_scale (amax/2688, a multiplier) for every converted module")
     g.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="output shards of at most SIZE (default 5GB)")
+    g.add_argument("--allow-partial", action="store_true", default=None,
+                   help="copy MXFP4 weights that cannot be converted (named in the output and the report) "
+                        "instead of refusing the checkpoint (exit 2)")
     _checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
     p.epilog = (p.epilog or "") + CONVERT_EPILOG
 
@@ -76,7 +79,8 @@ def _is_folder(path) -> bool:
 def convert_if_folder(args) -> int | None:
     """Run the checkpoint conversion when ``args.model`` is a folder; None otherwise (an ONNX file)."""
     if not _is_folder(args.model):
-        for flag in ("format", "input_scale", "max_shard_size", *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
+        for flag in ("format", "input_scale", "max_shard_size", "allow_partial", *_checkpoint_calib.FOLDER_ONLY,
+                     "calib_batch_size"):
             if getattr(args, flag, None) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
         return None
@@ -109,7 +113,7 @@ def _convert(args) -> int:
         report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
                          scales=_checkpoint_calib.scales_for_convert(args), method=args.method, check=args.check,
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
-                         threads=args.threads)
+                         threads=args.threads, allow_partial=bool(args.allow_partial))
     except CheckFailed as failed:
         if args.report:
             write_json(args.report, failed.report)
