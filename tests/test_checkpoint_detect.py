@@ -158,6 +158,22 @@ DECLINES = {
                              "[N, K/2] and [N, K/32])",
          f"{E}.0.w3.weight": f"the other half of its gate/up pair, {E}.0.w1, is declined (the pair shares one "
                              "global scale and one input scale: both or neither)"}, [f"{E}.0.w2"]),
+    "pairs whose gate or up is declined": (
+        [(f"{E}.0.w1.weight_packed", "U8", (32, 32)), *_ct(f"{E}.0.w3", 32, 64),
+         *_ct("w1", 32, 64), ("w3.weight_packed", "U8", (32, 32)), ("w3.weight_scale", "U8", (32, 1)),
+         *_ct("x.w1", 32, 64), *_ct("x.w3", 32, 64),
+         ("a.gate_proj.weight_blocks", "U8", (32, 2, 16)), ("a.up_proj.weight_blocks", "U8", (32, 2, 16)),
+         ("a.up_proj.weight_scales", "U8", (32, 2))], {},
+        {f"{E}.0.w1.weight_packed": f"MXFP4 codes without their scales tensor '{E}.0.w1.weight_scale'",
+         f"{E}.0.w3.weight_packed": f"the other half of its gate/up pair, {E}.0.w1, is declined (the pair shares one "
+                                    "global scale and one input scale: both or neither)",
+         "w3.weight_packed": "packed codes [32, 32] do not match scales 'w3.weight_scale' [32, 1] (expected [N, K/2] "
+                             "and [N, K/32])",
+         "w1.weight_packed": "the other half of its gate/up pair, w3, is declined (the pair shares one global scale "
+                             "and one input scale: both or neither)",
+         "a.gate_proj.weight_blocks": "MXFP4 codes without their scales tensor 'a.gate_proj.weight_scales'",
+         "a.up_proj.weight_blocks": "the other half of its gate/up pair, a.gate_proj, is declined (the pair shares "
+                                    "one global scale and one input scale: both or neither)"}, ["x.w1", "x.w3"]),
     "deepseek scale missing, config says fp4": (
         [*_ds(f"{E}.0.gate_proj", 32, 64), (f"{E}.0.up_proj.weight", "I8", (32, 32)), *_ds(f"{E}.0.down_proj", 64, 32),
          ("layers.0.attn.wq.weight", "I8", (64, 32))], DS_FP4,
