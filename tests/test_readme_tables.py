@@ -1,7 +1,8 @@
-"""The README's deterministic results tables hold what the code computes today (``fp4pass.bench.readme``).
+"""The deterministic results tables of docs/results.md hold what the code computes today
+(``fp4pass.bench.readme``).
 
-Each table is found as the first markdown table after the README heading whose text starts with the
-module's ``*_HEADING``; regenerate with ``python -m fp4pass.bench.readme`` and paste when a method changes.
+Each table is found as the first markdown table after the heading whose text starts with the module's
+``*_HEADING``; regenerate with ``python -m fp4pass.bench.readme`` and paste when a method changes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 from fp4pass.bench import readme
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 
 
 def table_under(text: str, heading: str) -> list[list[str]]:
@@ -22,7 +23,7 @@ def table_under(text: str, heading: str) -> list[list[str]]:
     start = next((i for i, line in enumerate(lines)
                   if line.startswith("#") and line.lstrip("#").strip().startswith(heading)), None)
     if start is None:
-        raise AssertionError(f"README.md has no heading starting with {heading!r}")
+        raise AssertionError(f"no heading starting with {heading!r}")
     table = []
     for line in lines[start + 1:]:
         if line.startswith("#"):
@@ -32,18 +33,18 @@ def table_under(text: str, heading: str) -> list[list[str]]:
         elif table:
             break
     if not table:
-        raise AssertionError(f"README.md has no table under the heading {heading!r}")
+        raise AssertionError(f"no table under the heading {heading!r}")
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table]
     return [rows[0]] + [r for r in rows[1:] if not all(set(c) <= set("-: ") for c in r)]
 
 
 def check(heading: str, header: list[str], rows: list[list[str]]) -> None:
-    committed = table_under(README.read_text(encoding="utf-8"), heading)
-    assert committed[0] == header, f"README table under {heading!r}: header differs"
+    committed = table_under(RESULTS.read_text(encoding="utf-8"), heading)
+    assert committed[0] == header, f"docs/results.md table under {heading!r}: header differs"
     expected = {r[0]: r for r in rows}
-    assert [r[0] for r in committed[1:]] == list(expected), f"README table under {heading!r}: rows differ"
+    assert [r[0] for r in committed[1:]] == list(expected), f"docs/results.md table under {heading!r}: rows differ"
     for row in committed[1:]:
-        assert row == expected[row[0]], (f"README table under {heading!r}, row {row[0]!r}: README has {row}, "
+        assert row == expected[row[0]], (f"docs/results.md table under {heading!r}, row {row[0]!r}: it has {row}, "
                                          f"the code computes {expected[row[0]]}; regenerate with "
                                          "python -m fp4pass.bench.readme")
 

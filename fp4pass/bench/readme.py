@@ -1,7 +1,7 @@
-"""The README's deterministic results tables, computed by the code: ``python -m fp4pass.bench.readme``.
+"""The deterministic results tables of docs/results.md, computed by the code: ``python -m fp4pass.bench.readme``.
 
-Three tables, printed as markdown, each to be pasted under its README heading (``tests/test_readme_tables.py``
-checks that the committed README holds what this module computes):
+Three tables, printed as markdown, each to be pasted under its heading in docs/results.md
+(``tests/test_readme_tables.py`` checks that the committed file holds what this module computes):
 
 - ``main`` (under the heading starting "The main job"): the README's first command, ``fp4pass convert
   models/tiny_gpt_oss.onnx --calib models/tiny_gpt_oss_calib.npz --check``, in the example table's columns,
@@ -32,7 +32,7 @@ __all__ = ["example_rows", "main_job_rows", "study_rows", "markdown", "EXAMPLE_H
 #: the example model and its calibration data
 MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "models"
 
-#: the README headings the tables sit under (the start of the heading's text)
+#: the docs/results.md headings the tables sit under (the start of the heading's text)
 EXAMPLE_HEADING = "The example model"
 MAIN_JOB_HEADING = "The main job"
 STUDY_HEADING = "Conversion:"
@@ -105,7 +105,7 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp4pass.bench.readme",
-                                     description="Print the README's deterministic results tables as markdown.")
+                                     description="Print the deterministic results tables of docs/results.md as markdown.")
     parser.add_argument("--table", choices=["main", "example", "study", "all"], default="all")
     parser.add_argument("--device", default="cpu", help="device of the study (default cpu)")
     args = parser.parse_args(argv)

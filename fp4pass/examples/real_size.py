@@ -71,15 +71,17 @@ def _in_use_gib() -> float:
 
 
 class _Sampler:
-    """The highest machine memory in use while a stage runs (a background thread sampling /proc/meminfo)."""
+    """The highest value of ``probe`` (GiB; default the machine's memory in use, from /proc/meminfo) while a
+    stage runs, sampled every ``period`` seconds by a background thread."""
 
-    def __init__(self, period: float = 0.2):
-        self.period, self.high, self._stop = period, _in_use_gib(), threading.Event()
+    def __init__(self, period: float = 0.2, probe=_in_use_gib):
+        self.probe = probe
+        self.period, self.high, self._stop = period, probe(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            self.high = max(self.high, _in_use_gib())
+            self.high = max(self.high, self.probe())
 
     def __enter__(self):
         self._thread.start()
