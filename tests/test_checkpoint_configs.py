@@ -49,13 +49,16 @@ def test_ignore_keeps_exact_names_exact_and_turns_only_patterns_into_regexes():
 def test_modelopt_files_hold_every_key_vllm_reads(with_input):
     exclude = ["lm_head", "model.layers.*.mlp.router"]
     producer = {"name": "fp4pass", "version": fp4pass.__version__}
-    assert forms.hf_quant_config(exclude) == {
-        "producer": producer,
-        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+    # quant_method at the top: vLLM recognises hf_quant_config.json alone as ModelOpt's by it (or by a producer
+    # named "modelopt"); W4A16_NVFP4 for weight-only: SGLang and TensorRT-LLM run "NVFP4" as W4A4
+    algo = "NVFP4" if with_input else "W4A16_NVFP4"
+    assert forms.hf_quant_config(exclude, with_input) == {
+        "producer": producer, "quant_method": "modelopt",
+        "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
                          "exclude_modules": exclude}}
     fp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
     assert forms.quantization_config(forms.MODELOPT, exclude, with_input) == {
-        "quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+        "quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
         "exclude_modules": exclude, "ignore": exclude, "producer": producer,
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp4,
                                       "input_activations": fp4 if with_input else None}}}

@@ -429,21 +429,17 @@ def _ct_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
 
 
 def _deepseek_v4_fp8_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
-    """DeepSeek-V4 with config.json ``quant_method: fp8``.
+    """DeepSeek-V4 with config.json ``quant_method: fp8``, in vLLM.
 
     vLLM 0.33.0 models/deepseek_v4/quant_config.py ``DeepseekV4FP8Config.get_quant_method``: routed experts get
     ``ModelOptNvFp4FusedMoE`` (W4A4: ``_get_nvfp4_config`` is quant_algo NVFP4, so every expert needs its
     input_scale) when config.json ``quantization_config.moe_quant_algo`` is "NVFP4", else the MXFP4 method;
     every other Linear gets Fp8Config's method (FP8 block weights, or unquantized when in ``ignored_layers``,
-    exact names per quant_utils.py ``is_layer_skipped``). SGLang 0.5.23 models/deepseek_v4.py has no NVFP4
-    expert path (``quant_method: fp8`` goes to the FP8 or online-NVFP4 configs); TensorRT-LLM is not checked.
+    exact names per quant_utils.py ``is_layer_skipped``).
     """
-    if engine == "sglang":
-        return _verdict(False, None, "SGLang 0.5.23 models/deepseek_v4.py reads no moe_quant_algo: quant_method "
-                                     "fp8 builds FP8 or online NVFP4 experts, not these NVFP4 tensors")
-    if engine == "trtllm":
-        return _verdict(False, None, "TensorRT-LLM: DeepSeek-V4 NVFP4 experts under an FP8 config "
-                                     "(moe_quant_algo) are not read by its loader as far as checked; not claimed")
+    if "activation_scheme" not in qc:  # fp8.py Fp8Config.from_config: get_from_keys raises
+        return _verdict(False, None, "config.json quant_method fp8 without activation_scheme: vLLM's "
+                                     "Fp8Config.from_config raises")
     if str(qc.get("moe_quant_algo") or "").upper() != "NVFP4":
         return _verdict(False, None, "config.json quant_method fp8 without moe_quant_algo NVFP4: vLLM builds the "
                                      "MXFP4 expert method (deepseek_v4/quant_config.py)")
@@ -471,6 +467,19 @@ def _deepseek_v4_fp8_verdict(engine: str, qc: dict, architecture, kinds, names) 
     return _verdict(True, "W4A4", "DeepSeek-V4 fp8 config with moe_quant_algo NVFP4: routed experts NVFP4 W4A4")
 
 
+def _deepseek_v4_other(engine: str, method: str) -> dict:
+    """DeepSeek-V4 NVFP4 outside vLLM: SGLang 0.5.23 models/deepseek_v4.py reads no ``moe_quant_algo`` (with
+    ``quant_method: fp8`` its ModelOptFp4Config.from_config builds the online FP8 -> NVFP4 config of
+    nvfp4_online.py, which quantizes at load rather than reading NVFP4 tensors), and no NVFP4 DeepSeek-V4 path
+    of SGLang or TensorRT-LLM was checked for the ModelOpt or compressed-tensors forms: not claimed."""
+    if engine == "sglang":
+        return _verdict(False, None, "SGLang 0.5.23 models/deepseek_v4.py has no NVFP4 expert path (no "
+                                     f"moe_quant_algo; quant_method {method or 'none'} not checked there): not "
+                                     "claimed")
+    return _verdict(False, None, "TensorRT-LLM's DeepSeek-V4 loader (_torch/models/modeling_deepseekv4.py) was not "
+                                 "checked for NVFP4 experts: not claimed")
+
+
 def engine_verdicts(config: dict, hf_quant_config: dict | None, tensor_names: list[str]) -> dict[str, dict]:
     """``{"vllm": {"loads", "mode", "why"}, "sglang": ..., "trtllm": ...}`` for a checkpoint folder.
 
@@ -489,7 +498,9 @@ def engine_verdicts(config: dict, hf_quant_config: dict | None, tensor_names: li
             out[engine] = _verdict(False, None, f"no quantization config the engine reads ({source})")
             continue
         method = str(qc.get("quant_method", "")).lower()
-        if architecture == ARCH_DEEPSEEK_V4 and method == "fp8":
+        if architecture == ARCH_DEEPSEEK_V4 and engine != "vllm":
+            out[engine] = _deepseek_v4_other(engine, method)
+        elif architecture == ARCH_DEEPSEEK_V4 and method == "fp8":
             out[engine] = _deepseek_v4_fp8_verdict(engine, qc, architecture, kinds, names)
         elif method.startswith("modelopt") or isinstance(qc.get("quantization"), dict):
             out[engine] = _modelopt_verdict(engine, qc, source, architecture, kinds, names)

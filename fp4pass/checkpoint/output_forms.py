@@ -33,10 +33,11 @@ import re
 from importlib import metadata
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
+from fp4pass.checkpoint.engines import ARCH_DEEPSEEK_V4, vllm_module_name
 from fp4pass.checkpoint.safetensors_io import OutputSpec
 
 __all__ = ["MODELOPT", "COMPRESSED_TENSORS_FORMAT", "FORMATS", "linear_specs", "fused_specs", "exclude_list",
-           "hf_quant_config", "quantization_config", "PRODUCER"]
+           "hf_quant_config", "quantization_config", "side_configs", "output_style", "quant_algo", "PRODUCER"]
 
 MODELOPT, COMPRESSED_TENSORS_FORMAT = "modelopt", "compressed-tensors"
 FORMATS = (MODELOPT, COMPRESSED_TENSORS_FORMAT)
@@ -74,23 +75,59 @@ def fused_specs(unit: FusedExperts, with_input: bool) -> list[OutputSpec]:
     return specs + ([OutputSpec(f"{p}_input_scale", "F32", ())] if with_input else [])
 
 
-def _glob(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+def _prefix_wildcard(module: str, converted: list[str]) -> str:
+    """``module`` itself, or ``A*`` for its shallowest proper ancestor ``A`` under which no converted module's
+    name begins (a string prefix: ``model.layers.1*`` would also cover ``model.layers.10``)."""
+    parts = module.split(".")
+    for depth in range(1, len(parts)):
+        ancestor = ".".join(parts[:depth])
+        if not any(c.startswith(ancestor) for c in converted):
+            return ancestor + "*"
+    return module
 
 
-def exclude_list(kept_modules: list[str], converted_modules: list[str]) -> list[str]:
-    """Modules left in their own precision (lm_head, embeddings, routers, norms, attention, ...), compacted.
+def output_style(fmt: str, source_config: dict | None) -> str:
+    """"modelopt", "compressed-tensors", or "deepseek-v4-fp8": ModelOpt tensors under DeepSeek-V4's own FP8
+    config with ``moe_quant_algo`` (what vLLM's DeepSeek-V4 loader reads; models/deepseek_v4/quant_config.py)."""
+    config = source_config or {}
+    qc = config.get("quantization_config") or {}
+    if fmt == MODELOPT and (config.get("architectures") or [None])[0] == ARCH_DEEPSEEK_V4 \
+            and str(qc.get("quant_method", "")).lower() == "fp8":
+        return "deepseek-v4-fp8"
+    return fmt
 
-    Layer and expert indices become ``*`` where the pattern then covers no converted module; else the name is
-    listed as it is. Glob patterns, as ModelOpt writes them; compressed-tensors takes the ``re:`` form.
+
+def exclude_list(kept_modules: list[str], converted_modules: list[str], fmt: str = MODELOPT,
+                 source_config: dict | None = None, tensor_names=None) -> list[str]:
+    """Modules left in their own precision (lm_head, embeddings, routers, norms, attention, ...).
+
+    ModelOpt: each module's name, or ``A*`` for its shallowest ancestor ``A`` that holds no converted module
+    (``model.layers.0.self_attn*``), as ModelOpt writes them. Never a ``*`` for a layer or expert index: the
+    engines try globs against a fused module's own name only (``qkv_proj``, shared-expert ``gate_up_proj``,
+    ``fused_wqa_wkv``), so ``model.layers.*.self_attn.q_proj`` leaves ``qkv_proj`` to NVFP4
+    (:mod:`fp4pass.checkpoint.engines`).
+
+    compressed-tensors and DeepSeek-V4's FP8 ``ignored_layers``: every module's exact name (vLLM renames exact
+    names with the model's hf_to_vllm_mapper but never ``re:`` patterns; its FP8 ``is_layer_skipped`` matches
+    exactly). A top-level module that vLLM renames to another top-level name (DeepSeek-V4 ``head`` ->
+    ``lm_head``) is written as a ``re:`` matching both. DeepSeek-V4's FP8 form lists only the modules without
+    an FP8 ``.scale`` (those stay FP8).
     """
-    # a pattern (indices as *) matches a module exactly when the module's own pattern is that pattern, so one
-    # set of the converted modules' patterns decides: linear in the number of modules
-    converted_globs = {_glob(m) for m in converted_modules}
+    style = output_style(fmt, source_config)
+    architecture = ((source_config or {}).get("architectures") or [None])[0]
     out: dict[str, None] = {}
     for module in kept_modules:
-        pattern = _glob(module)
-        out.setdefault(pattern if pattern != module and pattern not in converted_globs else module)
+        if style == MODELOPT:
+            out.setdefault(_prefix_wildcard(module, converted_modules))
+            continue
+        if style == "deepseek-v4-fp8" and tensor_names is not None and (
+                f"{module}.scale" in tensor_names or f"{module}.weight_scale_inv" in tensor_names):
+            continue
+        renamed = vllm_module_name(architecture, module)
+        if style == COMPRESSED_TENSORS_FORMAT and "." not in module and renamed != module and "." not in renamed:
+            out.setdefault(f"re:^(?:{re.escape(module)}|{re.escape(renamed)})$")
+        else:
+            out.setdefault(module)
     return list(out)
 
 
@@ -99,15 +136,26 @@ def _regex(pattern: str) -> str:
 
 
 def ct_ignore(patterns: list[str]) -> list[str]:
-    """compressed-tensors ``ignore``: exact names as they are, ``*`` patterns as ``re:`` regexes."""
-    return [f"re:^{_regex(p)}$" if "*" in p else p for p in patterns]
+    """compressed-tensors ``ignore`` from glob patterns: exact names as they are, ``*`` patterns as ``re:``."""
+    return [p if p.startswith("re:") or "*" not in p else f"re:^{_regex(p)}$" for p in patterns]
 
 
-def hf_quant_config(exclude: list[str]) -> dict:
-    """``hf_quant_config.json`` (ModelOpt): every key present, null ones too (vLLM refuses a missing key)."""
-    return {"producer": dict(PRODUCER),
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
-                             "exclude_modules": list(exclude)}}
+def quant_algo(with_input: bool) -> str:
+    """ModelOpt's ``quant_algo``: "NVFP4" (W4A4, input scales stored) or "W4A16_NVFP4" (weight-only), as
+    ModelOpt writes them; SGLang and TensorRT-LLM run W4A4 for "NVFP4" whatever the config groups say."""
+    return "NVFP4" if with_input else "W4A16_NVFP4"
+
+
+def hf_quant_config(exclude: list[str], with_input: bool = True) -> dict:
+    """``hf_quant_config.json`` (ModelOpt): every key present, null ones too (vLLM refuses a missing key).
+
+    ``quant_method: "modelopt"`` at the top: without it vLLM recognises the file as ModelOpt's only when the
+    producer is named "modelopt" (transformers_utils/model_arch_config_convertor.py), and the producer stays
+    fp4pass's own.
+    """
+    return {"producer": dict(PRODUCER), "quant_method": "modelopt",
+            "quantization": {"quant_algo": quant_algo(with_input), "kv_cache_quant_algo": None,
+                             "group_size": GROUP_SIZE, "exclude_modules": list(exclude)}}
 
 
 def _fp4_args(dynamic) -> dict:
@@ -115,14 +163,31 @@ def _fp4_args(dynamic) -> dict:
             "symmetric": True, "dynamic": dynamic, "scale_dtype": "torch.float8_e4m3fn"}
 
 
-def quantization_config(fmt: str, exclude: list[str], with_input: bool) -> dict:
-    """config.json's ``quantization_config`` for ``fmt``; weight-only (no input_activations) without input scales."""
+def quantization_config(fmt: str, exclude: list[str], with_input: bool, source_config: dict | None = None) -> dict:
+    """config.json's ``quantization_config`` for ``fmt``; weight-only (no input_activations, ModelOpt
+    ``W4A16_NVFP4``) without input scales.
+
+    DeepSeek-V4 with its FP8 config (``output_style`` "deepseek-v4-fp8"): the source's FP8 description kept,
+    plus ``"moe_quant_algo": "NVFP4"``, the bf16 Linears in ``ignored_layers`` and ``activation_scheme``
+    (``"dynamic"`` unless the source gives one; vLLM's Fp8Config refuses a config without it), as vLLM's
+    models/deepseek_v4/quant_config.py ``DeepseekV4FP8Config`` reads them. That path is W4A4 only: the experts
+    need input scales.
+    """
+    if output_style(fmt, source_config) == "deepseek-v4-fp8":
+        qc = dict(source_config["quantization_config"])
+        ignored = list(qc.get("ignored_layers") or [])
+        qc["ignored_layers"] = ignored + [m for m in exclude if m not in ignored]
+        qc["moe_quant_algo"] = "NVFP4"
+        # fp8.py Fp8Config.from_config requires the key; DeepSeek's FP8 Linears quantize activations per block
+        # at run time ("dynamic", what DeepSeek-V4's own config.json says)
+        qc.setdefault("activation_scheme", "dynamic")
+        return qc
     if fmt == MODELOPT:
         group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": GROUP_SIZE,
                                                      "dynamic": False},
                  "input_activations": ({"num_bits": 4, "type": "float", "group_size": GROUP_SIZE, "dynamic": False}
                                        if with_input else None)}
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+        return {"quant_method": "modelopt", "quant_algo": quant_algo(with_input), "kv_cache_quant_algo": None,
                 "group_size": GROUP_SIZE, "exclude_modules": list(exclude), "ignore": list(exclude),
                 "config_groups": {"group_0": group}, "producer": dict(PRODUCER)}
     group = {"targets": ["Linear"], "weights": _fp4_args(False),
@@ -131,3 +196,14 @@ def quantization_config(fmt: str, exclude: list[str], with_input: bool) -> dict:
     return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
             "config_groups": {"group_0": group}, "ignore": ct_ignore(exclude),
             "quantization_status": "compressed", "kv_cache_scheme": None}
+
+
+def side_configs(fmt: str, source_config: dict, exclude: list[str], with_input: bool) -> tuple[dict, dict | None]:
+    """(config.json, hf_quant_config.json or None) of the output: the source's config.json with its
+    ``quantization_config`` replaced; hf_quant_config.json for the ModelOpt form (TensorRT-LLM reads it first),
+    none for DeepSeek-V4's FP8 form (the FP8 Linears there are not NVFP4)."""
+    config = dict(source_config)
+    config["quantization_config"] = quantization_config(fmt, exclude, with_input, source_config)
+    if output_style(fmt, source_config) != MODELOPT:
+        return config, None
+    return config, hf_quant_config(exclude, with_input)

@@ -287,8 +287,13 @@ def _open(src_dir, fmt: str, method: str):
 
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
-            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False) -> dict:
+            effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
+            engine: str | None = None) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
+
+    ``engine``: "vllm", "sglang" or "trtllm": refuse (before anything is written) an output that engine's
+    loader would not load (:func:`fp4pass.checkpoint.engines.engine_verdicts`; the report's ``engines`` holds
+    the verdict of every engine either way).
 
     ``format``: "modelopt" or "compressed-tensors". ``input_scale``: one activation input_scale (a multiplier,
     amax / 2688) for every converted module; ``scales``: a SCALES.json path or an ActivationScales mapped onto
@@ -323,7 +328,9 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             in_scales = resolve_input_scales(found.units, input_scale, scales_obj, scales_path or "SCALES.json")
             with_input = bool(in_scales.values)
             plan = _plan(catalog, found, fmt, with_input, max_shard_bytes)
-            exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found))
+            exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found), fmt,
+                                                catalog.config, set(catalog.tensors))
+            verdicts = _engine_verdicts(catalog, plan, fmt, exclude, with_input, engine)
             entries: list[dict] = []
             try:
                 with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
@@ -333,6 +340,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                     _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
                     report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude,
                                      catalog, start)
+                    report["engines"] = verdicts
                     # `fp4pass inspect` on the folder before its rename: a broken rule of the form is exit 3
                     report["validation"] = validate_own_output(tmp)
                     if check:
@@ -467,16 +475,31 @@ def _write_side_files(catalog: Catalog, tmp: Path, fmt: str, exclude: list[str],
     if len(plan.shards) > 1:
         total = sum(s.nbytes for item in plan.items for s in item.specs)
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    config = dict(catalog.config)
-    config["quantization_config"] = output_forms.quantization_config(fmt, exclude, with_input)
+    config, hf_quant = output_forms.side_configs(fmt, catalog.config, exclude, with_input)
     _write_json(tmp / CONFIG_NAME, config)
-    if fmt == MODELOPT:
-        _write_json(tmp / QUANT_CONFIG_NAME, output_forms.hf_quant_config(exclude))
+    if hf_quant is not None:
+        _write_json(tmp / QUANT_CONFIG_NAME, hf_quant)
     for name in catalog.other_files:
         try:
             shutil.copyfile(catalog.folder / name, tmp / name, follow_symlinks=True)
         except OSError as exc:
             raise CheckpointError(f"{catalog.folder / name}: cannot be copied ({exc.strerror})") from None
+
+
+def _engine_verdicts(catalog: Catalog, plan: Plan, fmt: str, exclude: list[str], with_input: bool,
+                     engine: str | None) -> dict:
+    """Each engine's verdict on the output about to be written (its configs and tensor names, known from the
+    plan); with ``engine``, a CheckpointError when that one would not load it."""
+    from fp4pass.checkpoint.engines import ENGINES, engine_verdicts
+
+    if engine is not None and engine not in ENGINES:
+        raise UsageError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    config, hf_quant = output_forms.side_configs(fmt, catalog.config, exclude, with_input)
+    verdicts = engine_verdicts(config, hf_quant, [s.name for item in plan.items for s in item.specs])
+    if engine is not None and not verdicts[engine]["loads"]:
+        raise CheckpointError(f"{catalog.folder}: the {fmt} output would not load in {engine}: "
+                              f"{verdicts[engine]['why']}")
+    return verdicts
 
 
 def _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude, catalog, start) -> dict:

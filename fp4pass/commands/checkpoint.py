@@ -68,6 +68,9 @@ def add_convert_arguments(p) -> None:
     g.add_argument("--allow-partial", action="store_true", default=None,
                    help="copy MXFP4 weights that cannot be converted (named in the output and the report) "
                         "instead of refusing the checkpoint (exit 2)")
+    g.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
+                   help="the serving engine the output is for: refuse (exit 2, nothing written) an output its "
+                        "loader would not load; every engine's verdict is printed either way")
     _checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
     p.epilog = (p.epilog or "") + CONVERT_EPILOG
 
@@ -79,8 +82,8 @@ def _is_folder(path) -> bool:
 def convert_if_folder(args) -> int | None:
     """Run the checkpoint conversion when ``args.model`` is a folder; None otherwise (an ONNX file)."""
     if not _is_folder(args.model):
-        for flag in ("format", "input_scale", "max_shard_size", "allow_partial", *_checkpoint_calib.FOLDER_ONLY,
-                     "calib_batch_size"):
+        for flag in ("format", "input_scale", "max_shard_size", "allow_partial", "engine",
+                     *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
             if getattr(args, flag, None) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
         return None
@@ -113,7 +116,8 @@ def _convert(args) -> int:
         report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
                          scales=_checkpoint_calib.scales_for_convert(args), method=args.method, check=args.check,
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
-                         threads=args.threads, allow_partial=bool(args.allow_partial))
+                         threads=args.threads, allow_partial=bool(args.allow_partial),
+                         engine=getattr(args, "engine", None))
     except CheckFailed as failed:
         if args.report:
             write_json(args.report, failed.report)
@@ -131,6 +135,10 @@ def _convert(args) -> int:
         if table:
             print("\n".join(table))
     print(f"fp4pass convert: {summary}", file=sys.stderr)
+    if report.get("engines"):
+        from fp4pass.checkpoint.engines import verdict_line
+
+        print(f"fp4pass convert: engines: {verdict_line(report['engines'])}", file=sys.stderr)
     if report.get("check") is not None:
         print(f"fp4pass convert: {check_line(report['check'])}", file=sys.stderr)
     return 0
