@@ -321,9 +321,10 @@ def _convert_apart(mx: MXFP4Tensor, layout: GroupLayout, near: list[bool], code_
     searched_scales = scales3.index_select(0, searched_index)
     # lossy unless every searched group's blocks that hold a value lie within 17 octaves (then nothing is
     # re-encoded and the codes stay shared)
-    k_max, k_min = exponent_range(searched_codes.reshape(-1, layout.k // 2), searched_scales.reshape(len(searched) * rows, -1),
-                                  GroupLayout(torch.Size((len(searched), rows, layout.k)), 1, len(searched), rows,
-                                              layout.k, layout.mx_block, mx.name))
+    searched_layout = GroupLayout(torch.Size((len(searched), rows, layout.k)), 1, len(searched), rows, layout.k,
+                                  layout.mx_block, mx.name)
+    k_max, k_min = exponent_range(*searched_layout.flat(MXFP4Tensor(searched_codes, searched_scales, layout.mx_block)),
+                                  searched_layout)
     lossy = bool(((k_max != EMPTY_K) & (k_max - k_min > LOSSLESS_SPREAD)).any())
 
     def lossless_side() -> tuple[torch.Tensor | None, float]:
