@@ -78,6 +78,7 @@ def _through_onnx(codes, scales):
 
 def test_three_front_doors_write_the_same_bytes_expert_by_expert():
     codes, scales = _stack()
+    source = codes.clone(), scales.clone()
     mx = MXFP4Tensor(codes, scales, 32, name="W")
     nv, parts = convert_experts(mx)
     checkpoint = [nv.codes, nv.scales, nv.global_scale]
@@ -86,6 +87,7 @@ def test_three_front_doors_write_the_same_bytes_expert_by_expert():
     for door in (fx, onnx_parts):
         for mine, theirs in zip(door, checkpoint):
             assert torch.equal(mine.reshape(theirs.shape), theirs)
+    assert torch.equal(codes, source[0]) and torch.equal(scales, source[1])  # no door writes its input
     # each expert exactly as it converts alone (no neighbour in sight)
     for e in range(E):
         alone, stats = fp4pass.mxfp4_to_nvfp4(MXFP4Tensor(codes[e], scales[e], 32), group_dims=0)
