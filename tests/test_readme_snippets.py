@@ -60,21 +60,30 @@ def _commands(block: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
+def _venv() -> Path:
+    """The virtual environment these tests run in (what ``bash .ci/install`` made as ./.venv)."""
+    if sys.prefix == sys.base_prefix or not (Path(sys.prefix) / "bin" / "fp4pass").exists():
+        pytest.skip("not running inside a virtual environment with fp4pass installed (bash .ci/install)")
+    return Path(sys.prefix)
+
+
 def _clone_like(folder: Path) -> Path:
     """A folder with what a fresh clone holds after ``bash .ci/install`` that the examples read."""
     folder.mkdir(exist_ok=True)
     (folder / "models").symlink_to(ROOT / "models", target_is_directory=True)
-    (folder / ".venv").symlink_to(ROOT / ".venv", target_is_directory=True)
+    (folder / ".venv").symlink_to(_venv(), target_is_directory=True)
     return folder
 
 
 def _fresh_shell_env() -> dict:
-    """The environment of a new shell: no virtual environment activated, the venv's bin/ not on PATH."""
-    venv_bin = str(ROOT / ".venv" / "bin")
+    """The environment of a new shell: no virtual environment activated, the venv's bin/ not on PATH. Only
+    PYTHONPATH names this tree, so that a copy of the project (a mutation run) runs its own code rather than
+    the checkout the venv's editable install points to."""
+    venv_bin = str(_venv() / "bin")
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if p and os.path.realpath(p) != os.path.realpath(venv_bin))
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    return {**env, "PATH": path}
+    return {**env, "PATH": path, "PYTHONPATH": str(ROOT)}
 
 
 def _untracked(paths: list[str], scratch: Path) -> list[str]:
@@ -109,7 +118,7 @@ def _written(folder: Path, before: set[str]) -> list[str]:
 def _run_python(code: str, folder: Path) -> subprocess.CompletedProcess:
     _clone_like(folder)
     before = set(os.listdir(folder))
-    done = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], cwd=folder, capture_output=True,
+    done = subprocess.run([str(folder / ".venv" / "bin" / "python"), "-c", code], cwd=folder, capture_output=True,
                           text=True, timeout=900, env=_fresh_shell_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert _untracked(_written(folder, before), folder.parent / "git-oracle") == []

@@ -31,7 +31,7 @@ class BenchResult:
     seconds: float
     baseline: str
     baseline_seconds: float
-    goal: float | None = None  # the target ratio (<=), if any: the README table states it
+    goal: float | None = None  # the target ratio (<=), if any: docs/results.md states it
     extra: dict = field(default_factory=dict)  # throughput, bytes, peak memory, ...
     unit: str = "s"
     quick: bool = False  # measured at --quick sizes: a goal stated for the full size is not judged
