@@ -408,9 +408,10 @@ def _modelopt_verdict(engine: str, qc: dict, source: str, architecture, kinds, n
 
 def _ct_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
     if engine == "trtllm":
-        return _verdict(False, None, "TensorRT-LLM matches exclusions with fnmatch only (modeling_utils.py "
-                                     "QuantConfig.is_module_excluded_from_quantization) and reads NVFP4 from "
-                                     "ModelOpt's hf_quant_config.json; write --format modelopt for it")
+        return _verdict(False, None, "TensorRT-LLM: its compressed-tensors reader (_torch/models/checkpoints/hf/"
+                                     "compressed_tensors.py) was not checked for NVFP4, and its exclusions match "
+                                     "with fnmatch only, never re: (modeling_utils.py QuantConfig."
+                                     "is_module_excluded_from_quantization): not claimed; write --format modelopt")
     groups = qc.get("config_groups") or {}
     if qc.get("format") != "nvfp4-pack-quantized" and not any(
             isinstance(g, dict) and g.get("format") == "nvfp4-pack-quantized" for g in groups.values()):
