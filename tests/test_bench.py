@@ -83,3 +83,15 @@ def test_bad_input_raised_inside_a_benchmark_is_a_bug(monkeypatch, capsys):
     assert cli.main(["bench", "--quick", "--area", "convert", "--device", "cpu"]) == 3
     err = capsys.readouterr().err
     assert "unknown effort None" in err and "a bug in fp4pass" in err
+
+
+def test_peers_rows_are_printed_once(monkeypatch, capsys):
+    from fp4pass.bench import BenchResult
+
+    monkeypatch.setattr(peers, "peers_available", lambda: True)
+    monkeypatch.setattr(peers, "bench_peers", lambda device, quick, rounds, log=None: [
+        BenchResult("peers auto lossy [cpu]", 1.0, "ModelOpt cast", 2.0, 1.0, quick=quick)])
+    assert cli.main(["bench", "--peers", "--quick", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    (row,) = [line for line in captured.out.splitlines() if line.startswith("peers auto")]
+    assert (captured.out + captured.err).count(row) == 1 and "not judged at --quick size" in row

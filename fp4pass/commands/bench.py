@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from fp4pass.bench import AREAS, HEADER, RATIO_NOTE, run_benchmarks
+from fp4pass.bench import AREAS, HEADER, RATIO_NOTE, format_row, run_benchmarks
 from fp4pass.choices import Device, values
 from fp4pass.errors import FP4PassError
 from fp4pass.io import check_outputs, write_json
@@ -47,7 +47,10 @@ def run(args) -> int:
             return 2
 
         def measured(device, log):
-            return peers.bench_peers(device, args.quick, args.rounds, log=log)
+            rows = peers.bench_peers(device, args.quick, args.rounds)  # interleaved: the rows come at the end
+            for row in rows:
+                log(format_row(row))
+            return rows
     else:
         def measured(device, log):
             return run_benchmarks(device, args.quick, args.area or AREAS, log=log)
