@@ -415,3 +415,40 @@ def test_readme_calibration_commands_run_as_written(tmp_path, capsys):
     assert (tmp_path / "gpt-oss-calibrated" / "model.safetensors").is_file()
     assert "model.layers.0.mlp.experts.gate_up_proj" in json.loads((tmp_path / "scales.json").read_text())["tensors"]
     assert (tmp_path / "kimi-calibrated" / "model.safetensors").is_file()
+
+
+_RANK = """
+import json, sys
+import torch.distributed as dist
+import fp4pass.checkpoint
+rank, store, src, data, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+scales = fp4pass.checkpoint.calibrate(src, data, batch_size=4, device="cpu")
+json.dump({"amax": {k: v.amax for k, v in scales.tensors.items()}, "batches": scales.batches,
+           "tokens": [[r["module"], r["expert"], r["tokens"]] for r in scales.experts]}, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(tmp_path):
+    """Under torch.distributed each rank runs half the batches; after the all-reduce, both hold exactly the
+    single process's amax and token counts."""
+    import os
+    import subprocess
+    import sys
+
+    import fp4pass.checkpoint
+
+    src = ROOT / "kimi"
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parents[1])}
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "store"), str(src), str(TOKENS),
+                               str(tmp_path / f"r{r}.json")], env=env) for r in range(2)]
+    assert [p.wait(timeout=600) for p in ranks] == [0, 0]
+    single = fp4pass.checkpoint.calibrate(src, TOKENS, batch_size=4, device="cpu")
+    want = {"amax": {k: v.amax for k, v in single.tensors.items()},
+            "tokens": [[r["module"], r["expert"], r["tokens"]] for r in single.experts]}
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["batches"] == 2 and single.batches == 4
+        assert got["amax"] == want["amax"] and got["tokens"] == want["tokens"]

@@ -100,23 +100,31 @@ def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, 
 
 
 def bench_against_forward(device: torch.device, quick: bool) -> list[BenchResult]:
+    if quick:
+        return against_forward(device, hidden=256, experts=8, rows=8, seq=32, goal=None)
+    return against_forward(device, hidden=2880, experts=32, rows=16, seq=128, goal=1.0)
+
+
+def against_forward(device: torch.device, *, hidden: int, experts: int, rows: int, seq: int, goal: float | None,
+                    layers: int = 2, batch: int = 4) -> list[BenchResult]:
+    """Calibration of a ``layers``-layer gpt-oss-shaped checkpoint on ``rows`` x ``seq`` random tokens against
+    its plain forward and the routed matmul floor (module docstring), in batches of ``batch`` rows."""
     import fp4pass.checkpoint
 
-    hidden, experts, rows, seq, layers = (256, 8, 8, 32, 2) if quick else (2880, 32, 16, 128, 2)
     with tempfile.TemporaryDirectory(prefix="fp4pass-bench-calib-") as tmp:
         src = build_checkpoint(Path(tmp) / "ckpt", "gpt-oss", layers=layers, experts=experts, hidden=hidden,
                                intermediate=hidden, seed=0, expert_step=0, runnable=True, vocab=32)
         ids = np.random.default_rng(0).integers(0, 32, size=(rows, seq))
         np.savez(Path(tmp) / "ids.npz", input_ids=ids)
-        fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=4, device=device.type,
-                                     num_samples=4)  # warm: imports, kernels
+        fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=batch, device=device.type,
+                                     num_samples=batch)  # warm: imports, kernels
         _sync(device)
         start = time.perf_counter()
-        result = fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=4, device=device.type)
+        result = fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=batch, device=device.type)
         _sync(device)
         calib_s = time.perf_counter() - start
         model = _plain_model(src, device)
-        batches = [torch.from_numpy(ids[i:i + 4]).to(device) for i in range(0, rows, 4)]
+        batches = [torch.from_numpy(ids[i:i + batch]).to(device) for i in range(0, rows, batch)]
         with torch.no_grad():
             model(input_ids=batches[0], use_cache=False)
             _sync(device)
@@ -130,10 +138,10 @@ def bench_against_forward(device: torch.device, quick: bool) -> list[BenchResult
     tokens = rows * seq
     extra = {"tokens": tokens, "tokens_per_s": tokens / calib_s, "forward_tokens_per_s": tokens / forward_s,
              "layers_x_experts_x_H": f"{layers}x{experts}x{hidden}", "unrouted": len(result.unrouted),
-             "device": str(device)}
+             "device": str(device), **{f"{k}_s": round(v, 3) for k, v in result.timings.items()}}
     return [
-        BenchResult("calibrate-checkpoint gpt-oss-20b shapes", calib_s, "transformers forward (bf16)", forward_s,
-                    None if quick else 1.0, extra),
+        BenchResult(f"calibrate-checkpoint {rows}x{seq} tokens, H={hidden}", calib_s, "transformers forward (bf16)",
+                    forward_s, goal, extra),
         BenchResult("calibrate-checkpoint vs matmul floor", calib_s, "routed bf16 matmuls", floor_s, None,
                     {"forward_over_floor": round(forward_s / floor_s, 2)}),
     ]

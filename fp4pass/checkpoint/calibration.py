@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4pass.calib.calibrators import make_calibrator
+from fp4pass.calib.calibrators import HeadroomCalibrator, MSECalibrator, make_calibrator
 from fp4pass.calib.runner import CalibrationDataError, scale_for
-from fp4pass.calib.scales import ActivationScales
+from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.catalog import Catalog
@@ -66,21 +66,27 @@ class CheckpointScales(ActivationScales):
     tokens: int = 0
     seconds: float = 0.0
     spilled_batches: int = 0
+    #: where the time went: "embed" (inputs up to the first layer), "load" (reading and dequantizing the layers'
+    #: weights), "layers" (the batches through the layers, statistics included), "scales" (the calibrators)
+    timings: dict = field(default_factory=dict)
 
     def report_json(self) -> dict:
         """The calibration report: every scale with its figures, every expert's token count, the unrouted."""
         return {"calibrator": self.calibrator, "model_type": self.model_type, "device": self.device,
                 "layers": self.layers, "batches": self.batches, "tokens": self.tokens, "seconds": self.seconds,
-                "hidden_states_spilled_batches": self.spilled_batches, "tensors": self.report(),
+                "hidden_states_spilled_batches": self.spilled_batches, "timings_s": self.timings,
+                "tensors": self.report(),
                 "experts": self.experts, "unrouted_experts": self.unrouted, "dense": self.dense}
 
 
 class _LayerStats:
     """The statistics of one decoder layer's MXFP4 modules, and the hooks that feed them."""
 
-    def __init__(self, runner: LayerRunner, index: int, method, device: torch.device):
+    def __init__(self, runner: LayerRunner, index: int, method, device: torch.device, detailed: bool):
         self.prefix = f"layers.{index}."
-        self.method, self.device = method, device
+        self.method, self.device, self.detailed = method, device, detailed
+        # the block sample feeds the mse sweep and the report's SNR only: without them it is not kept
+        self.sampled = detailed or isinstance(method, MSECalibrator)
         self.valid: torch.Tensor | None = None  # flat bool [B*T] of the current batch, None = all count
         self.stats: dict[tuple, ActivationStats] = {}
         self.tokens: dict[tuple, int] = {}
@@ -106,7 +112,8 @@ class _LayerStats:
             label = module if key[1] is None else f"{key[0]}.{key[1]}.{key[2]}"
             self.stats[key] = ActivationStats(label, device=self.device,
                                               abs_histogram=self.method.needs_abs_histogram,
-                                              reservoir=self.method.reservoir, top_k=self.method.top_k)
+                                              reservoir=self.method.reservoir if self.sampled else 0,
+                                              top_k=self.method.top_k if self.sampled else 0)
         self.names.setdefault(key, []).append(module)
 
     def install(self, layer: torch.nn.Module) -> list:
@@ -175,10 +182,21 @@ class _LayerStats:
             for k, v in zip(token_keys, counts.tolist()):
                 self.tokens[k] = int(v)
 
+    def scale(self, stats: ActivationStats) -> ActivationScale:
+        """The calibrated scale; with ``detailed``, the report's block fractions and SNR too (``scale_for``)."""
+        if self.detailed:
+            return scale_for(stats, self.method)
+        g_amax, note = self.method.compute(stats)
+        bounds = self.method if isinstance(self.method, HeadroomCalibrator) else HeadroomCalibrator()
+        b_min, b_max = bounds.bounds(stats)
+        return ActivationScale(amax=stats.amax_value, g_amax=float(g_amax), input_scale=input_scale_from_g_amax(g_amax),
+                               b_min=float(b_min or 0.0), b_max=float(b_max or 0.0), blocks=stats.blocks,
+                               zero_blocks=int(stats.zero_blocks), note=note)
+
     def results(self, out: CheckpointScales) -> None:
         """Scales of this layer into ``out`` (module docstring's keys) and the experts' account."""
         for rel, module in self.dense.items():
-            scale = scale_for(self.stats[(rel, None, "dense")], self.method)
+            scale = self.scale(self.stats[(rel, None, "dense")])
             out.tensors[module] = scale
             out.dense.append({"module": module, "amax": scale.amax, "input_scale": scale.input_scale})
         for rel, entry in self.stacks.items():
@@ -194,7 +212,7 @@ class _LayerStats:
                     row.setdefault("checkpoint_modules", []).extend(self.names[key])
                     if tokens == 0:
                         continue
-                    scale = scale_for(self.stats[key], self.method)
+                    scale = self.scale(self.stats[key])
                     row[f"{kind}_amax"], row[f"{kind}_input_scale"] = scale.amax, scale.input_scale
                     for module in dict.fromkeys(self.names[key]):
                         if module in entry["fused"].values():
@@ -261,13 +279,16 @@ def _share(batches: list[Batch]) -> list[Batch]:
 
 def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
               seq_len: int | None = None, num_samples: int | None = None, hidden_budget_bytes: int | None = None,
-              show_progress: bool | None = False, **calibrator_options) -> CheckpointScales:
+              show_progress: bool | None = False, report_detail: bool = False,
+              **calibrator_options) -> CheckpointScales:
     """Calibrate the NVFP4 activation scales of the MXFP4 checkpoint ``src_dir`` on ``data`` (module docstring).
 
     ``data``: a path (:mod:`fp4pass.checkpoint.calib_data`). ``calibrator`` and ``calibrator_options``: as
     :func:`fp4pass.calib.make_calibrator`. ``device``: auto | cpu | cuda. ``hidden_budget_bytes``: hidden states
     kept in memory (the rest go to a temporary folder); default half the free GPU memory or a quarter of the
-    available RAM. Returns :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as ``scales``.
+    available RAM. ``report_detail``: also the report's block fractions and SNR of every scale (a sample of blocks
+    kept per statistic, and a quantization of it per scale; SCALES.json is the same either way). Returns
+    :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as ``scales``.
     """
     start = time.perf_counter()
     method = make_calibrator(calibrator, **calibrator_options)
@@ -286,7 +307,7 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
         out = CheckpointScales(method.name, model_type=model_type, device=str(dev), layers=runner.num_layers,
                                batches=len(batches), tokens=sum(b.tokens for b in batches))
         try:
-            _run(runner, batches, store, method, dev, out, show_progress)
+            _run(runner, batches, store, method, dev, out, show_progress, report_detail)
             out.spilled_batches = store.spilled
         finally:
             store.close()
@@ -294,13 +315,31 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
     return out
 
 
+class _Clock:
+    """Seconds per phase, added up in ``into`` (the device synchronised at each lap, so GPU work is counted
+    in its phase)."""
+
+    def __init__(self, device: torch.device, into: dict):
+        self.device, self.into = device, into
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
 def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, dev, out: CheckpointScales,
-         show_progress) -> None:
+         show_progress, detailed: bool) -> None:
     from fp4pass.progress import progress
 
+    clock = _Clock(dev, out.timings)
     for b, batch in enumerate(batches):
         hidden, _, _ = runner.capture(0, batch.input_ids, batch.attention_mask)
         store.put(b, hidden)
+    clock.lap("embed")
     last = max((int(t.split(".")[1]) for t, _, _ in runner.sources.quantized.values()), default=-1)
     steps = ((i, b) for i in range(last + 1) for b in range(len(batches)))
     bar = progress(steps, total=(last + 1) * len(batches), desc="calibrate (layer x batch)",
@@ -310,22 +349,26 @@ def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, 
     try:
         for i, b in bar:
             if b == 0:
-                layer_stats = _LayerStats(runner, i, method, dev)
+                layer_stats = _LayerStats(runner, i, method, dev, detailed)
                 context = runner.layer(i)
                 module = context.__enter__()
                 undo = layer_stats.install(module)
+                clock.lap("load")
             batch = batches[b]
             args, kwargs = runner.layer_inputs(i, batch.input_ids, batch.attention_mask)
-            layer_stats.valid = None if batch.attention_mask is None else batch.attention_mask.reshape(-1).bool().to(dev)
+            mask = batch.attention_mask
+            layer_stats.valid = None if mask is None else mask.reshape(-1).bool().to(dev)
             result = runner.run_layer(module, store.get(b), args, kwargs)
             if i < last:
                 store.put(b, result)
             if b == len(batches) - 1:
+                clock.lap("layers")
                 _LayerStats.remove(undo)
                 context.__exit__(None, None, None)
                 context = None
                 layer_stats.reduce()
                 layer_stats.results(out)
+                clock.lap("scales")
     finally:
         if context is not None:
             context.__exit__(None, None, None)

@@ -45,13 +45,14 @@ def refuse_for_onnx(args) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
 
 
-def run_calibration(args, data, batch_size):
+def run_calibration(args, data, batch_size, detail: bool = False):
     """Calibrate the checkpoint folder ``args.model`` on ``data``; the :class:`CheckpointScales`."""
     from fp4pass.checkpoint import calibrate
 
     return calibrate(args.model, data, calibrator=args.calibrator, device=args.device or "auto",
                      batch_size=batch_size, seq_len=args.seq_len, num_samples=args.num_samples,
-                     show_progress=None if not args.quiet else False, **calibrator_options(args))
+                     show_progress=None if not args.quiet else False, report_detail=detail,
+                     **calibrator_options(args))
 
 
 def print_summary(scales, output: str) -> None:
@@ -72,7 +73,7 @@ def calibrate_folder(args) -> int:
         if value not in (None, False, "auto"):
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
     _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
-    scales = run_calibration(args, args.data, args.batch_size)
+    scales = run_calibration(args, args.data, args.batch_size, detail=bool(args.report))
     write_json(args.output, scales.to_json(), kind=RESULT)
     if args.report:
         write_json(args.report, scales.report_json())
