@@ -75,7 +75,9 @@ def mxfp4_to_nvfp4(
     ``m_rule`` (verbatim only): "midpoint" or "search". ``effort`` (auto only): "best" (the wide search)
     or "fast" (the narrow one); see ``methods``. ``threads``: torch intra-op threads during the call
     (restored afterwards; None leaves the caller's). Both are arguments of every call that converts (the ONNX
-    pipeline, the fx pass, checkpoints), never process-wide settings. Returns the NVFP4 tensor (global scale
+    pipeline, the fx pass, checkpoints), never process-wide settings. On CPU, a tensor whose lossless groups sit
+    beside a lossy one copies their nibbles and sums their signal (table lookups) on one helper thread while the
+    search runs (``_convert_apart``). Returns the NVFP4 tensor (global scale
     of shape ``shape[:group_dims]``, a dequant multiplier) and its :class:`ConversionStats`.
     """
     if effort not in EFFORTS:
