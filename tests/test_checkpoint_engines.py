@@ -471,3 +471,50 @@ def test_encoded_vllm_rule_matches_vllm_code_on_every_module(outputs, vllm_resul
             assert mine == row["excluded"], (family, fmt, row)
             compared += 1
     assert compared > 20
+
+
+# hand-made cases for vLLM's exclusion code: (form, module, exclude, packed); each rule of engines.py's vLLM
+# encoding has a case that flips when the rule is broken
+QKV_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+RULE_CASES = [
+    ("modelopt", FUSED, ["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
+                         "model.layers.*.self_attn.v_proj"], QKV_PACKED),           # globs never see shards
+    ("modelopt", FUSED, ["model.layers.0.self_attn*"], QKV_PACKED),                  # prefix wildcard
+    ("modelopt", "model.layers.0.self_attn", ["model.layers.0.self_attn*"], {}),     # X* split into X, X.*
+    ("modelopt", FUSED, QKV, QKV_PACKED),                                            # every shard exact
+    ("modelopt", FUSED, QKV[:2], QKV_PACKED),                                        # some shards: raises
+    ("modelopt", FUSED, [FUSED], QKV_PACKED),                                        # the fused name itself
+    ("modelopt", "model.layers.0.mlp.gate_up_proj", ["model.layers.0.mlp.gate"], {}),  # substring rule
+    ("modelopt", "model.layers.10.mlp.gate", ["model.layers.1*"], {}),               # fnmatch crosses dots
+    ("modelopt", "model.layers.10.mlp.gate", ["model.layers.1.*"], {}),
+    ("modelopt", "lm_head", ["re:^lm_head$"], {}),                                   # no regex in ModelOpt
+    ("compressed-tensors", "lm_head", ["re:^lm_head$"], {}),
+    ("compressed-tensors", "model.layers.0.mlp.gate", ["re:gate"], {}),              # re.match, anchored at 0
+    ("compressed-tensors", "model.layers.0.mlp.gate", ["model.layers.0.mlp.*"], {}),  # no glob in CT
+    ("compressed-tensors", FUSED, QKV, QKV_PACKED),
+    ("compressed-tensors", FUSED, QKV[1:], QKV_PACKED),
+    ("compressed-tensors", FUSED, [r"re:.*\.self_attn\.(q|k|v)_proj$"], QKV_PACKED),
+]
+
+
+@pytest.mark.engines
+def test_encoded_vllm_rules_match_vllm_code_case_by_case(tmp_path):
+    if not vllm_path():
+        pytest.skip("the unpacked vLLM 0.33.0 wheel is absent (~/.cache/fp4pass-test; bash .ci/install fetches it)")
+    cases = [{"form": f, "module": m, "exclude": e, "packed": p} for f, m, e, p in RULE_CASES]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_probe.py"), "--rules",
+                           str(tmp_path / "cases.json")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {True, False} <= set(t for t in theirs if isinstance(t, bool))
+    assert any(isinstance(t, str) for t in theirs)  # an error among the answers
+    for (form, module, exclude, packed), answer in zip(RULE_CASES, theirs):
+        last = module.rsplit(".", 1)[-1]
+        shards = [f"{module.rsplit('.', 1)[0]}.{s}" for s in packed[last]] if last in packed else None
+        try:
+            mine = is_excluded("vllm", module, exclude, shards, form=form)
+        except MixedShards:
+            mine = "raises"
+        expected = "raises" if isinstance(answer, str) else answer
+        assert mine == expected, (form, module, exclude, answer)

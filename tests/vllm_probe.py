@@ -273,8 +273,35 @@ def subprocess_run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True)
 
 
+def rules(cases: list[dict]) -> list:
+    """vLLM's exclusion code on hand-made cases: ``{"form", "module", "exclude", "packed"}`` -> True / False /
+    the error it raises. ModelOpt: ``ModelOptNvFp4Config.is_layer_excluded`` after ``apply_vllm_mapper`` with an
+    identity mapper (which splits ``X*`` into ``X``, ``X.*``); compressed-tensors: ``should_ignore_layer``."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    out = []
+    for case in cases:
+        try:
+            if case["form"] == "modelopt":
+                qc = ModelOptNvFp4Config("NVFP4", True, None, list(case["exclude"]), 16)
+                qc.packed_modules_mapping = case["packed"]
+                qc.apply_vllm_mapper(WeightsMapper())
+                out.append(bool(qc.is_layer_excluded(case["module"])))
+            else:
+                out.append(bool(should_ignore_layer(case["module"], ignore=case["exclude"],
+                                                    fused_mapping=case["packed"])))
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the result
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
 def main(folders: list[str]) -> None:
     _stub_parallel_state()
+    if folders[:1] == ["--rules"]:
+        print(json.dumps(rules(json.loads(Path(folders[1]).read_text()))))
+        return
     print(json.dumps({f: probe(Path(f)) for f in folders}))
 
 
