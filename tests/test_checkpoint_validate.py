@@ -149,17 +149,20 @@ def test_bad_compressed_tensors_divisor(tmp_path):
     assert [p["tensor"] for p in _named(validate(folder), "nonfinite_scale")] == [tensor]
 
 
-def test_nan_block_scale(tmp_path):
+@pytest.mark.parametrize("value,kind", [(float("nan"), "nonfinite_scale"), (-1.0, "negative_scale")])
+def test_bad_block_scale(tmp_path, value, kind):
     folder = _copy(MODELOPT_MOE, tmp_path)
     tensor = f"{E0}.gate_proj.weight_scale"
 
     def edit(t):
-        raw = t[tensor].view(torch.uint8).clone()
-        raw[3, 1] = 0x7F  # E4M3FN NaN
-        t[tensor] = raw.view(torch.float8_e4m3fn)
+        scales = t[tensor].float()
+        scales[3, 1] = value  # E4M3FN NaN is 0x7F; -1.0 is 0xB8
+        t[tensor] = scales.to(torch.float8_e4m3fn)
 
     _edit_tensors(folder, edit)
-    assert [p["tensor"] for p in _named(validate(folder), "nonfinite_scale")] == [tensor]
+    result = validate(folder)
+    assert [p["tensor"] for p in _named(result, kind)] == [tensor]
+    assert {"nonfinite_scale", "negative_scale"} - {kind} - _kinds(result)
 
 
 def test_missing_global_scale(tmp_path):

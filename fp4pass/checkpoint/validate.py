@@ -888,8 +888,7 @@ def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -
         problems = [p for p in problems if p.engines is None or p.engines]
         for name, verdict in verdicts.items():
             verdict["problems"] = sorted({p.kind for p in problems if p.engines is None or name in p.engines})
-        if engine is not None:
-            problems = [p for p in problems if p.engines is None or engine in p.engines]
+        if engine is not None:  # its problems are the targets' above
             verdicts = {engine: verdicts[engine]} if engine in verdicts else {}
         layouts = sorted({m.layout for m in modules.values()})
         return {"source": str(data.path), "form": cfg.form, "quant_algo": cfg.quant_algo, "layouts": layouts,
