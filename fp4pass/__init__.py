@@ -11,8 +11,14 @@ Public surface::
 """
 
 import importlib
+import os
 
 from fp4pass.errors import FP4PassError
+
+# onnxruntime (1.31 on Linux) writes ~/.cache/Microsoft/DeveloperTools/.onnxruntime/ (a device id and an event
+# database) and $TMPDIR/.ses when it is imported, unless ORT_DISABLE_TELEMETRY is set then: fp4pass keeps it
+# from writing them (a user who sets the variable, to 0 or anything else, decides instead).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 __version__ = "0.1.0"
 

@@ -276,11 +276,13 @@ MUTANTS = [
         ("fp4pass/io.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
     ], ["tests/test_io.py"]),
     Mutant("stale-by-pid-only", "temporaries of another host or pid namespace are judged by their pid here", [
-        ("fp4pass/io.py", "    if match.group(2) == token and not _pid_alive", "    if not _pid_alive"),
+        ("fp4pass/io.py", "    here = marker[\"host\"] == token\n", "    here = True\n"),
     ], ["tests/test_io.py"]),
     Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
-        ("fp4pass/io.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n    os.replace(tmp, target)",
-         "    os.chmod(tmp, 0o666 & ~_umask())\n    os.replace(tmp, target)\n    _fsync_path(target)"),
+        ("fp4pass/io.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n",
+         "    os.chmod(tmp, 0o666 & ~_umask())\n"),
+        ("fp4pass/io.py", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
+         "    os.replace(tmp, target)\n    _fsync_path(target)\n    fsync_folder(target.parent)\n"),
     ], ["tests/test_io.py"]),
     Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
         ("fp4pass/io.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
@@ -288,9 +290,69 @@ MUTANTS = [
     # -- checkpoints ----------------------------------------------------------------------------------------
     Mutant("checkpoint-folder-renamed-before-fsync", "an output folder is renamed into place before its files "
            "are fsynced", [
-        ("fp4pass/io.py", "        _fsync_tree(tmp)\n        os.replace(tmp, target)\n",
-         "        os.replace(tmp, target)\n        _fsync_tree(target)\n"),
+        ("fp4pass/io.py", "        _fsync_tree(tmp)\n        st = os.lstat(tmp)\n",
+         "        st = os.lstat(tmp)\n"),
+        ("fp4pass/io.py", "            os.replace(tmp, target)\n            fsync_folder(parent)\n",
+         "            os.replace(tmp, target)\n            _fsync_tree(target)\n            fsync_folder(parent)\n"),
     ], CHECKPOINT_TESTS),
+    # -- checkpoint folders as hostile input, and what a run may remove ---------------------------------------
+    Mutant("symlink-rule-follows-any-link", "a symlink out of a checkpoint folder is read like a file of it", [
+        ("fp4pass/checkpoint/catalog.py", "    if not stat.S_ISLNK(info.st_mode) or follow_symlinks:\n",
+         "    if True:\n"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
+    Mutant("hf-blob-of-any-repository", "any folder named blobs counts as the snapshot's own blob store", [
+        ("fp4pass/checkpoint/catalog.py", "            and real.parent.parent == base.parent.parent and", "            and"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
+    Mutant("pseudo-files-read", "files of procfs and sysfs are read like any regular file", [
+        ("fp4pass/io.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
+        ("fp4pass/io.py", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
+    ], ["tests/test_fuzz_checkpoint.py", "tests/test_io.py"]),
+    Mutant("size-not-checked-at-eof", "a file that goes on past its st_size is read or copied without a word", [
+        ("fp4pass/io.py", "        if os.pread(fd, 1, size):\n", "        if False:\n"),
+        ("fp4pass/io.py", "            if extra:\n", "            if False:\n"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
+    Mutant("sweep-ignores-the-marker-inode", "a copy of a dead run's temporary (another inode) is swept too", [
+        ("fp4pass/io.py", "    if (data.get(\"dev\"), data.get(\"ino\")) != (st.st_dev, st.st_ino):\n        return None\n",
+         ""),
+    ], ["tests/test_io.py"]),
+    Mutant("sweep-trusts-a-reused-pid", "a live pid counts as the run that wrote the marker, whatever its start time",
+           [("fp4pass/io.py", "    return now is None or marker.get(\"start\") is None or now == marker.get(\"start\")",
+             "    return True")], ["tests/test_io.py"]),
+    Mutant("clean-older-than-removes-live-runs", "--older-than removes a run alive here", [
+        ("fp4pass/io.py", "    if here and _alive_here(marker):\n        return False\n    if here:\n        return True\n",
+         "    if here and not _alive_here(marker):\n        return True\n"),
+    ], ["tests/test_io.py"]),
+    Mutant("sweep-removes-the-input", "the sweep before a checkpoint conversion may remove the run's own input", [
+        ("fp4pass/io.py", "            if (st.st_dev, st.st_ino) in kept:\n                continue\n", ""),
+    ], ["tests/test_io.py"]),
+    Mutant("folder-rename-not-recorded", "the output folder's rename is not recorded: a signal once the command "
+           "has returned leaves OUT_DIR", [
+        ("fp4pass/io.py", "            _session.record(target, RESULT, identity)\n", "            pass\n"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
+    Mutant("folder-kept-when-its-fsync-fails", "a failure right after the folder's rename leaves it in place "
+           "(outside the CLI's session)", [
+        ("fp4pass/io.py", "            _remove_folder_if(target, identity, was_empty_folder)\n", "            pass\n"),
+    ], ["tests/test_io.py", "tests/test_fuzz_checkpoint.py"]),
+    Mutant("report-after-the-rename", "--report is written once OUT_DIR is in place", [
+        ("fp4pass/checkpoint/run.py", "                    if before_rename is not None:\n"
+         "                        before_rename(report)  # the rename of out_dir comes after it, as the last step\n", ""),
+        ("fp4pass/checkpoint/run.py", "            break\n    return report", "            break\n"
+         "    if before_rename is not None:\n        before_rename(report)\n    return report"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
+    Mutant("shards-held-open", "every shard stays open from the catalog's opening on", [
+        ("fp4pass/checkpoint/safetensors_io.py", "        finally:\n            os.close(fd)\n\n    def _fail",
+         "        except BaseException:\n            os.close(fd)\n            raise\n\n    def _fail"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
+    Mutant("tensor-count-not-capped", "a header may list any number of tensors", [
+        ("fp4pass/checkpoint/safetensors_io.py", "        if raw.count(b\"{\") > 2 * limit + 2:", "        if False:"),
+        ("fp4pass/checkpoint/safetensors_io.py", "        if len(header) > limit:", "        if False:"),
+    ], ["tests/test_checkpoint_reader.py"]),
+    Mutant("nan-in-config-taken", "NaN and Infinity in config.json or a header are read as numbers", [
+        ("fp4pass/checkpoint/safetensors_io.py", ", parse_constant=_no_constant)", ")"),
+    ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_reader.py"]),
+    Mutant("check-trusts-the-reader-everywhere", "--check never decodes in float64", [
+        ("fp4pass/checkpoint/check.py", "    why = _why_float64(x, y) if own is not None else None", "    why = None"),
+    ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("checkpoint-pair-input-scale-from-one-half", "gate and up keep their own calibrated input scales "
            "instead of sharing the larger", [
         ("fp4pass/checkpoint/input_scales.py", "                    found[n] = max(known)",

@@ -205,3 +205,53 @@ def test_a_failed_read_is_one_line(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "preadv", fail)
         with pytest.raises(CheckpointError, match=r"^s.safetensors: tensor 't': read failed \(Input/output error\)$"):
             f.read("t")
+
+
+def test_a_header_listing_more_tensors_than_its_data_can_hold_is_refused_before_parsing(tmp_path, monkeypatch):
+    """A 99 MB header listing 1.5 million empty tensors took a minute and gigabytes: the count is capped by the
+    size of the data area (TENSORS_FREE, and one per BYTES_PER_TENSOR bytes), on the raw header before the
+    JSON is parsed, and on the parsed header (the slots told apart: 100 free, 16 bytes per tensor)."""
+    from fp4pass.checkpoint import safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "TENSORS_FREE", 100)
+    assert safetensors_io.max_tensors(160) == 110
+    path = tmp_path / "s.safetensors"
+    empty = {"dtype": "U8", "shape": [0], "data_offsets": [160, 160]}
+    listed = {f"t{i}": empty for i in range(109)} | {"data": u8(0, 160)}
+    shard(path, listed, bytes(160))
+    with SafetensorsFile(path) as f:
+        assert len(f.entries) == 110
+    shard(path, listed | {"t109": empty}, bytes(160))
+    parsed = []
+    real = safetensors_io.strict_json
+    monkeypatch.setattr(safetensors_io, "strict_json", lambda raw: parsed.append(raw) or real(raw))
+    with pytest.raises(CheckpointError, match=r"^s.safetensors: the header lists 111 tensors, more than 160 bytes"):
+        SafetensorsFile(path)
+    shard(path, listed | {f"x{i}": empty for i in range(200)}, bytes(160))
+    parsed.clear()
+    with pytest.raises(CheckpointError, match=r"^s.safetensors: the header lists more than 110 tensors, more than "
+                                              r"160 bytes of data hold \(100, and one per 16 bytes beyond\)$"):
+        SafetensorsFile(path)
+    assert parsed == []  # refused before the parse
+
+
+def test_a_million_empty_tensors_are_refused_in_a_second(tmp_path):
+    import time
+
+    path = tmp_path / "s.safetensors"
+    text = b"{" + b",".join(b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i for i in range(1_000_000)) + b"}"
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="the header lists more than 65536 tensors"):
+        SafetensorsFile(path)
+    assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b'{"t": {"dtype": "U8", "shape": [NaN], "data_offsets": [0, 0]}}', "NaN is not a JSON number"),
+    (b'{"t\\ud800": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}', "lone surrogate"),
+    (b'{"__metadata__": {"k": "\\udfff"}}', "lone surrogate")])
+def test_what_no_json_writer_writes_back_is_refused(tmp_path, raw, why):
+    path = shard(tmp_path / "s.safetensors", None, raw=raw)
+    with pytest.raises(CheckpointError, match=why):
+        SafetensorsFile(path)

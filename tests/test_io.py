@@ -372,3 +372,43 @@ def test_a_temporary_named_with_a_number_no_pid_can_be_is_stale_not_a_crash(tmp_
     _temporary(tmp_path, 10**20)
     fio.write_json(tmp_path / "r.json", {"a": 3})
     assert os.listdir(tmp_path) == ["r.json"] and json.loads((tmp_path / "r.json").read_text()) == {"a": 3}
+
+
+def test_importing_fp4pass_then_onnxruntime_writes_nothing_in_home_or_tmpdir(tmp_path):
+    """onnxruntime 1.31 writes ~/.cache/Microsoft/DeveloperTools/.onnxruntime/ and $TMPDIR/.ses on import
+    unless ORT_DISABLE_TELEMETRY is set; fp4pass sets it (a value the user gave is kept)."""
+    pytest.importorskip("onnxruntime")
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(home), "TMPDIR": str(tmp)}
+    code = "import fp4pass, onnxruntime, os; print(os.environ['ORT_DISABLE_TELEMETRY'])"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
+    assert list(home.iterdir()) == [] and list(tmp.iterdir()) == []
+    proc = subprocess.run([sys.executable, "-c", code], env=env | {"ORT_DISABLE_TELEMETRY": "0"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_failure_right_after_a_folders_rename_takes_it_back_out(tmp_path, monkeypatch, existed):
+    """Without the CLI's session too: the folder's fsync after the rename fails (or a signal lands there), and
+    the folder goes again; an empty folder that stood there before is an empty folder again."""
+    real = fio.fsync_folder
+
+    def failing(folder):
+        if Path(folder) == tmp_path:
+            raise OSError(5, "Input/output error")
+        return real(folder)
+
+    monkeypatch.setattr(fio, "fsync_folder", failing)
+    if existed:
+        (tmp_path / "out").mkdir()
+    with pytest.raises(OSError):
+        with fio.atomic_folder(tmp_path / "out") as tmp:
+            (tmp / "f").write_text("x")
+            assert json.loads((tmp.parent / fio.MARKER).read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == (["out"] if existed else [])
+    if existed:
+        assert list((tmp_path / "out").iterdir()) == []

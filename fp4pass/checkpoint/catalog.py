@@ -198,8 +198,9 @@ def _collect(shards: dict[str, SafetensorsFile], weight_map: dict | None, folder
 def _other_files(folder: Path, shard_names: set[str], follow_symlinks: bool = False
                  ) -> tuple[list[str], list[str], dict[str, os.stat_result]]:
     """(regular files to copy, entries not copied, the copied files' stat) besides the shards, the index,
-    config.json and our config. A symlink out of the folder is refused (:func:`member_path`); a file on a
-    pseudo file system too (:func:`fp4pass.io.open_regular`)."""
+    config.json and our config. A symlink to a regular file out of the folder is refused (:func:`member_path`),
+    a file on a pseudo file system too (:func:`fp4pass.io.open_regular`); what is not a regular file (a
+    folder, a FIFO, a device, a dangling link) is never read, only listed as not copied."""
     own = shard_names | {INDEX_NAME, CONFIG_NAME, QUANT_CONFIG_NAME}
     other, skipped, stats = [], [], {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
@@ -208,12 +209,13 @@ def _other_files(folder: Path, shard_names: set[str], follow_symlinks: bool = Fa
         if entry.name.endswith(".safetensors"):  # a shard the index does not name: not part of the model
             skipped.append(entry.name)
             continue
-        path = member_path(folder, entry.name, follow_symlinks)
+        path = folder / entry.name
         try:
             info = os.stat(path)
         except OSError:
             info = None
-        if info is not None and stat.S_ISREG(info.st_mode):
+        if info is not None and stat.S_ISREG(info.st_mode):  # a file that would be read: the rule on links
+            path = member_path(folder, entry.name, follow_symlinks)
             fd, info = open_regular(path, CheckpointError)
             os.close(fd)
             other.append(entry.name)

@@ -11,7 +11,7 @@ that lies is refused with the shard and the tensor named, not discovered halfway
 
 Limits on what a header may list (a 99 MB header listing 1.5 million empty tensors would otherwise take a
 minute and gigabytes to read): at most :data:`MAX_HEADER` bytes of header, and at most
-:func:`max_tensors` tensors for the file's size. Names and metadata must be valid UTF-8 (no lone surrogate,
+:func:`max_tensors` tensors for the size of the file's data area. Names and metadata must be valid UTF-8 (no lone surrogate,
 which Python's json accepts from a ``\\ud800`` escape and every other reader refuses); NaN and Infinity are
 not JSON and are refused too.
 
@@ -58,9 +58,9 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "C64": (torch.complex64, 8),
 }
 MAX_HEADER = 100 * 1024 * 1024  # the reference reader's own limit
-#: tensors a shard may list whatever its size, and one more per this many bytes of the file beyond
+#: tensors a shard may list whatever its data, and one more per this many bytes of its data area
 TENSORS_FREE = 65536
-BYTES_PER_TENSOR = 64
+BYTES_PER_TENSOR = 16
 READ_CHUNK = 1 << 30  # preadv in pieces of at most 1 GiB (Linux caps one call near 2 GiB)
 WRITE_CHUNK = 1 << 24  # os.write in pieces of 16 MiB (one huge write measured slower here)
 WRITEBACK_STEP = 1 << 26  # start the disk writeback of every 64 MiB written
@@ -117,11 +117,11 @@ def strict_json(raw: bytes):
     return data
 
 
-def max_tensors(file_size: int) -> int:
-    """The most tensors a safetensors file of ``file_size`` bytes may list: :data:`TENSORS_FREE`, plus one per
-    :data:`BYTES_PER_TENSOR` bytes (a real shard spends far more than that per tensor: its header entry alone
-    takes ~60 bytes)."""
-    return TENSORS_FREE + file_size // BYTES_PER_TENSOR
+def max_tensors(data_bytes: int) -> int:
+    """The most tensors a safetensors file whose data area (after the header) is ``data_bytes`` long may list:
+    :data:`TENSORS_FREE`, plus one per :data:`BYTES_PER_TENSOR` bytes of data. Real shards hold kilobytes to
+    gigabytes per tensor; a header of a million empty tensors is refused before it is parsed."""
+    return TENSORS_FREE + max(data_bytes, 0) // BYTES_PER_TENSOR
 
 
 class SafetensorsFile:
@@ -155,10 +155,11 @@ class SafetensorsFile:
         raw = os.pread(fd, n, 8)
         if len(raw) != n:
             raise self._fail(f"truncated while reading its header ({len(raw)} of {n} bytes)")
-        limit = max_tensors(size)
+        data_bytes = size - 8 - n
+        limit = max_tensors(data_bytes)
         if raw.count(b"{") > 2 * limit + 2:  # every entry is an object: refused before a long parse
-            raise self._fail(f"the header lists more than {limit} tensors, more than a file of {size} bytes "
-                             "holds (at most one per 64 bytes beyond 65536)")
+            raise self._fail(f"the header lists more than {limit} tensors, more than {data_bytes} bytes of data "
+                             f"hold ({TENSORS_FREE}, and one per {BYTES_PER_TENSOR} bytes beyond)")
         try:
             header = strict_json(raw)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -170,8 +171,8 @@ class SafetensorsFile:
         if not isinstance(metadata, dict):
             raise self._fail("__metadata__ is not an object")
         if len(header) > limit:
-            raise self._fail(f"the header lists {len(header)} tensors, more than a file of {size} bytes holds "
-                             f"(at most {limit}: 65536 and one per 64 bytes beyond)")
+            raise self._fail(f"the header lists {len(header)} tensors, more than {data_bytes} bytes of data hold "
+                             f"(at most {limit}: {TENSORS_FREE}, and one per {BYTES_PER_TENSOR} bytes beyond)")
         data_start = 8 + n
         entries = {}
         spans = []

@@ -7,18 +7,21 @@ import sys
 from pathlib import Path
 
 from fp4pass.errors import UsageError
-from fp4pass.io import TMP_PREFIX, remove_stale
+from fp4pass.io import MARKER, TMP_PREFIX, remove_stale
 
 EPILOG = f"""examples:
   fp4pass clean                      # the current folder
   fp4pass clean out/
   fp4pass clean /mnt/nfs/out --older-than 24   # also other hosts' temporaries, untouched for a day
 
-Every file fp4pass writes is first written under a temporary name, {TMP_PREFIX}<pid>-h<host>-..., in the
-target's folder. A run killed with SIGKILL cannot remove its own; this removes those made on this host (and
-pid namespace) whose process no longer runs (files and folders of a run still going are left alone). Any
-fp4pass run that writes into a folder does the same first. A pid says nothing about a run on another host
-or in another container sharing the folder: those temporaries go only with --older-than.
+Every file fp4pass writes is first written inside a temporary folder, {TMP_PREFIX}<pid>-h<host>-..., in the
+target's folder, holding a marker file ({MARKER}) with the pid, that process's start time, a token of the
+host and the folder's inode. A run killed with SIGKILL cannot remove its own; this removes those whose marker
+says they were made on this host (and pid namespace) by a process that no longer runs. A run still going
+(its pid alive with the same start time) is left alone, with --older-than too. Nothing without a valid marker
+is ever removed: a file or a folder merely named like a temporary stays. Any fp4pass run that writes into a
+folder does the same first. A pid says nothing about a run on another host or in another container sharing
+the folder: those temporaries go only with --older-than.
 """
 
 
@@ -27,8 +30,8 @@ def register(sub, common) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", nargs="?", default=".", metavar="DIR", help="the folder to clean (default: .)")
     p.add_argument("--older-than", type=_hours, default=None, metavar="HOURS",
-                   help="also remove any fp4pass temporary (another host's, another container's) not modified "
-                        "for this many hours")
+                   help="also remove fp4pass temporaries of another host or container not modified for this "
+                        "many hours (a run alive here is always left alone)")
     p.set_defaults(run=run)
 
 
