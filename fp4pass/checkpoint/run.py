@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +41,7 @@ from fp4pass.checkpoint.safetensors_io import (DIRECT_ALIGN, CheckpointError, Ou
                                                aligned_view)
 from fp4pass.checkpoint.validate import validate_own_output
 from fp4pass.choices import Method, values
-from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS, check_threads
 from fp4pass.errors import UsageError
 from fp4pass.formats.constants import E8M0_BIAS
 from fp4pass.io import atomic_folder
@@ -139,13 +139,22 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
+def _reciprocal(value: float, lin: Linear, output: str) -> float:
+    """:func:`engine.reciprocal`, its error naming the source tensor and the output tensor it was for."""
+    try:
+        return engine.reciprocal(value)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{lin.codes.shard}: tensor {lin.codes.name!r}: {output}: {exc}") from None
+
+
 def _write_linears(catalog: Catalog, writer: ShardWriter, item: Item, conv: engine.Converted, fmt: str,
                    scales: InputScales) -> None:
     def write_codes(name: str, i: int, lin: Linear) -> None:
         if conv.codes is not None:
             writer.write(name, conv.codes[i])
         else:  # lossless: the source's bytes, copied file to file
-            writer.copy_from(name, catalog.shards[lin.codes.shard].fd, lin.codes.begin, lin.codes.nbytes)
+            with catalog.shards[lin.codes.shard].opened() as fd:
+                writer.copy_from(name, fd, lin.codes.begin, lin.codes.nbytes, lin.codes.shard)
 
     for i, lin in enumerate(_members(item.unit)):
         m = lin.module
@@ -159,9 +168,11 @@ def _write_linears(catalog: Catalog, writer: ShardWriter, item: Item, conv: engi
         else:
             write_codes(f"{m}.weight_packed", i, lin)
             writer.write(f"{m}.weight_scale", block)
-            writer.write(f"{m}.weight_global_scale", _f32(engine.reciprocal(conv.global_scale)).reshape(1))
+            writer.write(f"{m}.weight_global_scale",
+                         _f32(_reciprocal(conv.global_scale, lin, f"{m}.weight_global_scale")).reshape(1))
             if scales.values:
-                writer.write(f"{m}.input_global_scale", _f32(engine.reciprocal(scales.values[m])).reshape(1))
+                writer.write(f"{m}.input_global_scale",
+                             _f32(_reciprocal(scales.values[m], lin, f"{m}.input_global_scale")).reshape(1))
 
 
 def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv: engine.Converted,
@@ -271,24 +282,37 @@ def _load_scales(scales):
     return scales, "SCALES.json"
 
 
-def _open(src_dir, fmt: str, method: str):
+def _open(src_dir, fmt: str, method: str, follow_symlinks: bool = False):
     if fmt not in FORMATS:
         raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if method not in values(Method):
         raise UsageError(f"unknown method {method!r}; choose one of {', '.join(values(Method))}")
-    catalog = Catalog.open(src_dir)
+    catalog = Catalog.open(src_dir, follow_symlinks=follow_symlinks)
     try:
         found = detect(catalog.tensors, catalog.config)
+        _refuse_empty(found)
     except BaseException:
         catalog.close()
         raise
     return catalog, found
 
 
+def _refuse_empty(found) -> None:
+    """CheckpointError naming the first MXFP4 weight with no element (a dimension 0: [0, N, K/32, 16],
+    [E, 0, ...], [E, N, 0, 16], a [0, K/2] Linear): it has nothing to convert, and no engine loads an empty
+    expert or projection."""
+    for unit in found.units:
+        for part in ([unit] if isinstance(unit, FusedExperts) else _members(unit)):
+            for entry in (part.codes, part.scales):
+                if 0 in entry.shape:
+                    raise CheckpointError(f"{entry.shard}: tensor {entry.name!r}: shape {list(entry.shape)} holds no "
+                                          "element: an empty MXFP4 weight has nothing to convert")
+
+
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
             effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
-            engine: str | None = None) -> dict:
+            follow_symlinks: bool = False, before_rename=None, engine: str | None = None) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``engine``: "vllm", "sglang" or "trtllm": refuse (before anything is written) an output that engine's
@@ -308,13 +332,20 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     it, unless ``allow_partial``: then it is copied in its MXFP4 source form and named in the report's
     ``declined`` (``{"tensor", "shard", "reason"}``). A last check reads the written headers back: no MXFP4
     codes/scales pair is in the output unless declined.
+
+    ``follow_symlinks``: read symlinks of the folder that lead out of it (refused by default:
+    :mod:`fp4pass.checkpoint.catalog`). ``before_rename(report)``: called once everything is written (and
+    checked), before ``out_dir`` is renamed into place, which is the last step: what it writes (a report
+    beside the folder) is in place first, and when it fails no ``out_dir`` appears.
     """
     fmt = format
     start = time.perf_counter()
     if max_shard_bytes < 1:
         raise UsageError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if threads is not None:
+        check_threads(threads, "threads")
     scales_obj, scales_path = _load_scales(scales)
-    catalog, found = _open(src_dir, fmt, method)
+    catalog, found = _open(src_dir, fmt, method, follow_symlinks)
     with catalog:
         _refuse_declines(found, allow_partial)
         if not found.units:
@@ -327,6 +358,11 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
         while True:
             in_scales = resolve_input_scales(found.units, input_scale, scales_obj, scales_path or "SCALES.json")
             with_input = bool(in_scales.values)
+            if fmt == COMPRESSED_TENSORS_FORMAT:  # its divisors: refused now rather than half-way through
+                for unit in found.units:
+                    for lin in ([] if isinstance(unit, FusedExperts) else _members(unit)):
+                        if lin.module in in_scales.values:
+                            _reciprocal(in_scales.values[lin.module], lin, f"{lin.module}.input_global_scale")
             plan = _plan(catalog, found, fmt, with_input, max_shard_bytes)
             exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found), fmt,
                                                 catalog.config, set(catalog.tensors))
@@ -347,8 +383,13 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                         from fp4pass.checkpoint.check import check_checkpoint
 
                         report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
+                        _finite_figures(report)
                         if not report["check"]["passed"]:
                             raise CheckFailed(report)
+                    report["summary"]["seconds"] = time.perf_counter() - start
+                    _finite_figures(report)
+                    if before_rename is not None:
+                        before_rename(report)  # the rename of out_dir comes after it, as the last step
             except UnitFailed as failed:
                 if not allow_partial:
                     raise CheckpointError(f"{failed.reason}; {_PARTIAL_HINT}") from None
@@ -357,8 +398,38 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                     raise CheckpointError(f"{src_dir}: every MXFP4 weight was declined; nothing to convert") from None
                 continue
             break
-        report["summary"]["seconds"] = time.perf_counter() - start
     return report
+
+
+NOT_FINITE_WHY = ("not finite: the source's values reach past float32 (E8M0 codes near 254 scale E2M1 values up "
+                  "to 6 * 2^127), where the error arithmetic overflows; the weights were converted, only this "
+                  "figure could not be computed")
+
+
+def _finite_figures(report: dict) -> None:
+    """JSON has no NaN or Inf: every figure of ``report`` that is not finite becomes null, and
+    ``report["not_finite"]`` lists where (``tensors[3].per_expert[1].snr_db``) and why (:data:`NOT_FINITE_WHY`)."""
+    where: list[str] = []
+
+    def walk(node, path: str):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    node[key] = None
+                    where.append(f"{path}.{key}" if path else key)
+                else:
+                    walk(value, f"{path}.{key}" if path else key)
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                if isinstance(value, float) and not math.isfinite(value):
+                    node[i] = None
+                    where.append(f"{path}[{i}]")
+                else:
+                    walk(value, f"{path}[{i}]")
+
+    walk(report, "")
+    if where:
+        report.setdefault("not_finite", {"figures": [], "why": NOT_FINITE_WHY})["figures"].extend(where)
 
 
 _PARTIAL_HINT = "--allow-partial copies such weights in their MXFP4 form and names them"
@@ -443,8 +514,12 @@ def _unit_job(catalog, writer: ShardWriter, item: Item, fmt: str, method: str, i
     written here). ``wait()`` waits for the write in flight (called before this thread writes itself)."""
     if item.copy is not None:
         entry = catalog.tensors[item.copy]
-        fd = catalog.shards[entry.shard].fd
-        return lambda: writer.copy_from(item.copy, fd, entry.begin, entry.nbytes)
+        shard = catalog.shards[entry.shard]
+
+        def copy() -> None:
+            with shard.opened() as fd:
+                writer.copy_from(item.copy, fd, entry.begin, entry.nbytes, entry.shard)
+        return copy
     unit = item.unit
     if isinstance(unit, FusedExperts):
         try:
@@ -481,7 +556,7 @@ def _write_side_files(catalog: Catalog, tmp: Path, fmt: str, exclude: list[str],
         _write_json(tmp / QUANT_CONFIG_NAME, hf_quant)
     for name in catalog.other_files:
         try:
-            shutil.copyfile(catalog.folder / name, tmp / name, follow_symlinks=True)
+            catalog.copy_file(name, tmp / name)
         except OSError as exc:
             raise CheckpointError(f"{catalog.folder / name}: cannot be copied ({exc.strerror})") from None
 
@@ -520,7 +595,7 @@ def _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, excl
     }
 
 
-def inspect(src_dir) -> dict:
+def inspect(src_dir, follow_symlinks: bool = False) -> dict:
     """What ``src_dir`` holds: input forms, every MXFP4 weight with its shape and exponent spread, the tensors
     that would be copied, the files around them, and per expert whether ``convert`` (method ``auto``, its
     default effort) keeps it lossless.
@@ -533,7 +608,7 @@ def inspect(src_dir) -> dict:
     keeps some experts exact; then the unit is converted here, in memory, by the engine convert uses, and the
     forecast is its verdict per expert (``forecast_from`` "codes").
     """
-    catalog, found = _open(src_dir, MODELOPT, "auto")
+    catalog, found = _open(src_dir, MODELOPT, "auto", follow_symlinks)
     with catalog:
         weights = []
         for unit in found.units:
@@ -627,7 +702,8 @@ def format_report(report: dict) -> str:
     """One line per converted weight and a summary line."""
     lines = []
     for t in report["tensors"]:
-        snr = "lossless" if t["lossless"] else f"snr {t['snr_db']:.2f} dB"
+        snr = ("lossless" if t["lossless"] else "snr not finite (see the report's not_finite)"
+               if t["snr_db"] is None else f"snr {t['snr_db']:.2f} dB")
         lines.append(f"{t['name']:<60} {t['experts_lossless']}/{t['experts']} lossless  S={t['global_scale'][0]:.6g}"
                      f"  {snr}")
     for d in report.get("declined", []):

@@ -36,7 +36,8 @@ INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b        # a checkpoint folder: 
 
 # ONNX-only flags of ``fp4pass convert`` and their defaults: given with a folder they are refused
 _ONNX_ONLY = {"scale_form": "dq", "target": "trt", "external_data": "auto", "snr_min": None,
-              "keep_unchecked": False, "provider": "auto", "strict": False, "allow_invalid": False}
+              "keep_unchecked": False, "provider": "auto", "strict": False, "allow_invalid": False,
+              "inputs": None, "shape": [], "past_length": 0}
 
 
 def _size(text: str) -> int:
@@ -47,9 +48,9 @@ def _size(text: str) -> int:
     number = t.rstrip("KMGIB")
     unit = t[len(number):]
     try:
-        value = int(float(number) * units[unit])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)") from None
+        value = int(float(number) * units[unit])  # inf, 1e400: OverflowError; nan: ValueError
+    except (ValueError, KeyError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size (e.g. 5GB, 500MB, 2GiB)") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
     return value
@@ -71,8 +72,18 @@ def add_convert_arguments(p) -> None:
     g.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
                    help="the serving engine the output is for: refuse (exit 2, nothing written) an output its "
                         "loader would not load; every engine's verdict is printed either way")
+    add_folder_arguments(g)
     _checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
     p.epilog = (p.epilog or "") + CONVERT_EPILOG
+
+
+FOLLOW_HELP = ("read symlinks of the checkpoint folder that lead out of it (by default only links inside the "
+               "folder or into its Hugging Face cache blobs/ are read; files of /proc, /sys, /dev never are)")
+
+
+def add_folder_arguments(g) -> None:
+    """Flags of every command that reads a checkpoint folder (``convert``, ``inspect``)."""
+    g.add_argument("--follow-symlinks", action="store_true", default=None, help=FOLLOW_HELP)
 
 
 def _is_folder(path) -> bool:
@@ -82,7 +93,7 @@ def _is_folder(path) -> bool:
 def convert_if_folder(args) -> int | None:
     """Run the checkpoint conversion when ``args.model`` is a folder; None otherwise (an ONNX file)."""
     if not _is_folder(args.model):
-        for flag in ("format", "input_scale", "max_shard_size", "allow_partial", "engine",
+        for flag in ("format", "input_scale", "max_shard_size", "allow_partial", "follow_symlinks", "engine",
                      *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
             if getattr(args, flag, None) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
@@ -98,11 +109,20 @@ def _check_flags(args) -> None:
         raise UsageError("give --input-scale or --scales, not both")
     if args.input_scale is not None and not args.input_scale > 0:
         raise UsageError(f"--input-scale {args.input_scale!r} must be positive")
+    if args.input_scale is not None:
+        from fp4pass.calib.scales import INPUT_SCALE_MAX, INPUT_SCALE_MIN
+
+        if not INPUT_SCALE_MIN <= args.input_scale <= INPUT_SCALE_MAX:  # as a SCALES.json value
+            raise UsageError(f"--input-scale {args.input_scale!r} is outside [{INPUT_SCALE_MIN:.4g}, "
+                             f"{INPUT_SCALE_MAX:.4g}], the range of a SCALES.json input_scale (float32 would make it "
+                             "inf or 0, or the block scales times it would not be finite)")
     if args.report:
-        report = Path(os.path.abspath(args.report))
         out = Path(os.path.abspath(args.output))
-        if out == report or out in report.parents:
-            raise UsageError(f"--report {args.report}: inside OUT_DIR {args.output}, which must be new or empty")
+        for report in (Path(os.path.abspath(args.report)), Path(os.path.realpath(args.report))):
+            real_out = Path(os.path.realpath(out))
+            if report in (out, real_out) or out in report.parents or real_out in report.parents:
+                raise UsageError(f"--report {args.report}: is or lies inside OUT_DIR {args.output} (through a "
+                                 "symlink or not), which must be new or empty")
     _safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
 
 
@@ -117,7 +137,8 @@ def _convert(args) -> int:
                          scales=_checkpoint_calib.scales_for_convert(args), method=args.method, check=args.check,
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
                          threads=args.threads, allow_partial=bool(args.allow_partial),
-                         engine=getattr(args, "engine", None))
+                         follow_symlinks=bool(args.follow_symlinks), engine=getattr(args, "engine", None),
+                         before_rename=(lambda report: write_json(args.report, report)) if args.report else None)
     except CheckFailed as failed:
         if args.report:
             write_json(args.report, failed.report)
@@ -125,10 +146,8 @@ def _convert(args) -> int:
         print(f"fp4pass convert: check FAILED: {len(failed.report['check']['failures'])} expert(s), first "
               f"{first['expert']}: {first['reason']}; {args.output} not written", file=sys.stderr)
         return 1
-    if args.report:
-        write_json(args.report, report)
     summary = summary_line(report)
-    if not args.quiet:
+    if not args.quiet:  # --report was written before OUT_DIR was renamed into place (before_rename)
         table = format_report(report).splitlines()
         if table and table[-1] == summary:  # the summary goes to stderr, once, as for ONNX models
             table.pop()
@@ -164,16 +183,19 @@ def check_line(check: dict) -> str:
 def inspect_if_folder(args) -> int | None:
     """``fp4pass inspect CKPT_DIR [--json]``; None when ``args.model`` is not a folder."""
     if not _is_folder(args.model):
+        if getattr(args, "follow_symlinks", None):
+            raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None
     from fp4pass.checkpoint import format_inspection, inspect
     from fp4pass.checkpoint.validate import format_validation, is_nvfp4_folder, validate
 
-    if is_nvfp4_folder(args.model):  # an NVFP4 checkpoint: check it against the engines
-        result = validate(args.model, engine=getattr(args, "engine", None))
+    follow = bool(getattr(args, "follow_symlinks", False))
+    if is_nvfp4_folder(args.model, follow_symlinks=follow):  # an NVFP4 checkpoint: check it against the engines
+        result = validate(args.model, engine=getattr(args, "engine", None), follow_symlinks=follow)
         print(json.dumps(result, indent=2) if args.json else format_validation(result))
         return 1 if result["problems"] else 0
     if getattr(args, "engine", None):
         raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not one")
-    info = inspect(args.model)
+    info = inspect(args.model, follow_symlinks=follow)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0

@@ -20,6 +20,7 @@ def register(sub, common) -> None:
     p.add_argument("model", metavar="IN", help="an ONNX file, or a checkpoint folder (config.json + *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _safety.add_allow_invalid(p)
+    checkpoint.add_folder_arguments(p)  # IN a checkpoint folder
     p.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
                    help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it")
     p.set_defaults(run=run)
