@@ -512,12 +512,21 @@ def test_cli_unreadable_folder_exit_2(tmp_path, capsys, case):
     assert code == 2 and "Traceback" not in err
 
 
-def test_mxfp4_folder_keeps_the_mxfp4_inspection(capsys):
+def test_mxfp4_folder_keeps_the_mxfp4_inspection(tmp_path, capsys):
+    """An MXFP4 folder, even beside a producer's hf_quant_config.json of another algorithm, gets the lossless
+    forecast; an NVFP4 folder without any quantization config is found by its scale tensors."""
     from fp4pass.cli import main
 
-    assert main(["inspect", "models/checkpoints/kimi", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert "weights" in out and "problems" not in out
+    folder = _copy(Path("models/checkpoints/kimi"), tmp_path)
+    (folder / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    for source in ("models/checkpoints/kimi", folder):
+        assert main(["inspect", str(source), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert "weights" in out and "problems" not in out
+    bare = _copy(LLMC_MOE, tmp_path)
+    _edit_json(bare / "config.json", lambda d: d.pop("quantization_config"))
+    assert main(["inspect", str(bare), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["form"] == "unknown"
     code, err = cli(capsys, "inspect", "models/checkpoints/kimi", "--engine", "vllm")
     assert code == 2 and "--engine" in err
 

@@ -911,12 +911,15 @@ def is_nvfp4_folder(folder, follow_symlinks: bool = False) -> bool:
     """Whether ``folder`` holds an NVFP4 checkpoint (a config that says so, or NVFP4 scale tensor names), from
     config.json, hf_quant_config.json and the shards' headers only; False for MXFP4 and unquantized folders."""
     folder = Path(folder)
-    if (folder / QUANT_CONFIG_NAME).is_file():
-        return True
     try:
         config = read_json_file(folder / CONFIG_NAME, CONFIG_NAME) if (folder / CONFIG_NAME).is_file() else {}
+        quant = (read_json_file(folder / QUANT_CONFIG_NAME, QUANT_CONFIG_NAME)
+                 if (folder / QUANT_CONFIG_NAME).is_file() else {})
     except CheckpointError:
         return False
+    algo = quant.get("quantization", {}).get("quant_algo") if isinstance(quant.get("quantization"), dict) else None
+    if "NVFP4" in str(algo or "").upper():  # NVFP4, W4A16_NVFP4, W4A8_NVFP4_FP8
+        return True
     qc = config.get("quantization_config")
     if isinstance(qc, dict):
         method = str(qc.get("quant_method", "")).lower()
