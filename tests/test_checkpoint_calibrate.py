@@ -404,7 +404,7 @@ def test_readme_calibration_commands_run_as_written(tmp_path, capsys):
     import shlex
 
     readme = (ROOT.parents[1] / "README.md").read_text()
-    block = readme.split("Calibrating a checkpoint (docs/checkpoint.md)", 1)[1].split("```bash\n", 1)[1]
+    block = readme.split("Calibrated input scales (", 1)[1].split("```bash\n", 1)[1]
     lines = block.split("```", 1)[0].strip().splitlines()
     assert len(lines) == 3 and all(line.startswith(".venv/bin/fp4pass ") for line in lines)
     for line in lines:

@@ -287,7 +287,7 @@ def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     two in bf16: the numbers of ``MXFP4Tensor.dequantize()`` cast to bf16, in two passes instead of six. Other
     dtypes go through ``MXFP4Tensor.dequantize()`` (float32). Scale code 255 (NaN) is refused, naming the tensor.
     """
-    from fp4pass.formats.codecs import decode_e2m1, decode_e8m0
+    from fp4pass.formats.codecs import decode_e2m1
 
     tensor = MXFP4Tensor.from_codes(codes, scales, name=name)  # checks shapes and NaN scales
     if dtype != torch.bfloat16 or sys.byteorder != "little" or codes.shape[-1] % 2:
@@ -301,7 +301,8 @@ def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     codes = codes.contiguous()
     words = codes.view(torch.uint16).to(torch.int32)
     values = _PAIRS[key][words].view(torch.bfloat16).reshape(*scales.shape, 32)
-    values.mul_(decode_e8m0(scales, what=f"{name} scales").to(torch.bfloat16).unsqueeze(-1))
+    # from_codes has refused code 255 (NaN): every other E8M0 code is a power of two that bf16 holds
+    values.mul_(scales.view(torch.float8_e8m0fnu).to(torch.bfloat16).unsqueeze(-1))
     return values.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
