@@ -108,6 +108,7 @@ def test_what_does_not_pair():
     assert Linear("l.experts.7.q", DEEPSEEK, None, None, 1, 32).fill_group == ("l", "q")
 
 
+BOTH = "(the pair shares one global scale and one input scale: both or neither)"
 # (the header, the config, the declines {tensor: reason}, the modules converted)
 E = "model.layers.0.mlp.experts"
 DECLINES = {
@@ -163,7 +164,14 @@ DECLINES = {
          *_ct("w1", 32, 64), ("w3.weight_packed", "U8", (32, 32)), ("w3.weight_scale", "U8", (32, 1)),
          *_ct("x.w1", 32, 64), *_ct("x.w3", 32, 64),
          ("a.gate_proj.weight_blocks", "U8", (32, 2, 16)), ("a.up_proj.weight_blocks", "U8", (32, 2, 16)),
-         ("a.up_proj.weight_scales", "U8", (32, 2))], {},
+         ("a.up_proj.weight_scales", "U8", (32, 2)),
+         ("b.gate_proj.weight_blocks", "I8", (32, 2, 16)), ("b.gate_proj.weight_scales", "U8", (32, 2)),
+         ("b.up_proj.weight_blocks", "U8", (32, 2, 16)), ("b.up_proj.weight_scales", "U8", (32, 2)),
+         ("c.w1.weight_blocks", "U8", (32, 2, 15)), ("c.w1.weight_scales", "U8", (32, 2)),
+         ("c.w3.weight_blocks", "U8", (32, 2, 16)), ("c.w3.weight_scales", "U8", (32, 2)),
+         ("d.w1_blocks", "U8", (1, 1, 32, 2, 16)), ("d.w1_scales", "U8", (1, 1, 32, 2)),
+         ("d.w3_blocks", "U8", (32, 2, 16)), ("d.w3_scales", "U8", (32, 2)),
+         ("e.w1.weight_packed", "I8", (32, 32)), ("e.w1.weight_scale", "U8", (32, 2)), *_ct("e.w3", 32, 64)], {},
         {f"{E}.0.w1.weight_packed": f"MXFP4 codes without their scales tensor '{E}.0.w1.weight_scale'",
          f"{E}.0.w3.weight_packed": f"the other half of its gate/up pair, {E}.0.w1, is declined (the pair shares one "
                                     "global scale and one input scale: both or neither)",
@@ -173,7 +181,16 @@ DECLINES = {
                              "and one input scale: both or neither)",
          "a.gate_proj.weight_blocks": "MXFP4 codes without their scales tensor 'a.gate_proj.weight_scales'",
          "a.up_proj.weight_blocks": "the other half of its gate/up pair, a.gate_proj, is declined (the pair shares "
-                                    "one global scale and one input scale: both or neither)"}, ["x.w1", "x.w3"]),
+                                    "one global scale and one input scale: both or neither)",
+         "b.gate_proj.weight_blocks": "blocks I8 / scales U8: not uint8 E2M1 codes with E8M0 scales",
+         "b.up_proj.weight_blocks": f"the other half of its gate/up pair, b.gate_proj, is declined {BOTH}",
+         "c.w1.weight_blocks": "gpt-oss blocks [32, 2, 15] do not match scales 'c.w1.weight_scales' [32, 2] (expected "
+                               "[..., N, K/32, 16] and [..., N, K/32])",
+         "c.w3.weight_blocks": f"the other half of its gate/up pair, c.w1, is declined {BOTH}",
+         "d.w1_blocks": "gpt-oss blocks of rank 5",
+         "d.w3_blocks": f"the other half of its gate/up pair, d.w1, is declined {BOTH}",
+         "e.w1.weight_packed": "weight_packed I8 with weight_scale U8: not MXFP4 (E8M0 scales)",
+         "e.w3.weight_packed": f"the other half of its gate/up pair, e.w1, is declined {BOTH}"}, ["x.w1", "x.w3"]),
     "deepseek scale missing, config says fp4": (
         [*_ds(f"{E}.0.gate_proj", 32, 64), (f"{E}.0.up_proj.weight", "I8", (32, 32)), *_ds(f"{E}.0.down_proj", 64, 32),
          ("layers.0.attn.wq.weight", "I8", (64, 32))], DS_FP4,

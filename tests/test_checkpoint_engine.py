@@ -227,7 +227,77 @@ def test_reciprocal_is_float32(value, expected):
     assert engine.reciprocal(value) == expected
 
 
-@pytest.mark.parametrize("value", [0.0, -2.0, 1e-45])
+@pytest.mark.parametrize("value", [0.0, -2.0, 1e-45, math.inf, 1e39])
 def test_reciprocal_refuses_what_has_none(value):
     with pytest.raises(CheckpointError, match="is not a finite positive float32"):
         engine.reciprocal(value)
+
+
+def test_the_lossless_path_hands_the_engine_uint8_codes_it_never_reads(monkeypatch):
+    """The codes the engine gets on the lossless path are an unread uint8 buffer of the unit's shape (the
+    MXFP4Tensor contract); the output codes are then copied from the source file, so none are returned."""
+    seen = []
+    real = engine.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((mx.codes.dtype, tuple(mx.codes.shape), mx.codes.is_contiguous()))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
+    catalog, linears = _linears([np.full((8, 3), 120), np.full((8, 3), 122)])
+    for _ in range(2):  # a second unit reuses the placeholder
+        conv = engine.convert_linears(catalog, linears, "auto")
+        assert conv.codes is None
+    assert seen == [(torch.uint8, (16, 48), True)] * 2
+
+
+def _stack(e8m0, seed=8):
+    rng = np.random.default_rng(seed)
+    e, rows, blocks = e8m0.shape
+    codes = torch.from_numpy(rng.integers(0, 256, (e, rows, blocks * 16), dtype=np.uint8))
+    blocks_t, scales = codes.reshape(e, rows, blocks, 16), torch.from_numpy(e8m0.astype(np.uint8))
+    catalog = _Catalog({"p.s_blocks": blocks_t, "p.s_scales": scales})
+    return catalog, FusedExperts("p", "s", _entry("p.s_blocks", blocks_t), _entry("p.s_scales", scales), e, rows,
+                                 blocks * 32), codes
+
+
+def test_a_lossless_stack_reads_no_codes_and_shares_the_top_scale(monkeypatch):
+    rng = np.random.default_rng(9)
+    e8m0 = rng.integers(110, 125, (3, 8, 2))
+    e8m0[2, 7, 1] = 126
+    catalog, unit, codes = _stack(e8m0)
+    seen = []
+    real = engine.mxfp4_to_nvfp4
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", lambda mx, *a, **k: seen.append(
+        (mx.codes.dtype, tuple(mx.codes.shape), mx.name)) or real(mx, *a, **k))
+    conv = engine.convert_fused(catalog, unit, "auto")
+    assert seen == [(torch.uint8, (3, 8, 32), "p.s_blocks")]
+    assert conv.codes is None and conv.global_scale == math.ldexp(1.0, 126 - 127 - 8)
+    assert conv.parts == [{"blocks16_total": 32, "blocks16_verbatim": 32, "blocks16_requantized": 0,
+                           "global_scale": [conv.global_scale], "mse": 0.0, "max_abs_err": 0.0, "snr_db": None,
+                           "method_used": "auto", "lossless": True}] * 3
+    for i in range(3):
+        np.testing.assert_array_equal(nv_decode(codes[i].numpy(), conv.scales[i].numpy(), conv.global_scale),
+                                      mx_decode(codes[i].numpy(), e8m0[i]))
+
+
+@pytest.mark.parametrize("kind", ["linears", "stack"])
+def test_an_engine_that_copies_codes_on_the_lossless_path_is_a_bug(monkeypatch, kind):
+    """The lossless path promises the source's bytes (the writer copies them from the file): an engine that
+    returns other codes there is stopped, not written."""
+    from fp4pass.formats import NVFP4Tensor
+
+    real = engine.mxfp4_to_nvfp4
+
+    def copying(mx, *args, **kwargs):
+        nv, stats = real(mx, *args, **kwargs)
+        return NVFP4Tensor(nv.codes.clone(), nv.scales, nv.global_scale), stats
+
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", copying)
+    with pytest.raises(RuntimeError, match="did not keep the codes on its lossless path"):
+        if kind == "linears":
+            catalog, linears = _linears([np.full((8, 2), 120)])
+            engine.convert_linears(catalog, linears, "auto")
+        else:
+            catalog, unit, _ = _stack(np.full((2, 8, 2), 120))
+            engine.convert_fused(catalog, unit, "auto")
