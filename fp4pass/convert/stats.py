@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor, NV_BLOCK_SIZE, decode_e2m1, decode_e8m0
+from fp4pass.formats.constants import E8M0_BIAS
 from fp4pass.metrics import snr_db
 
 __all__ = ["ConversionStats", "measure_stats", "signal_energy"]
@@ -82,7 +83,7 @@ _BYTE = np.arange(256)
 BYTE_ENERGY_X4 = _E2M1_SQUARE_X4[_BYTE & 7] + _E2M1_SQUARE_X4[(_BYTE >> 4) & 7]
 _PAIR = np.arange(1 << 16)
 #: the same for two bytes read as one uint16 (<= 576): half as many lookups, in a 128 KiB table
-PAIR_ENERGY_X4 = (BYTE_ENERGY_X4[_PAIR & 0xFF] + BYTE_ENERGY_X4[_PAIR >> 8]).astype(np.uint16)
+PAIR_ENERGY_X4 = (BYTE_ENERGY_X4[_PAIR % 256] + BYTE_ENERGY_X4[_PAIR >> 8]).astype(np.uint16)
 _LANES = np.uint64(0x0001000100010001)
 
 
@@ -121,7 +122,7 @@ def signal_energy(codes: torch.Tensor, scales: torch.Tensor, mx_block: int, chun
             block = table[codes[lo:hi].long()].reshape(-1, per_block).sum(-1)
             total.index_add_(0, scales[lo:hi].reshape(-1).long(), block)
         hist = total.cpu().numpy()
-    return math.fsum(math.ldexp(float(e), 2 * (c - 127) - 2) for c, e in enumerate(hist.tolist()) if e)
+    return math.fsum(math.ldexp(float(e), 2 * (c - E8M0_BIAS) - 2) for c, e in enumerate(hist.tolist()) if e)
 
 
 def _small(chunks, row_bytes: int, max_bytes: int = 1 << 18):
