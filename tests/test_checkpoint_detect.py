@@ -57,6 +57,10 @@ def test_the_three_forms_in_file_order():
     assert stack.consumed == ["model.layers.0.mlp.experts.gate_up_proj_blocks",
                               "model.layers.0.mlp.experts.gate_up_proj_scales"]
     assert _shape(o_proj) == [("model.layers.0.self_attn.o_proj", GPT_OSS, 64, 128)]
+    assert (o_proj.codes.name, o_proj.scales.name) == ("model.layers.0.self_attn.o_proj.weight_blocks",
+                                                       "model.layers.0.self_attn.o_proj.weight_scales")
+    assert (ds_w2.codes.name, ds_w2.scales.name, wo.scales.name) == (
+        "layers.2.ffn.experts.3.w2.weight", "layers.2.ffn.experts.3.w2.scale", "layers.2.attn.wo.scale")
     assert _shape(router) == [("model.layers.0.router", GPT_OSS, 8, 64)]
     assert _shape(w2) == [("model.layers.1.mlp.experts.0.w2", COMPRESSED_TENSORS, 64, 96)]
     assert w2.consumed == ["model.layers.1.mlp.experts.0.w2.weight_packed", "model.layers.1.mlp.experts.0.w2.weight_scale",
@@ -71,22 +75,29 @@ def test_the_three_forms_in_file_order():
 
 
 def test_not_mxfp4_is_left_alone():
-    """Integer weights with float scales, float weights named like DeepSeek's, biases: no unit, no decline."""
+    """Integer weights with float scales, float weights named like DeepSeek's, biases: no unit, no decline; the
+    MXFP4 weight after them is found."""
     tensors = _header(("layers.0.attn.wq.weight", "I8", (64, 32)), ("layers.0.attn.wq.scale", "F32", (64, 2)),
                       ("layers.0.attn.wkv.weight", "F8_E4M3", (64, 64)), ("layers.0.attn.wkv.scale", "F8_E8M0", (1, 1)),
-                      ("layers.0.norm.weight", "U8", (64,)), ("embed.weight", "BF16", (8, 64)))
+                      ("layers.0.norm.weight", "U8", (64,)), ("embed.weight", "BF16", (8, 64)),
+                      *_ds("layers.0.attn.wo", 64, 64))
     found = detect(tensors, DS_FP4)
-    assert found.units == [] and found.declined == [] and found.consumed == set() and found.forms == set()
+    assert [_shape(u) for u in found.units] == [[("layers.0.attn.wo", DEEPSEEK, 64, 64)]]
+    assert found.declined == [] and found.consumed == {"layers.0.attn.wo.weight", "layers.0.attn.wo.scale"}
+    assert found.forms == {DEEPSEEK}
 
 
 @pytest.mark.parametrize("naming", [("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")])
 @pytest.mark.parametrize("form", ["ct", "ds"])
-def test_gate_and_up_pair_in_both_namings(naming, form):
+@pytest.mark.parametrize("gate_first", [False, True])
+def test_gate_and_up_pair_in_both_namings(naming, form, gate_first):
     make = _ct if form == "ct" else _ds
     gate, up, down = (f"model.layers.0.mlp.experts.5.{p}" for p in naming)
-    found = detect(_header(*make(up, 32, 64), *make(down, 64, 32), *make(gate, 32, 64)), {})
+    order = (gate, up, down) if gate_first else (up, down, gate)
+    found = detect(_header(*(spec for m in order for spec in make(m, 64 if m == down else 32,
+                                                                    32 if m == down else 64))), {})
     f = COMPRESSED_TENSORS if form == "ct" else DEEPSEEK
-    single, pair = found.units  # a pair stands where its gate stands in the file
+    pair, single = found.units if gate_first else found.units[::-1]  # a pair stands where its gate stands
     assert _shape(pair) == [(gate, f, 32, 64), (up, f, 32, 64)] and _shape(single) == [(down, f, 64, 32)]
     assert [m.role for m in pair] == ["gate", "up"] and single.role == "down"
     assert [m.fill_group for m in pair] == [("model.layers.0.mlp", "gate_up")] * 2
@@ -96,14 +107,14 @@ def test_gate_and_up_pair_in_both_namings(naming, form):
 def test_what_does_not_pair():
     """A gate pairs with the up of its own naming, parent and shape only; a module outside ``experts`` has no
     fill group; names at the top level pair too."""
-    tensors = _header(*_ct("a.w1", 32, 64), *_ct("a.up_proj", 32, 64),  # two namings: no pair
+    tensors = _header(*_ct("w1", 32, 64), *_ct("w3", 32, 64),  # the top level: a pair, and more after it
+                      *_ct("a.w1", 32, 64), *_ct("a.up_proj", 32, 64),  # two namings: no pair
                       *_ct("b.w1", 32, 64), *_ct("b.w3", 64, 64),  # two shapes: no pair
-                      *_ct("c.gate_proj", 32, 64), *_ct("d.up_proj", 32, 64),  # two parents: no pair
-                      *_ct("w3", 32, 64), *_ct("w1", 32, 64))  # the top level: a pair, gate first
+                      *_ct("c.gate_proj", 32, 64), *_ct("d.up_proj", 32, 64))  # two parents: no pair
     units = detect(tensors, {}).units
     assert [[m.module for m in (u if isinstance(u, tuple) else (u,))] for u in units] == [
-        ["a.w1"], ["a.up_proj"], ["b.w1"], ["b.w3"], ["c.gate_proj"], ["d.up_proj"], ["w1", "w3"]]
-    assert units[0].fill_group is None and units[0].role == "gate" and units[1].role == "up"
+        ["w1", "w3"], ["a.w1"], ["a.up_proj"], ["b.w1"], ["b.w3"], ["c.gate_proj"], ["d.up_proj"]]
+    assert units[1].fill_group is None and units[1].role == "gate" and units[2].role == "up"
     assert Linear("x.experts.0.q", DEEPSEEK, None, None, 1, 32).role is None
     assert Linear("l.experts.7.q", DEEPSEEK, None, None, 1, 32).fill_group == ("l", "q")
 

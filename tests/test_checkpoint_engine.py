@@ -56,20 +56,25 @@ def test_subnormal_window_block_scales_against_ml_dtypes():
     assert (expected < 8).any()  # some block scales are subnormal
 
 
-def test_convert_experts_equals_one_call_with_per_expert_groups():
+@pytest.mark.parametrize("method", ["auto", "verbatim", "hybrid", "requant"])
+def test_convert_experts_equals_one_call_with_per_expert_groups(method):
     rng = np.random.default_rng(3)
     e, n, k = 4, 32, 128
     e8m0 = rng.integers(115, 125, (e, n, k // 32)) + np.arange(e)[:, None, None] * 3
     e8m0[2, 0, 0] = 90  # expert 2 spreads over 17 octaves: lossy
     codes = torch.from_numpy(rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8))
     codes[2, 0, :16] = 0x77
-    mx = MXFP4Tensor(codes, torch.from_numpy(e8m0.astype(np.uint8)), 32)
-    nv, parts = convert_experts(mx)
-    ref, stats = mxfp4_to_nvfp4(mx, "auto")  # per-expert groups of a 3-D tensor
+    mx = MXFP4Tensor(codes, torch.from_numpy(e8m0.astype(np.uint8)), 32, name="stack")
+    nv, parts = convert_experts(mx, method, effort="best", threads=1)
+    ref, stats = mxfp4_to_nvfp4(mx, method)  # per-expert groups of a 3-D tensor
+    assert nv.name == "stack" and nv.codes.shape == ref.codes.shape and nv.scales.dtype == torch.uint8
     assert torch.equal(nv.codes, ref.codes) and torch.equal(nv.scales, ref.scales)
-    assert torch.equal(nv.global_scale, ref.global_scale)
-    assert [p["lossless"] for p in parts] == [True, True, False, True]
+    assert nv.global_scale.dtype == torch.float32 and torch.equal(nv.global_scale, ref.global_scale)
+    assert len(parts) == e and [p["lossless"] for p in parts] == (
+        [False] * 4 if method == "requant" else [True, True, False, True])
     assert sum(p["blocks16_requantized"] for p in parts) == stats.blocks16_requantized
+    assert [p["global_scale"] for p in parts] == [[g] for g in ref.global_scale.tolist()]
+    assert all(p["method_used"] == stats.method_used and p["blocks16_total"] == n * k // 16 for p in parts)
 
 
 # -- the engine's pieces against independent decoders (numpy + ml_dtypes) ------------------------------------
