@@ -233,7 +233,8 @@ def test_failed_check_exits_1_and_writes_nothing(ckpt, tmp_path, capsys, monkeyp
     assert not json.loads((tmp_path / "r.json").read_text())["check"]["passed"]
 
 
-@pytest.mark.parametrize("flags,needle", [(["--calib", "x.npz"], "--calib"), (["--input-scale", "0"], "positive"),
+@pytest.mark.parametrize("flags,needle", [(["--calib", "x.npz"], "x.npz: no such file"),
+                                          (["--input-scale", "0"], "positive"),
                                           (["--input-scale", "1", "--scales", "s.json"], "not both")])
 def test_usage_errors(ckpt, tmp_path, capsys, flags, needle):
     _fails(capsys, ckpt["deepseek"], tmp_path / "o", *flags, expect=(needle,))
