@@ -11,6 +11,16 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
+# transformers >= 5.24 has the three model families; an older one (a machine's image) takes a carried wheel:
+#   pip download --no-deps transformers==5.24.0 -d .gpu_wheels   (here), then carry .gpu_wheels
+recent='import sys, transformers; sys.exit(tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 24))'
+if ! "$PY" -c "$recent"; then
+  wheel=$(ls .gpu_wheels/transformers-*.whl 2>/dev/null | head -1)
+  [ -n "$wheel" ] || { echo "transformers < 5.24 and no .gpu_wheels/transformers-*.whl" >&2; exit 2; }
+  "$PY" -m pip install --no-deps --no-index -q --target /tmp/fp4pass-gpu-tf "$wheel"
+  export PYTHONPATH="/tmp/fp4pass-gpu-tf:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="${PYTHONPATH:-$PWD}"
 "$PY" - <<'PY'
 import torch, transformers
 assert torch.cuda.is_available(), "no CUDA device: nothing to check here"
