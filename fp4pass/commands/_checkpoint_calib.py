@@ -86,8 +86,9 @@ def calibrate_folder(args) -> int:
         for name, scale in scales.tensors.items():
             count = tokens.get(name, "-") if name in tokens else "all"
             print(f"{name:<52} {count!s:>8} {scale.amax:>11.5g} {scale.input_scale:>12.5g}")
-        for row in scales.unrouted:
-            print(f"unrouted: {row['module']} expert {row['expert']}")
+        for row in scales.unrouted:  # a gpt-oss stack's modules are the whole stack's: say which expert
+            print(f"unrouted (no token routed; the layer's max fills it): expert {row['expert']} of "
+                  f"{', '.join(row['checkpoint_modules']) or row['module']}")
     print_summary(scales, args.output)
     return 0
 
