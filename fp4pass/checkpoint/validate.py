@@ -43,6 +43,7 @@ import torch
 
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
+from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
 
 __all__ = ["validate", "format_validation", "is_nvfp4_folder", "Problem", "KINDS", "BLOCK_SAMPLE_BYTES"]
 
@@ -74,7 +75,8 @@ BLOCK_SAMPLE_BYTES = 16384  # per block-scale tensor: 4 evenly spread pieces of 
 _PIECES = 4
 WEIGHT_AMAX_RANGE = (2.0 ** -14, 2.0 ** 10)
 ACT_AMAX_RANGE = (2.0 ** -12, 2.0 ** 16)
-FP4_MAX, E4M3_MAX = 6.0, 448.0
+_E4M3_NAN = E4M3_MAX_CODE + 1  # 0x7F: the magnitude bits of E4M3FN's NaN, and their mask
+_E4M3_SIGN = 0x80
 FOLDED_BLOCK_MAX = 16.0
 ENGINE_NAMES = ("vllm", "sglang", "trtllm")
 
@@ -488,10 +490,10 @@ def _read_scales(folder: _Folder, modules: dict[str, Module]) -> None:
                 # on the bytes: E4M3FN 0x7F/0xFF are NaN, bit 7 the sign, and positive codes 0x00..0x7E are
                 # ordered as their values, so the largest such code is the largest block scale
                 codes = np.frombuffer(raw, dtype=np.uint8)
-                magnitude = codes & 0x7F
-                nan = int(np.count_nonzero(magnitude == 0x7F))
-                negative = int(np.count_nonzero((codes >= 0x80) & (magnitude != 0) & (magnitude != 0x7F)))
-                positive = codes[codes < 0x7F]
+                magnitude = codes & _E4M3_NAN
+                nan = int(np.count_nonzero(magnitude == _E4M3_NAN))
+                negative = int(np.count_nonzero((codes >= _E4M3_SIGN) & (magnitude != 0) & (magnitude != _E4M3_NAN)))
+                positive = codes[codes < _E4M3_NAN]
                 mod.extra["block_sample"] = (codes.size, nan, negative,
                                              float(_E4M3_TABLE[positive.max()]) if positive.size else None)
 
@@ -620,8 +622,8 @@ def _check_weight_magnitude(mod: Module, problems: list[Problem]) -> None:
                 "fix: requantize with a float32 global scale = amax/2688 and block scales up to 448",
                 module=mod.name, tensor=mod.global_.name))
         return
-    as_stored = FP4_MAX * mod.block_max * multiplier
-    other = FP4_MAX * mod.block_max / multiplier
+    as_stored = E2M1_MAX * mod.block_max * multiplier
+    other = E2M1_MAX * mod.block_max / multiplier
     if not _inside(as_stored, WEIGHT_AMAX_RANGE) and _inside(other, WEIGHT_AMAX_RANGE):
         expected, wrote = (("a multiplier (weight_scale_2)", "a divisor") if mod.convention == "multiplier" else
                            ("a divisor (weight_global_scale)", "a multiplier"))
@@ -634,8 +636,9 @@ def _check_weight_magnitude(mod: Module, problems: list[Problem]) -> None:
 
 def _check_input_magnitude(mod: Module, problems: list[Problem]) -> None:
     stored = float(mod.input_value.max())
-    as_stored = 2688.0 * stored if mod.convention == "multiplier" else 2688.0 / stored
-    other = 2688.0 / stored if mod.convention == "multiplier" else 2688.0 * stored
+    per = NVFP4_AMAX_PER_GLOBAL_SCALE
+    as_stored = per * stored if mod.convention == "multiplier" else per / stored
+    other = per / stored if mod.convention == "multiplier" else per * stored
     if not _inside(as_stored, ACT_AMAX_RANGE) and _inside(other, ACT_AMAX_RANGE):
         wrote = "a divisor" if mod.convention == "multiplier" else "a multiplier"
         problems.append(Problem(
