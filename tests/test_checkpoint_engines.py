@@ -341,13 +341,15 @@ def test_missing_input_scale_for_one_module_fails_w4a4():
 # vLLM 0.33.0's own code
 
 @pytest.fixture(scope="module")
-def vllm_results(outputs):
+def vllm_results(outputs, tmp_path_factory):
     if not vllm_path():
         pytest.skip("the unpacked vLLM 0.33.0 wheel is absent (~/.cache/fp4pass-test; bash .ci/install fetches it)")
     folders = [str(folder) for folder, _ in outputs.values()]
+    cases = tmp_path_factory.mktemp("rules") / "cases.json"
+    cases.write_text(json.dumps([{"form": f, "module": m, "exclude": e, "packed": p} for f, m, e, p in RULE_CASES]))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_probe.py"), *folders],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_probe.py"), "--rules", str(cases),
+                           *folders], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -498,15 +500,9 @@ RULE_CASES = [
 
 
 @pytest.mark.engines
-def test_encoded_vllm_rules_match_vllm_code_case_by_case(tmp_path):
-    if not vllm_path():
-        pytest.skip("the unpacked vLLM 0.33.0 wheel is absent (~/.cache/fp4pass-test; bash .ci/install fetches it)")
-    cases = [{"form": f, "module": m, "exclude": e, "packed": p} for f, m, e, p in RULE_CASES]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_probe.py"), "--rules",
-                           str(tmp_path / "cases.json")], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_encoded_vllm_rules_match_vllm_code_case_by_case(vllm_results):
+    theirs = vllm_results["--rules"]
+    assert len(theirs) == len(RULE_CASES)
     assert {True, False} <= set(t for t in theirs if isinstance(t, bool))
     assert any(isinstance(t, str) for t in theirs)  # an error among the answers
     for (form, module, exclude, packed), answer in zip(RULE_CASES, theirs):

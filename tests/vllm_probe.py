@@ -297,12 +297,16 @@ def rules(cases: list[dict]) -> list:
     return out
 
 
-def main(folders: list[str]) -> None:
+def main(args: list[str]) -> None:
+    """``[--rules CASES.json] FOLDER...``: one JSON line, ``{FOLDER: probe, ..., "--rules": [answers]}`` (one
+    import of vLLM for everything)."""
     _stub_parallel_state()
-    if folders[:1] == ["--rules"]:
-        print(json.dumps(rules(json.loads(Path(folders[1]).read_text()))))
-        return
-    print(json.dumps({f: probe(Path(f)) for f in folders}))
+    out = {}
+    if args[:1] == ["--rules"]:
+        out["--rules"] = rules(json.loads(Path(args[1]).read_text()))
+        args = args[2:]
+    out.update({f: probe(Path(f)) for f in args})
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
