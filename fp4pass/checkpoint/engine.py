@@ -73,8 +73,8 @@ def takes_lossless_path(scales: torch.Tensor, method: str) -> bool:
 
 
 def stats_entry(stats) -> dict:
-    """The report's keys of a :class:`fp4pass.convert.ConversionStats` (or a dict of them)."""
-    d = stats.to_json() if hasattr(stats, "to_json") else dict(stats)
+    """The report's keys of a :class:`fp4pass.convert.ConversionStats`, and ``lossless``."""
+    d = stats.to_json()
     d["lossless"] = d["blocks16_requantized"] == 0
     return d
 
