@@ -306,3 +306,28 @@ def test_an_engine_that_copies_codes_on_the_lossless_path_is_a_bug(monkeypatch, 
         else:
             catalog, unit, _ = _stack(np.full((2, 8, 2), 120))
             engine.convert_fused(catalog, unit, "auto")
+
+
+@pytest.mark.parametrize("method", ["auto", "verbatim"])
+def test_convert_experts_passes_effort_and_threads_to_every_call(monkeypatch, method):
+    seen = []
+    real = engine.mxfp4_to_nvfp4
+
+    def spy(mx, *args, **kwargs):
+        seen.append((kwargs.get("effort"), kwargs.get("threads")))
+        return real(mx, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "mxfp4_to_nvfp4", spy)
+    mx = _mx(np.full((8, 2), 120))
+    stack = MXFP4Tensor(torch.stack([mx.codes] * 3), torch.stack([mx.scales] * 3), 32)
+    convert_experts(stack, method, effort="fast", threads=2)
+    assert seen and set(seen) == {("fast", 2)}
+
+
+def test_measure_takes_one_global_scale():
+    from fp4pass.formats import NVFP4Tensor
+
+    mx = _mx(np.full((4, 2), 120))
+    nv = NVFP4Tensor(mx.codes, torch.zeros((4, 4), dtype=torch.uint8), torch.ones(2))
+    with pytest.raises(ValueError, match="^measure: one global scale expected$"):
+        engine.measure(mx, nv, "auto")
