@@ -444,6 +444,16 @@ def test_group_size_not_16(tmp_path):
     assert [p["tensor"] for p in _named(validate(folder), "bad_config_value")] == ["hf_quant_config.json"]
 
 
+@pytest.mark.parametrize("key,value", [("group_size", 32), ("strategy", "group"), ("num_bits", 8)])
+def test_compressed_tensors_weights_not_nvfp4(tmp_path, key, value):
+    folder = _copy(LLMC_MOE, tmp_path)
+    _edit_json(folder / "config.json",
+               lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].__setitem__(key, value))
+    found = _named(validate(folder), "bad_config_value")
+    assert len(found) == 1 and f"weights.{key}" in found[0]["message"]
+    assert "bad_config_value" not in _kinds(validate(LLMC_MOE))
+
+
 def test_folder_without_nvfp4_modules(tmp_path):
     """An unquantized folder beside a ModelOpt config: the validator says there is nothing NVFP4 in it."""
     folder = _copy(MODELOPT_MOE, tmp_path)
