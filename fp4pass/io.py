@@ -651,8 +651,10 @@ def open_regular(path: str | os.PathLike, error: type[Exception], what: str = "f
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode):
             raise error(f"{path}: {_file_kind(opened.st_mode)}; only regular {what} are read")
-        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino) or pseudo_filesystem(opened):
-            raise error(f"{path}: changed while it was opened; only regular {what} are read")
+        kind = pseudo_filesystem(opened)  # the file opened decides (it may have been swapped since the stat)
+        if kind is not None:
+            raise error(f"{path}: lies on {kind}, a pseudo file system whose files are made up as they are "
+                        f"read; only regular {what} are read")
         if expect is not None and (opened.st_dev, opened.st_ino, opened.st_size) != (
                 expect.st_dev, expect.st_ino, expect.st_size):
             raise error(f"{path}: is not the file it was when the folder was read (replaced or resized since)")
@@ -663,17 +665,17 @@ def open_regular(path: str | os.PathLike, error: type[Exception], what: str = "f
 
 
 def read_exact(fd: int, size: int, path, error: type[Exception]) -> bytes:
-    """The ``size`` bytes of ``fd``, then EOF; a file that ends early or goes on is refused (its content
-    does not match its size: it changed, or it is made up as it is read)."""
+    """The ``size`` bytes of ``fd`` (just opened: read from its start), then EOF; a file that ends early or goes
+    on is refused (its content does not match its size: it changed, or it is made up as it is read)."""
     chunks, done = [], 0
     try:
         while done < size:
-            chunk = os.pread(fd, min(1 << 20, size - done), done)
+            chunk = os.read(fd, min(1 << 20, size - done))
             if not chunk:
                 raise error(f"{path}: ends after {done} of its {size} bytes (it changed while read)")
             chunks.append(chunk)
             done += len(chunk)
-        if os.pread(fd, 1, size):
+        if os.read(fd, 1):
             raise error(f"{path}: holds more than the {size} bytes its size says (it changed while read, or "
                         "its content is made up as it is read)")
     except OSError as exc:

@@ -301,7 +301,7 @@ MUTANTS = [
          "    if True:\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("hf-blob-of-any-repository", "any folder named blobs counts as the snapshot's own blob store", [
-        ("fp4pass/checkpoint/catalog.py", "            and real.parent.parent == base.parent.parent and", "            and"),
+        ("fp4pass/checkpoint/catalog.py", "            and real.parent.parent == base.parent.parent)", "            )"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("pseudo-files-read", "files of procfs and sysfs are read like any regular file", [
         ("fp4pass/io.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),

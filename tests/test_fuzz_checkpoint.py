@@ -812,3 +812,21 @@ def test_a_global_scale_with_no_float32_reciprocal_names_its_tensor(tmp_path, ca
     out = tmp_path / "out"
     _refused(tmp_path, ["convert", str(src), "-o", str(out), "--format", "compressed-tensors"], capsys,
              "weight_global_scale", ".weight_packed'", out=out)
+
+
+def test_before_rename_runs_before_out_dir_appears_and_its_failure_leaves_none(tmp_path):
+    """Through the library (no CLI session to roll back): what ``before_rename`` writes is in place before
+    OUT_DIR, and when it fails no OUT_DIR appears."""
+    from fp4pass.checkpoint import convert
+
+    src, out = _small(tmp_path), tmp_path / "out"
+    seen = []
+    report = convert(src, out, before_rename=lambda r: seen.append((out.exists(), r["summary"]["tensors_converted"])))
+    assert seen == [(False, report["summary"]["tensors_converted"])] and out.is_dir()
+
+    def full(report):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        convert(src, tmp_path / "out2", before_rename=full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]

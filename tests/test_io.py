@@ -412,3 +412,91 @@ def test_a_failure_right_after_a_folders_rename_takes_it_back_out(tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == (["out"] if existed else [])
     if existed:
         assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_live_run_whose_start_time_cannot_be_read_is_left_alone(tmp_path, monkeypatch):
+    """No /proc to ask (or the process hides it): a live pid is taken for the run that wrote the marker."""
+    live = _temporary(tmp_path, os.getppid(), start="12345")
+    monkeypatch.setattr(fio, "process_start", lambda pid: None)
+    assert fio.remove_stale(tmp_path) == [] and live.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "big", "symlink", "not-json", "pid-0", "list", "no-magic", "pid-text"])
+def test_a_marker_that_is_not_fp4pass_s_keeps_its_folder(tmp_path, kind):
+    """A FIFO in the marker's place is not waited on, and neither it nor a marker too big to be ours, a symlink
+    to a dead run's marker elsewhere, text that is not the marker's JSON or a pid no process has makes the folder
+    a temporary."""
+    import signal
+
+    dead = _dead_pid()
+    folder = _temporary(tmp_path, dead, marker=False)
+    marker = folder / fio.MARKER
+    if kind == "fifo":
+        os.mkfifo(marker)
+    elif kind == "big":
+        fio.write_marker(folder, pid=dead)
+        marker.write_text(marker.read_text()[:-1] + ", \"pad\": \"" + "x" * 5000 + "\"}")
+    elif kind == "symlink":
+        elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+        elsewhere.mkdir()
+        other = _temporary(elsewhere, dead)
+        marker.symlink_to(other / fio.MARKER)
+    elif kind == "not-json":
+        marker.write_text("pid 1")
+    elif kind == "list":
+        marker.write_text("[1]")
+    elif kind in ("no-magic", "pid-text"):
+        fio.write_marker(folder, pid=dead)
+        data = json.loads(marker.read_text())
+        data = {k: v for k, v in data.items() if k != "fp4pass"} if kind == "no-magic" else data | {"pid": str(dead)}
+        marker.write_text(json.dumps(data))
+    else:
+        fio.write_marker(folder, pid=dead)
+        data = json.loads(marker.read_text()) | {"pid": 0}
+        marker.write_text(json.dumps(data))
+
+    def hung(signum, frame):
+        raise AssertionError("the sweep waited on the marker")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        assert fio.remove_stale(tmp_path) == [] and folder.exists()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_inside_folder_compares_devices_and_inodes_of_every_folder_above(tmp_path):
+    """The walk up from a path that need not exist, by device and inode: a path through a symlink (as a bind
+    mount would show it) is inside; a sibling, the folder itself, a file or a missing folder are not."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "via").symlink_to(src)
+    (tmp_path / "file").write_text("x")
+    assert fio.inside_folder(src / "a" / "b" / "out", src)
+    assert fio.inside_folder(tmp_path / "via" / "out", src)
+    assert not fio.inside_folder(tmp_path / "other" / "out", src)
+    assert not fio.inside_folder(src, src)
+    assert not fio.inside_folder(tmp_path / "file" / "x", tmp_path / "file")
+    assert not fio.inside_folder(src / "out", tmp_path / "missing")
+
+
+def test_read_regular_file_reads_exactly_its_size_and_says_when_it_does_not(tmp_path, monkeypatch):
+    data = bytes(range(256)) * 10000 + b"tail"  # more than two reads of 1 MiB
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert fio.read_regular_file(path, len(data)) == data
+    real = os.read
+    monkeypatch.setattr(fio.os, "read", lambda fd, n: real(fd, max(1, n // 2)))
+    assert fio.read_regular_file(path, len(data)) == data  # short reads resume where they stopped
+    monkeypatch.setattr(fio.os, "read", lambda fd, n: b"")
+    with pytest.raises(UsageError) as raised:
+        fio.read_regular_file(path, len(data))
+    assert str(raised.value) == f"{path}: ends after 0 of its {len(data)} bytes (it changed while read)"
+    monkeypatch.setattr(fio.os, "read", lambda fd, n: b"x" * n)
+    with pytest.raises(UsageError) as raised:
+        fio.read_regular_file(path, len(data))
+    assert str(raised.value) == (f"{path}: holds more than the {len(data)} bytes its size says (it changed while "
+                                 "read, or its content is made up as it is read)")

@@ -54,11 +54,11 @@ def _json_object(raw: bytes, path: Path, what: str) -> dict:
     return data
 
 
-def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT, expect: os.stat_result | None = None) -> dict:
+def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT) -> dict:
     """A JSON object (:func:`~fp4pass.checkpoint.safetensors_io.strict_json`) from a regular file of at most
     ``limit`` bytes, read exactly (:func:`fp4pass.io.open_regular`: no FIFO, device, pseudo or endless file)."""
 
-    fd, info = open_regular(path, CheckpointError, expect=expect)
+    fd, info = open_regular(path, CheckpointError)
     try:
         if info.st_size > limit:
             raise CheckpointError(f"{path}: {info.st_size} bytes; at most {limit} are read from {what}")
@@ -72,7 +72,7 @@ def _hf_blob(real: Path, base: Path) -> bool:
     """Whether ``real`` is a blob of the Hugging Face cache repository whose snapshot folder is ``base``
     (both resolved): ``base`` = ``<repo>/snapshots/<revision>`` and ``real`` = ``<repo>/blobs/<name>``."""
     return (base.parent.name == "snapshots" and real.parent.name == "blobs"
-            and real.parent.parent == base.parent.parent and real.name not in ("", ".", ".."))
+            and real.parent.parent == base.parent.parent)
 
 
 def member_path(folder: Path, name: str, follow_symlinks: bool = False) -> Path:
