@@ -114,8 +114,8 @@ class _Catalog:
         return out
 
 
-def _entry(name, t):
-    return TensorEntry(name, "U8", tuple(t.shape), 0, t.numel(), "shard-7.safetensors")
+def _entry(name, t, shard="shard-7.safetensors"):
+    return TensorEntry(name, "U8", tuple(t.shape), 0, t.numel(), shard)
 
 
 def _linears(e8m0s, seed=0):
@@ -126,8 +126,9 @@ def _linears(e8m0s, seed=0):
         codes = torch.from_numpy(rng.integers(0, 256, (rows, blocks * 16), dtype=np.uint8))
         scales = torch.from_numpy(e8m0.astype(np.uint8))
         tensors[f"m{i}.weight"], tensors[f"m{i}.scale"] = codes, scales
-        linears.append(Linear(f"m{i}", DEEPSEEK, _entry(f"m{i}.weight", codes), _entry(f"m{i}.scale", scales), rows,
-                              blocks * 32, [f"m{i}.weight", f"m{i}.scale"]))
+        shard = f"shard-{7 + i}.safetensors"
+        linears.append(Linear(f"m{i}", DEEPSEEK, _entry(f"m{i}.weight", codes, shard),
+                              _entry(f"m{i}.scale", scales, shard), rows, blocks * 32, [f"m{i}.weight", f"m{i}.scale"]))
     return _Catalog(tensors), linears
 
 
@@ -151,9 +152,11 @@ def test_a_lossy_pair_measured_per_member(monkeypatch, chunk):
     w1, w3 = rng.integers(118, 124, (24, 4)), rng.integers(119, 126, (24, 4))
     w1[3, 1] = 100
     catalog, linears = _linears([w1, w3])
-    catalog.tensors["m0.weight"][3, 16:32] = 0x66  # the low block holds 4.0s
+    catalog.tensors["m0.weight"][3, 16:32] = 0  # the low block holds 4.0s in its first 16-half only
+    catalog.tensors["m0.weight"][3, 16:24] = 0x66
     conv = engine.convert_linears(catalog, linears, "auto")
     assert conv.codes is not None and len(conv.parts) == 2
+    assert [p["blocks16_requantized"] for p in conv.parts] == [1, 0]
     for i, part in enumerate(conv.parts):
         codes = catalog.tensors[f"m{i}.weight"].numpy()
         want = _oracle_part(codes, catalog.tensors[f"m{i}.scale"].numpy(), conv.codes[i].numpy(),
@@ -204,8 +207,8 @@ def test_one_linear_takes_the_engines_own_figures():
 def test_an_e8m0_nan_names_its_tensor_and_index(which):
     catalog, linears = _linears([np.full((4, 2), 120), np.full((4, 2), 121)])
     catalog.tensors[f"m{which}.scale"][2, 1] = 255
-    with pytest.raises(CheckpointError, match=rf"^shard-7.safetensors: tensor 'm{which}.scale': E8M0 code 255 "
-                                              r"\(NaN\) at index \(2, 1\)$"):
+    with pytest.raises(CheckpointError, match=rf"^shard-{7 + which}.safetensors: tensor 'm{which}.scale': E8M0 "
+                                              r"code 255 \(NaN\) at index \(2, 1\)$"):
         engine.convert_linears(catalog, linears, "auto")
 
 
@@ -331,3 +334,9 @@ def test_measure_takes_one_global_scale():
     nv = NVFP4Tensor(mx.codes, torch.zeros((4, 4), dtype=torch.uint8), torch.ones(2))
     with pytest.raises(ValueError, match="^measure: one global scale expected$"):
         engine.measure(mx, nv, "auto")
+
+
+def test_another_engine_error_names_the_first_tensor_of_the_unit():
+    catalog, linears = _linears([np.full((4, 2), 120), np.full((4, 2), 121)])
+    with pytest.raises(CheckpointError, match=r"^shard-7.safetensors: tensor 'm0.scale': m0.weight: unknown effort 'none'"):
+        engine.convert_linears(catalog, linears, "auto", effort="none")
