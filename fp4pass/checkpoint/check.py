@@ -39,7 +39,7 @@ from fp4pass.checkpoint.output_forms import MODELOPT
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.errors import FP4PassError
 from fp4pass.extras import require
-from fp4pass.formats.constants import LOSSLESS_SPREAD
+from fp4pass.formats.constants import E8M0_BIAS, LOSSLESS_SPREAD
 
 __all__ = ["check_checkpoint", "decode_mxfp4"]
 
@@ -47,8 +47,8 @@ SLACK = 1e-3
 #: source magnitudes from which compressed-tensors' bf16/float32 decode overflows (2^127: an E2M1 value of 2 or
 #: more times an E8M0 scale of 2^127 is past float32's largest), and below which it loses precision (float32
 #: subnormals)
-F32_HIGH = 2.0**127
-F32_LOW = 2.0**-126
+F32_HIGH = 2.0**E8M0_BIAS  # the scale of E8M0 code 254
+F32_LOW = float(np.finfo(np.float32).tiny)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
 
 

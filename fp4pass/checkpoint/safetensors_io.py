@@ -424,7 +424,7 @@ class ShardWriter:
             self._index += 1
             self._written = 0
 
-    def copy_from(self, name: str, src_fd: int, offset: int, nbytes: int, source: str = "the source") -> None:
+    def copy_from(self, name: str, src_fd: int, offset: int, nbytes: int, source: str | None = None) -> None:
         """Write tensor ``name`` from ``nbytes`` bytes of an open file at ``offset``, inside the kernel where it can
         (``os.copy_file_range``: no copy through user memory), else in 64 MiB pieces. ``source``: the source
         file's name, for messages (a failed copy may be the read's fault or the write's)."""
@@ -443,7 +443,9 @@ class ShardWriter:
                     fast = False
                     piece = os.pread(src_fd, min(nbytes - done, 1 << 26), offset + done)
                     if not piece:
-                        raise CheckpointError(f"{source}: tensor {name!r}: shrank while copied to {self.path.name}")
+                        raise CheckpointError(f"{self.path.name}: tensor {name!r}: its source shrank while copied"
+                                              if source is None else
+                                              f"{source}: tensor {name!r}: shrank while copied to {self.path.name}")
                     self._write_all(piece, repr(name))
                     got = len(piece)
                 else:
@@ -452,6 +454,8 @@ class ShardWriter:
                 if fast and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                     fast = False
                     continue
+                if source is None:
+                    raise CheckpointError(f"{self.path.name}: tensor {name!r}: write failed ({exc.strerror})") from None
                 raise CheckpointError(f"{source}: tensor {name!r}: copy to {self.path.name} failed "
                                       f"({exc.strerror})") from None
             done += got
