@@ -452,3 +452,39 @@ def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(tmp_path):
         got = json.loads((tmp_path / f"r{r}.json").read_text())
         assert got["batches"] == 2 and single.batches == 4
         assert got["amax"] == want["amax"] and got["tokens"] == want["tokens"]
+
+
+def _expert_stack(experts=3, rows=64, cols=96, seed=5):
+    rng = np.random.default_rng(seed)
+    codes = torch.from_numpy(rng.integers(0, 256, size=(experts, rows, cols // 2), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(100, 150, size=(experts, rows, cols // 32), dtype=np.uint8))
+    return codes, scales
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_stack_decode_matches_an_independent_decode(transposed):
+    """decode_experts (the per-layer path, here with device=cpu) against the numpy decoder, bit for bit in bf16,
+    each expert in its own slot (distinct experts: a swap or a repeated expert fails)."""
+    from fp4pass.checkpoint.layerwise import decode_experts
+
+    codes, scales = _expert_stack()
+    expect = _bf16(mx_decode(codes.numpy(), scales.numpy()))  # [E, N, K]
+    if transposed:
+        expect = expect.transpose(1, 2).contiguous()
+    out = torch.full(expect.shape, float("nan"), dtype=torch.bfloat16)
+    decode_experts(codes, scales, out, transposed, "stack")
+    assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_stack_decode_on_cuda_equals_the_cpu_decode(transposed):
+    from fp4pass.checkpoint.layerwise import decode_experts
+
+    codes, scales = _expert_stack(experts=4, rows=256, cols=512)
+    shape = (4, 512, 256) if transposed else (4, 256, 512)
+    cpu = torch.empty(shape, dtype=torch.bfloat16)
+    gpu = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    decode_experts(codes, scales, cpu, transposed, "stack")
+    decode_experts(codes, scales, gpu, transposed, "stack")
+    assert torch.equal(gpu.cpu().view(torch.int16), cpu.view(torch.int16))

@@ -44,8 +44,8 @@ from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
-from fp4pass.checkpoint.layerwise import (HiddenStore, LayerRunner, default_device, experts_modules, hidden_budget,
-                                          resolve_architecture)
+from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
+                                          hidden_budget, resolve_architecture)
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
 __all__ = ["calibrate", "CheckpointScales"]
@@ -242,22 +242,26 @@ def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats
 
     def forward(hidden_states, top_k_index, top_k_weights):
         final = torch.zeros_like(hidden_states)
+        tokens = top_k_index.shape[0]
         with torch.no_grad():
-            mask = F.one_hot(top_k_index, num_classes=num + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == num:
+            # position-major flat routing, j = top-k position * tokens + token; a stable sort by expert keeps
+            # each expert's entries in j order, the order of torch.where on transformers' one-hot mask
+            flat = top_k_index.t().reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=num + 1)[:num].tolist()  # index num: no expert
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
                 continue
-            e = int(expert_idx)
-            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            picked = order[start:start + count]
+            start += count
+            top_k_pos, token_idx = picked // tokens, picked % tokens
             current = hidden_states[token_idx]
             layer_stats.record(rel, e, "gate_up", current, token_idx)
-            gate_up = project(current, experts.gate_up_proj[expert_idx],
-                              experts.gate_up_proj_bias[expert_idx] if biased else None)
+            gate_up = project(current, experts.gate_up_proj[e], experts.gate_up_proj_bias[e] if biased else None)
             gated = experts._apply_gate(gate_up)
             layer_stats.record(rel, e, "down", gated, token_idx)
-            out = project(gated, experts.down_proj[expert_idx], experts.down_proj_bias[expert_idx] if biased else None)
+            out = project(gated, experts.down_proj[e], experts.down_proj_bias[e] if biased else None)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             # index_add_ in transformers' loop; a token meets each expert once, so each row gets one addition
             # either way (the same numbers), and index_put_ is ~9x faster on the CPU for bf16
@@ -336,24 +340,27 @@ def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, 
     from fp4pass.progress import progress
 
     clock = _Clock(dev, out.timings)
-    for b, batch in enumerate(batches):
-        hidden, _, _ = runner.capture(0, batch.input_ids, batch.attention_mask)
-        store.put(b, hidden)
-    clock.lap("embed")
     last = max((int(t.split(".")[1]) for t, _, _ in runner.sources.quantized.values()), default=-1)
-    steps = ((i, b) for i in range(last + 1) for b in range(len(batches)))
-    bar = progress(steps, total=(last + 1) * len(batches), desc="calibrate (layer x batch)",
-                   enabled=show_progress, unit="batch")
-    layer_stats = undo = module = None
-    context = None
+    prefetch = LayerPrefetcher(runner)
     try:
+        if last >= 0:
+            prefetch.start(0)  # layer 0's weights load while the batches reach its input
+        for b, batch in enumerate(batches):
+            hidden, _, _ = runner.capture(0, batch.input_ids, batch.attention_mask)
+            store.put(b, hidden)
+        clock.lap("embed")
+        steps = ((i, b) for i in range(last + 1) for b in range(len(batches)))
+        bar = progress(steps, total=(last + 1) * len(batches), desc="calibrate (layer x batch)",
+                       enabled=show_progress, unit="batch")
+        layer_stats = undo = module = None
         for i, b in bar:
             if b == 0:
                 layer_stats = _LayerStats(runner, i, method, dev, detailed)
-                context = runner.layer(i)
-                module = context.__enter__()
+                module = prefetch.take(i)
+                clock.lap("load")  # the wait for layer i's weights: the part of their load not hidden
+                if i < last:
+                    prefetch.start(i + 1)
                 undo = layer_stats.install(module)
-                clock.lap("load")
             batch = batches[b]
             args, kwargs = runner.layer_inputs(i, batch.input_ids, batch.attention_mask)
             mask = batch.attention_mask
@@ -364,11 +371,9 @@ def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, 
             if b == len(batches) - 1:
                 clock.lap("layers")
                 _LayerStats.remove(undo)
-                context.__exit__(None, None, None)
-                context = None
+                prefetch.release(i)
                 layer_stats.reduce()
                 layer_stats.results(out)
                 clock.lap("scales")
     finally:
-        if context is not None:
-            context.__exit__(None, None, None)
+        prefetch.close()

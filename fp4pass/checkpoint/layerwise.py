@@ -36,6 +36,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +47,8 @@ from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.formats import MXFP4Tensor
 
-__all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "HiddenStore",
-           "experts_modules"]
+__all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "LayerPrefetcher", "HiddenStore",
+           "experts_modules", "mx_dequantize", "decode_experts"]
 
 log = logging.getLogger(__name__)
 
@@ -197,14 +198,16 @@ class WeightLoader:
 
     def __init__(self, catalog: Catalog, sources: WeightSources, device: torch.device):
         self.catalog, self.sources, self.device = catalog, sources, device
+        #: set to stop a fill in progress (another thread's prefetch) at its next tensor or expert
+        self.cancel = threading.Event()
 
     def _read(self, name: str) -> torch.Tensor:
         return self.catalog.read(name)
 
-    def _mx(self, lin: Linear, dtype=torch.float32) -> torch.Tensor:
+    def _mx(self, lin: Linear, dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         codes = self._read(lin.codes.name).view(torch.uint8).reshape(lin.rows, lin.cols // 2)
         scales = self._read(lin.scales.name).view(torch.uint8).reshape(lin.rows, lin.cols // 32)
-        return mx_dequantize(codes.to(self.device), scales.to(self.device), dtype, lin.module)
+        return mx_dequantize(codes.to(self.device), scales.to(self.device), dtype, lin.module, out=out)
 
     def _fp8(self, source: Source) -> torch.Tensor:
         weight = self._read(source.name).to(self.device).float()
@@ -248,10 +251,7 @@ class WeightLoader:
                                   f"{list(tensor.shape)}")
         codes = self._read(unit.codes.name).view(torch.uint8).reshape(e, n, k // 2)
         scales = self._read(unit.scales.name).view(torch.uint8).reshape(e, n, k // 32)
-        for i in range(e):
-            w = mx_dequantize(codes[i].to(self.device), scales[i].to(self.device), tensor.dtype,
-                              f"{unit.name}[{i}]")
-            tensor[i].copy_(w.t() if transposed else w)
+        decode_experts(codes, scales, tensor, transposed, unit.name, cancel=self.cancel)
 
     def _fill_experts(self, target: str, tensor: torch.Tensor) -> None:
         parts = self.sources.experts[target]
@@ -264,6 +264,10 @@ class WeightLoader:
             if missing:
                 what = ("gate", "up")[missing[0]] if gate_up else "down"
                 raise CheckpointError(f"{self.catalog.folder}: no {what} weight for expert {e} of {target}")
+            if self.cancel.is_set():
+                raise _Cancelled
+            if self._fill_expert_in_place(found, need, tensor[e]):
+                continue
             values = [self.value(found[p], tensor.dtype) for p in need]
             value = torch.cat(values, 0) if gate_up else values[0]
             if tuple(value.shape) == tuple(tensor.shape[1:]):
@@ -274,36 +278,101 @@ class WeightLoader:
                 raise CheckpointError(f"{found[0].name}: expert weight {list(value.shape)} does not fit the model's "
                                       f"{target} {list(tensor.shape)}")
 
+    def _fill_expert_in_place(self, found: dict, need: tuple, out: torch.Tensor) -> bool:
+        """Decode MXFP4 parts (gate rows, then up rows) straight into expert ``out`` [rows, K] when they tile it
+        untransposed; False (nothing written) otherwise."""
+        parts = [found[p] for p in need]
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or any(p.kind != "mx" for p in parts):
+            return False
+        if sum(p.unit.rows for p in parts) != out.shape[0] or any(p.unit.cols != out.shape[1] for p in parts):
+            return False
+        row = 0
+        for p in parts:
+            self._mx(p.unit, out.dtype, out=out[row:row + p.unit.rows])
+            row += p.unit.rows
+        return True
+
+
+class _Cancelled(Exception):
+    """A fill stopped by :attr:`WeightLoader.cancel`."""
+
 
 _PAIRS: dict = {}
+_PAIRS_LOCK = threading.Lock()
 
 
-def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """MXFP4 codes [N, K/2] + E8M0 scales [N, K/32] -> [N, K] in ``dtype``, exact.
-
-    bf16 holds every MXFP4 value e2m1 * 2^(code-127) that float32 holds (same exponent range; 2^-128 is a bf16
-    subnormal), so for bf16 each pair of bytes is looked up as its four bf16 values (a 65536-entry table built
-    from :func:`fp4pass.formats.codecs.decode_e2m1`, low nibble first) and multiplied in place by the power of
-    two in bf16: the numbers of ``MXFP4Tensor.dequantize()`` cast to bf16, in two passes instead of six. Other
-    dtypes go through ``MXFP4Tensor.dequantize()`` (float32). Scale code 255 (NaN) is refused, naming the tensor.
-    """
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """int64 [65536]: for each little-endian byte pair, its four E2M1 values in bf16 (byte 0's low nibble
+    first), built once per device from :func:`fp4pass.formats.codecs.decode_e2m1`."""
     from fp4pass.formats.codecs import decode_e2m1
 
+    with _PAIRS_LOCK:
+        if device not in _PAIRS:
+            word = torch.arange(65536, dtype=torch.int32, device=device)
+            nibbles = [(word >> shift) & 0x0F for shift in (0, 4, 8, 12)]
+            values = torch.stack([decode_e2m1(n.to(torch.uint8)) for n in nibbles], -1).to(torch.bfloat16)
+            _PAIRS[device] = values.view(torch.int64).reshape(65536)
+        return _PAIRS[device]
+
+
+def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """MXFP4 codes [N, K/2] + E8M0 scales [N, K/32] -> [N, K] in ``dtype``, exact, on the codes' device.
+
+    bf16 holds every MXFP4 value e2m1 * 2^(code-127) that float32 holds (same exponent range; 2^-128 is a bf16
+    subnormal), so for bf16 each pair of bytes is looked up as its four bf16 values (a 65536-entry table, low
+    nibble first) and multiplied in place by the power of two in bf16: the numbers of
+    ``MXFP4Tensor.dequantize()`` cast to bf16, in two passes instead of six, the same operations on the CPU and
+    on a GPU. ``out``: a contiguous tensor of ``dtype`` and N*K elements on the codes' device to decode into
+    (an expert of a parameter: no temporary copy). Other dtypes go through ``MXFP4Tensor.dequantize()``
+    (float32). Scale code 255 (NaN) is refused, naming the tensor.
+    """
     tensor = MXFP4Tensor.from_codes(codes, scales, name=name)  # checks shapes and NaN scales
+    k = codes.shape[-1] * 2
+    shape = (*codes.shape[:-1], k)
+    if out is not None and (out.numel() != codes.numel() * 2 or out.dtype != dtype or not out.is_contiguous()
+                            or out.device != codes.device):
+        raise ValueError(f"{name}: cannot decode {list(shape)} into {out.dtype} {list(out.shape)} on {out.device}")
     if dtype != torch.bfloat16 or sys.byteorder != "little" or codes.shape[-1] % 2:
-        return tensor.dequantize().to(dtype)
-    key = codes.device
-    if key not in _PAIRS:
-        word = torch.arange(65536, dtype=torch.int32, device=codes.device)
-        nibbles = [(word >> shift) & 0x0F for shift in (0, 4, 8, 12)]  # little-endian: byte 0's low nibble first
-        values = torch.stack([decode_e2m1(n.to(torch.uint8)) for n in nibbles], -1).to(torch.bfloat16)
-        _PAIRS[key] = values.view(torch.int64).reshape(65536)
-    codes = codes.contiguous()
-    words = codes.view(torch.uint16).to(torch.int32)
-    values = _PAIRS[key][words].view(torch.bfloat16).reshape(*scales.shape, 32)
+        value = tensor.dequantize().to(dtype)
+        if out is None:
+            return value
+        out.copy_(value.reshape(out.shape))
+        return out
+    table = _pair_table(codes.device)
+    words = codes.contiguous().view(torch.uint16).reshape(-1).to(torch.int32)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=codes.device)
+    torch.index_select(table, 0, words, out=out.view(-1).view(torch.int64))
     # from_codes has refused code 255 (NaN): every other E8M0 code is a power of two that bf16 holds
-    values.mul_(scales.view(torch.float8_e8m0fnu).to(torch.bfloat16).unsqueeze(-1))
-    return values.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+    out.view(*scales.shape, 32).mul_(scales.view(torch.float8_e8m0fnu).to(torch.bfloat16).unsqueeze(-1))
+    return out.view(shape) if out.shape != shape else out
+
+
+def decode_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, transposed: bool, name: str,
+                   cancel: threading.Event | None = None) -> None:
+    """MXFP4 expert stack: codes [E, N, K/2] + E8M0 scales [E, N, K/32] (any device) -> ``out`` [E, N, K], or
+    [E, K, N] when ``transposed``, in place, by :func:`mx_dequantize` expert by expert on ``out``'s device.
+
+    On a GPU the packed codes and scales (4.25 bits a weight) cross the bus once and are decoded there, not the
+    16-bit values; on the CPU each expert decodes straight into its slot of ``out`` (each operation spread over
+    torch's intra-op threads). A transposed stack decodes through one reused [N, K] buffer. The numbers are those
+    of the CPU decode on every device (a table lookup and a multiplication by a power of two, both exact).
+    ``cancel``: checked before each expert; when set, :class:`_Cancelled` is raised.
+    """
+    device = out.device
+    codes, scales = codes.to(device), scales.to(device)
+    e, n = codes.shape[0], codes.shape[1]
+    buffer = torch.empty(n, codes.shape[2] * 2, dtype=out.dtype, device=device) if transposed else None
+    for i in range(e):
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        if transposed:
+            out[i].copy_(mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=buffer).t())
+        elif out[i].is_contiguous():
+            mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=out[i])
+        else:
+            out[i].copy_(mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]"))
 
 
 def _rebuild_buffers(module: torch.nn.Module, cfg, device) -> None:
@@ -332,6 +401,8 @@ def materialize(module: torch.nn.Module, prefix: str, loader: WeightLoader, cfg,
     _rebuild_buffers(module, cfg, device)
     names = loader.sources.names()
     for key, tensor in module.state_dict(keep_vars=True).items():
+        if loader.cancel.is_set():
+            raise _Cancelled
         target = f"{prefix}{key}"
         if target not in names:
             raise CheckpointError(f"{loader.catalog.folder}: no tensor for the model's {target} (transformers' "
@@ -466,19 +537,97 @@ class LayerRunner:
     @contextlib.contextmanager
     def layer(self, index: int):
         """Decoder layer ``index`` with its weights loaded on the device; back to the meta device after."""
+        module = self.load_layer(index)
+        try:
+            yield module
+        finally:
+            self.release_layer(index)
+
+    def load_layer(self, index: int) -> torch.nn.Module:
+        """Decoder layer ``index`` allocated on the device and filled from the checkpoint (any thread); on
+        failure it is back on the meta device."""
         module = self.layers[index]
         try:
             materialize(module, f"layers.{index}.", self.loader, self.cfg, self.device)
-            module.eval()
-            yield module
-        finally:
+        except BaseException:
             module.to_empty(device="meta")
-            self.drop_cached(index)
+            raise
+        return module.eval()
+
+    def release_layer(self, index: int) -> None:
+        """Decoder layer ``index`` back on the meta device (its weights freed)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no kernel still reads memory that the allocator hands out again
+        self.layers[index].to_empty(device="meta")
+        self.drop_cached(index)
 
     def run_layer(self, module, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
         with torch.no_grad():
             out = module(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+class LayerPrefetcher:
+    """Loads decoder layers in one background thread while the caller runs the previous one.
+
+    Reading the shards (``os.preadv``) and the dequantization (torch operations) release the GIL, so layer
+    i + 1's weights are read and decoded while layer i runs its batches; on CUDA on a stream of its own, the
+    copies and decode kernels beside the layer's kernels. At most one layer loads while one runs: two layers'
+    weights at the peak. An error of the load (a missing tensor, a NaN scale) is raised by :meth:`take`.
+    """
+
+    def __init__(self, runner: LayerRunner):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.runner = runner
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4pass-layer-load")
+        self.pending: dict = {}
+        self.taken: set[int] = set()
+
+    def _load(self, index: int) -> torch.nn.Module:
+        device = self.runner.device
+        if device.type != "cuda":
+            return self.runner.load_layer(index)
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            module = self.runner.load_layer(index)
+        stream.synchronize()
+        return module
+
+    def start(self, index: int) -> None:
+        """Begin loading layer ``index`` in the background."""
+        self.pending[index] = self.pool.submit(self._load, index)
+
+    def take(self, index: int) -> torch.nn.Module:
+        """Layer ``index``, loaded (waits for its load; starts it when it was not started)."""
+        if index not in self.pending:
+            self.start(index)
+        module = self.pending.pop(index).result()
+        self.taken.add(index)
+        return module
+
+    def release(self, index: int) -> None:
+        """Layer ``index`` (taken) back on the meta device."""
+        self.taken.discard(index)
+        self.runner.release_layer(index)
+
+    def close(self) -> None:
+        """Stop a load in progress, wait for the thread, and return every loaded layer to the meta device."""
+        loader = self.runner.loader
+        loader.cancel.set()
+        try:
+            for index, future in list(self.pending.items()):
+                try:
+                    future.result()
+                except BaseException:  # noqa: BLE001 - a cancelled or failed load is on the meta device already
+                    continue
+                self.runner.release_layer(index)
+            self.pending.clear()
+            for index in list(self.taken):
+                self.release(index)
+        finally:
+            self.pool.shutdown(wait=True)
+            loader.cancel.clear()
 
 
 def default_device(device: str | None) -> torch.device:
