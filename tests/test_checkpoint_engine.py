@@ -182,6 +182,7 @@ def test_a_lossless_pair_copies_codes_and_shares_the_top_scale():
     catalog, linears = _linears([w1, w3])
     conv = engine.convert_linears(catalog, linears, "auto")
     assert conv.codes is None and conv.global_scale == math.ldexp(1.0, 124 - 127 - 8)
+    assert all(type(p["blocks16_total"]) is int for p in conv.parts)
     for i, part in enumerate(conv.parts):
         assert part == {"blocks16_total": 64, "blocks16_verbatim": 64, "blocks16_requantized": 0,
                         "global_scale": [conv.global_scale], "mse": 0.0, "max_abs_err": 0.0, "snr_db": None,
@@ -224,6 +225,7 @@ def test_a_stack_with_one_global_scale_measured_per_expert():
     unit = FusedExperts("p", "s", _entry("s_blocks", blocks), _entry("s_scales", scales), 3, 8, 64)
     conv = engine.convert_fused(catalog, unit, "auto")
     assert conv.codes is not None and [p["lossless"] for p in conv.parts] == [True, False, True]
+    assert all(p["method_used"] == "auto" and type(p["blocks16_total"]) is int for p in conv.parts)
     for e, part in enumerate(conv.parts):
         want = _oracle_part(codes[e].numpy(), e8m0[e], conv.codes[e].numpy(), conv.scales[e].numpy(),
                             conv.global_scale)
@@ -281,6 +283,7 @@ def test_a_lossless_stack_reads_no_codes_and_shares_the_top_scale(monkeypatch):
     conv = engine.convert_fused(catalog, unit, "auto")
     assert seen == [(torch.uint8, (3, 8, 32), "p.s_blocks")]
     assert conv.codes is None and conv.global_scale == math.ldexp(1.0, 126 - 127 - 8)
+    assert all(type(p["blocks16_total"]) is int for p in conv.parts)
     assert conv.parts == [{"blocks16_total": 32, "blocks16_verbatim": 32, "blocks16_requantized": 0,
                            "global_scale": [conv.global_scale], "mse": 0.0, "max_abs_err": 0.0, "snr_db": None,
                            "method_used": "auto", "lossless": True}] * 3
