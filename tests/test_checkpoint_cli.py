@@ -15,9 +15,8 @@ import struct
 import pytest
 
 from checkpoint_oracles import tree_hash
-from fp4pass.cli import main
+from cli_helpers import nothing_left, run_cli
 from fp4pass.examples.checkpoints import build_checkpoint
-from fp4pass.io import TMP_PREFIX
 
 pytest.importorskip("safetensors")
 
@@ -35,33 +34,24 @@ def ckpt(pristine, tmp_path):
     return {form: shutil.copytree(src, tmp_path / f"in-{form}") for form, src in pristine.items()}
 
 
-def _run(capsys, *argv):
-    code = main(list(map(str, argv)))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _nothing_left(out_dir):
-    assert not out_dir.exists()
-    assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(TMP_PREFIX)]
 
 
 def _fails(capsys, src, out_dir, *flags, expect=("",)):
     before = tree_hash(src)
-    code, _, err = _run(capsys, "convert", src, "-o", out_dir, *flags)
+    code, _, err = run_cli(capsys, "convert", src, "-o", out_dir, *flags)
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     for piece in expect:
         assert piece in lines[0], lines[0]
-    _nothing_left(out_dir)
+    nothing_left(out_dir)
     assert tree_hash(src) == before
     return lines[0]
 
 
 def test_convert_and_report(ckpt, tmp_path, capsys):
     report = tmp_path / "r.json"
-    code, out, err = _run(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", "--format", "compressed-tensors",
+    code, out, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", "--format", "compressed-tensors",
                           "--input-scale", "1.0", "--check", "--report", report)
     assert code == 0, err
     data = json.loads(report.read_text())
@@ -79,7 +69,7 @@ def _umask():
 
 
 def test_inspect_json(ckpt, capsys):
-    code, out, _ = _run(capsys, "inspect", ckpt["gpt-oss"], "--json")
+    code, out, _ = run_cli(capsys, "inspect", ckpt["gpt-oss"], "--json")
     assert code == 0
     info = json.loads(out)
     assert info["summary"]["experts_total"] == 4 and info["input_forms"] == ["gpt-oss"]
@@ -87,7 +77,7 @@ def test_inspect_json(ckpt, capsys):
 
 def test_existing_empty_out_dir_is_used(ckpt, tmp_path, capsys):
     (tmp_path / "o").mkdir()
-    code, _, err = _run(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
     assert code == 0, err
     assert (tmp_path / "o" / "model.safetensors").exists()
 
@@ -95,7 +85,7 @@ def test_existing_empty_out_dir_is_used(ckpt, tmp_path, capsys):
 def test_out_dir_not_empty(ckpt, tmp_path, capsys):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "keep.txt").write_text("mine")
-    code, _, err = _run(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
     assert code == 2 and "not empty" in err
     assert os.listdir(tmp_path / "o") == ["keep.txt"]
 
@@ -105,7 +95,7 @@ def test_out_dir_is_or_in_source(ckpt, capsys, where):
     src = ckpt["deepseek"]
     before = tree_hash(src)
     out = src if where == "same" else src / "nvfp4"
-    code, _, err = _run(capsys, "convert", src, "-o", out)
+    code, _, err = run_cli(capsys, "convert", src, "-o", out)
     assert code == 2, err
     assert tree_hash(src) == before and not (src / "nvfp4").exists()
 
@@ -226,10 +216,10 @@ def test_failed_check_exits_1_and_writes_nothing(ckpt, tmp_path, capsys, monkeyp
 
     real = engine.reciprocal
     monkeypatch.setattr(engine, "reciprocal", lambda v: real(v) * 2)
-    code, _, err = _run(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", "--format", "compressed-tensors",
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", "--format", "compressed-tensors",
                         "--check", "--report", tmp_path / "r.json")
     assert code == 1 and "check FAILED" in err
-    _nothing_left(tmp_path / "o")
+    nothing_left(tmp_path / "o")
     assert not json.loads((tmp_path / "r.json").read_text())["check"]["passed"]
 
 
@@ -288,6 +278,6 @@ def test_interrupted_run_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "convert_linears", interrupt)
-    code, _, err = _run(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
     assert code == 130 and calls["n"] == 3
-    _nothing_left(tmp_path / "o")
+    nothing_left(tmp_path / "o")

@@ -25,8 +25,8 @@ import torch
 import fp4pass.checkpoint
 from checkpoint_oracles import (EXPERTS_PREFIX, Folder, as_bytes, expert_modules, moe_checkpoint, mx_decode,
                                 nv_decode, requant_sse, rewrite_shard, snr_db, source_linear, tree_hash)
-from fp4pass.checkpoint import CheckFailed, CheckpointError
-from fp4pass.cli import main
+from cli_helpers import nothing_left, run_cli
+from fp4pass.checkpoint import CheckFailed
 from fp4pass.io import TMP_PREFIX, host_token
 
 pytest.importorskip("safetensors")
@@ -34,15 +34,6 @@ pytest.importorskip("safetensors")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(capsys, *argv):
-    code = main(list(map(str, argv)))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _nothing_left(out_dir):
-    assert not out_dir.exists()
-    assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(TMP_PREFIX)]
 
 
 def _scales(modules: list[tuple[str, str, str]]):
@@ -220,7 +211,7 @@ def test_check_fails_a_lossy_expert_worse_than_requantization(tmp_path, monkeypa
     failures = failed.value.report["check"]["failures"]
     assert [f["expert"] for f in failures] == [gate]
     assert "above plain requantization" in failures[0]["reason"]
-    _nothing_left(tmp_path / "out")
+    nothing_left(tmp_path / "out")
 
 
 # -- every unit all or nothing --------------------------------------------------------------------------------
@@ -273,12 +264,12 @@ def broken(request, tmp_path):
 def test_a_unit_that_cannot_convert_is_exit_2_naming_it(broken, tmp_path, capsys):
     src, named, _ = broken
     before = tree_hash(src)
-    code, _, err = _run(capsys, "convert", src, "-o", tmp_path / "out")
+    code, _, err = run_cli(capsys, "convert", src, "-o", tmp_path / "out")
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert named in lines[0] and "model.safetensors" in lines[0] and "--allow-partial" in lines[0], lines[0]
-    _nothing_left(tmp_path / "out")
+    nothing_left(tmp_path / "out")
     assert tree_hash(src) == before
 
 
@@ -288,7 +279,7 @@ def test_allow_partial_copies_the_unit_and_names_it(broken, tmp_path, capsys):
     converted."""
     src, named, declined = broken
     report_path = tmp_path / "r.json"
-    code, out, err = _run(capsys, "convert", src, "-o", tmp_path / "out", "--allow-partial", "--report", report_path)
+    code, out, err = run_cli(capsys, "convert", src, "-o", tmp_path / "out", "--allow-partial", "--report", report_path)
     assert code == 0, err
     report = json.loads(report_path.read_text())
     assert [d["tensor"] for d in report["declined"]] == declined
@@ -328,7 +319,7 @@ def test_no_mxfp4_weight_is_left_in_the_output_in_silence(tmp_path, monkeypatch)
     monkeypatch.setattr(run, "detect", forgets_a_unit)
     with pytest.raises(RuntimeError, match=rf"tensor '{E1}.w2.weight' is still an MXFP4 weight"):
         fp4pass.checkpoint.convert(src, tmp_path / "out")
-    _nothing_left(tmp_path / "out")
+    nothing_left(tmp_path / "out")
 
 
 # -- the folder: index, JSON, files beside the shards ---------------------------------------------------------
@@ -390,11 +381,11 @@ def test_a_folder_that_lies_is_refused(tmp_path, capsys, damage):
     src = _sharded(tmp_path)
     where, what = damage(src)
     for command in (("convert", src, "-o", tmp_path / "out"), ("inspect", src)):
-        code, _, err = _run(capsys, *command)
+        code, _, err = run_cli(capsys, *command)
         assert code == 2, err
         lines = err.strip().splitlines()
         assert len(lines) == 1 and where in lines[0] and what in lines[0], lines
-    _nothing_left(tmp_path / "out")
+    nothing_left(tmp_path / "out")
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from fp4pass.commands._calibrator_flags import calibrator_options
+from fp4pass.commands._safety import positive_int
 from fp4pass.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -13,29 +14,17 @@ DEVICES = ("auto", "cpu", "cuda")
 FOLDER_ONLY = {"device": None, "seq_len": None, "num_samples": None}
 
 
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
 def add_arguments(g, batch_size: bool = False) -> None:
     """``--device``, ``--seq-len``, ``--num-samples`` (and ``--calib-batch-size`` for convert)."""
     g.add_argument("--device", choices=DEVICES, default=None,
                    help="checkpoint calibration: where each layer runs (auto: CUDA when torch has a GPU)")
-    g.add_argument("--seq-len", type=_positive, default=None, metavar="T",
+    g.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="checkpoint calibration: tokens per sequence (text is cut into sequences of T; default "
                         "512; longer .npz rows are cut)")
-    g.add_argument("--num-samples", type=_positive, default=None, metavar="N",
+    g.add_argument("--num-samples", type=positive_int, default=None, metavar="N",
                    help="checkpoint calibration: at most N sequences (default: all of DATA)")
     if batch_size:
-        g.add_argument("--calib-batch-size", type=_positive, default=None, metavar="B",
+        g.add_argument("--calib-batch-size", type=positive_int, default=None, metavar="B",
                        help="checkpoint calibration: sequences per forward batch (default 8)")
 
 
