@@ -12,6 +12,10 @@ memory against depth.
   = intermediate = 1024, 16 experts), each calibrated on the same tokens (goal <= 1.25x); their RSS growth over
   the process's size before calibrating is reported beside it.
 
+The (a) rows carry the calibration's phases (``load_s``: the wait for a layer's weights, the part of their
+reading and dequantizing that the background thread did not hide; ``load_background_s``: that thread's own
+seconds; ``layers_s``; ``scales_s``).
+
 Weights are random MXFP4 codes (:func:`fp4pass.examples.checkpoints.build_checkpoint`, ``runnable=True``), written
 to a temporary folder that is removed after. ``quick``: hidden 256, 8 experts, 2 x 4 x 32 tokens (no goals).
 """

@@ -66,8 +66,10 @@ class CheckpointScales(ActivationScales):
     tokens: int = 0
     seconds: float = 0.0
     spilled_batches: int = 0
-    #: where the time went: "embed" (inputs up to the first layer), "load" (reading and dequantizing the layers'
-    #: weights), "layers" (the batches through the layers, statistics included), "scales" (the calibrators)
+    #: where the time went: "embed" (inputs up to the first layer), "load" (waiting for the layers' weights: the
+    #: part of their reading and dequantizing not hidden behind the previous layer's run), "layers" (the batches
+    #: through the layers, statistics included), "scales" (the calibrators); "load_background": the seconds the
+    #: background thread spent reading and dequantizing (overlapping the other phases)
     timings: dict = field(default_factory=dict)
 
     def report_json(self) -> dict:
@@ -377,3 +379,4 @@ def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, 
                 clock.lap("scales")
     finally:
         prefetch.close()
+        out.timings["load_background"] = prefetch.busy

@@ -20,11 +20,13 @@ The run (:class:`LayerRunner`):
    embeddings, ``input_ids`` for hash routing) and stops the forward there;
 2. for each layer: its weights are read from the shards into a module of its own class (allocated, filled,
    run, then returned to the meta device), and every batch goes through its ``forward``; its outputs replace
-   its inputs (one set of hidden states at a time, on disk when they exceed the budget).
+   its inputs (one set of hidden states at a time, on disk when they exceed the budget). The next layer's
+   weights are read and dequantized by a background thread (:class:`LayerPrefetcher`) while a layer runs.
 
-Peak memory: the embedding table + one layer's weights (experts dequantized to bf16) + the hidden states of all
-calibration tokens (``tokens * hidden * 2`` bytes, or ``hc_mult`` times that for DeepSeek-V4) unless they spill
-to disk + one batch's activations. It does not grow with the number of layers.
+Peak memory: the embedding table + two layers' weights (experts dequantized to bf16: the one running and the
+one loading) + the hidden states of all calibration tokens (``tokens * hidden * 2`` bytes, or ``hc_mult`` times
+that for DeepSeek-V4) unless they spill to disk + one batch's activations. It does not grow with the number of
+layers.
 """
 
 from __future__ import annotations
@@ -583,16 +585,24 @@ class LayerPrefetcher:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4pass-layer-load")
         self.pending: dict = {}
         self.taken: set[int] = set()
+        #: seconds the background thread spent loading layers (hidden behind the runs, or waited for)
+        self.busy = 0.0
 
     def _load(self, index: int) -> torch.nn.Module:
-        device = self.runner.device
-        if device.type != "cuda":
-            return self.runner.load_layer(index)
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            module = self.runner.load_layer(index)
-        stream.synchronize()
-        return module
+        import time
+
+        start = time.perf_counter()
+        try:
+            device = self.runner.device
+            if device.type != "cuda":
+                return self.runner.load_layer(index)
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                module = self.runner.load_layer(index)
+            stream.synchronize()
+            return module
+        finally:
+            self.busy += time.perf_counter() - start
 
     def start(self, index: int) -> None:
         """Begin loading layer ``index`` in the background."""
