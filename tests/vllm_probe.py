@@ -240,11 +240,12 @@ def probe(folder: Path) -> dict:
 # modules), installed with --no-deps beside it; torch, transformers, compressed-tensors, pydantic, numpy, ...
 # come from the test environment
 DEPS = ["aiohappyeyeballs==2.7.1", "aiohttp==3.14.5", "aiosignal==1.4.0", "apache-tvm-ffi==0.1.11", "attrs==26.1.0",
-        "cachetools==8.0.2", "cbor2==6.3.0", "cloudpickle==3.1.3", "einops==0.8.2", "fastapi==0.165.0",
-        "frozenlist==1.8.0", "llguidance==1.9.1", "msgspec==0.22.0", "multidict==7.2.1", "openai==3.57.0",
-        "openai-harmony==0.0.8", "opentelemetry-api==1.45.2", "partial-json-parser==0.2.1.1.post7",
-        "prometheus-client==0.26.0", "propcache==0.5.4", "py-cpuinfo==9.0.0", "pybase64==1.5.1", "pyzmq==27.3.0",
-        "sniffio==1.3.1", "starlette==1.10.0", "uvloop==0.23.0", "xgrammar==0.2.8", "yarl==1.25.1"]
+        "cachetools==8.0.2", "cbor2==6.3.0", "certifi==2026.10.19.post1", "charset-normalizer==3.5.3",
+        "cloudpickle==3.1.3", "einops==0.8.2", "fastapi==0.165.0", "frozenlist==1.8.0", "llguidance==1.9.1",
+        "msgspec==0.22.0", "multidict==7.2.1", "openai==3.57.0", "openai-harmony==0.0.8", "opentelemetry-api==1.45.2",
+        "partial-json-parser==0.2.1.1.post7", "prometheus-client==0.26.0", "propcache==0.5.4", "py-cpuinfo==9.0.0",
+        "pybase64==1.5.1", "pyzmq==27.3.0", "requests==2.34.2", "sniffio==1.3.1", "starlette==1.10.0",
+        "urllib3==2.8.0", "uvloop==0.23.0", "xgrammar==0.2.8", "yarl==1.25.1"]
 
 
 def fetch() -> None:
