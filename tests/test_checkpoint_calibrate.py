@@ -399,22 +399,28 @@ def test_bf16_dequantization_matches_an_independent_decode():
 
 
 @pytest.mark.slow
-def test_readme_calibration_commands_run_as_written(tmp_path, capsys):
-    """The README's calibrated-checkpoint commands, from the repository root, outputs moved under tmp_path."""
+def test_readme_calibration_commands_run_as_written(tmp_path, capsys, monkeypatch):
+    """The README's calibrated-checkpoint commands, run from a scratch folder (the bundled inputs by their path
+    in the repository), write what they say."""
     import shlex
 
     readme = (ROOT.parents[1] / "README.md").read_text()
     block = readme.split("Calibrated input scales (", 1)[1].split("```bash\n", 1)[1]
     lines = block.split("```", 1)[0].strip().splitlines()
     assert len(lines) == 3 and all(line.startswith(".venv/bin/fp4pass ") for line in lines)
+    monkeypatch.chdir(tmp_path)
+    outputs = []
     for line in lines:
-        argv = [a.replace("/tmp/", f"{tmp_path}/") if a.startswith("/tmp/") else str(ROOT.parents[1] / a)
-                if a.startswith("models/") else a for a in shlex.split(line)[1:]]
+        args = shlex.split(line)[1:]
+        argv = [str(ROOT.parents[1] / a) if a.startswith("models/") else a for a in args]
+        outputs += [args[i + 1] for i, a in enumerate(args) if a in ("-o", "--output")]
         code, err = cli(capsys, *argv)
         assert code == 0, (line, err)
-    assert (tmp_path / "gpt-oss-calibrated" / "model.safetensors").is_file()
-    assert "model.layers.0.mlp.experts.gate_up_proj" in json.loads((tmp_path / "scales.json").read_text())["tensors"]
-    assert (tmp_path / "kimi-calibrated" / "model.safetensors").is_file()
+    scales, gpt_oss_out, kimi_out = outputs
+    assert "model.layers.0.mlp.experts.gate_up_proj" in json.loads((tmp_path / scales).read_text())["tensors"]
+    for folder in (gpt_oss_out, kimi_out):
+        assert (tmp_path / folder / "model.safetensors").is_file()
+        assert json.loads((tmp_path / folder / "config.json").read_text())["quantization_config"]
 
 
 _RANK = """
