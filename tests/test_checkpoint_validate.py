@@ -165,11 +165,12 @@ def test_bad_block_scale(tmp_path, value, kind):
     assert {"nonfinite_scale", "negative_scale"} - {kind} - _kinds(result)
 
 
-def test_missing_global_scale(tmp_path):
+@pytest.mark.parametrize("tensor, kind", [(f"{E0}.down_proj.weight_global_scale", "missing_scale"),
+                                          (f"{E1}.down_proj.weight_packed", "missing_tensor")])
+def test_a_dropped_tensor_is_named(tmp_path, tensor, kind):
     folder = _copy(LLMC_MOE, tmp_path)
-    tensor = f"{E0}.down_proj.weight_global_scale"
     _edit_tensors(folder, lambda t: t.pop(tensor))
-    assert [p["tensor"] for p in _named(validate(folder), "missing_scale")] == [tensor]
+    assert [p["tensor"] for p in _named(validate(folder), kind)] == [tensor]
 
 
 def test_input_scale_missing_for_some_experts(tmp_path):
@@ -428,13 +429,6 @@ def test_truncated_shard(tmp_path):
     assert [p["tensor"] for p in _named(result, "unreadable_shard")] == ["model-00002-of-00002.safetensors"]
     assert {m["module"] for m in result["modules"]} and all(m["module"].startswith("model.layers.0.")
                                                              for m in result["modules"])
-
-
-def test_packed_weight_missing(tmp_path):
-    folder = _copy(LLMC_MOE, tmp_path)
-    tensor = f"{E1}.down_proj.weight_packed"
-    _edit_tensors(folder, lambda t: t.pop(tensor))
-    assert [p["tensor"] for p in _named(validate(folder), "missing_tensor")] == [tensor]
 
 
 def test_group_size_not_16(tmp_path):

@@ -39,7 +39,7 @@ from fp4pass.checkpoint.output_forms import MODELOPT
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.errors import FP4PassError
 from fp4pass.extras import require
-from fp4pass.formats.constants import E8M0_BIAS, LOSSLESS_SPREAD
+from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS, LOSSLESS_SPREAD
 
 __all__ = ["check_checkpoint", "decode_mxfp4"]
 
@@ -49,7 +49,7 @@ SLACK = 1e-3
 #: subnormals)
 F32_HIGH = 2.0**E8M0_BIAS  # the scale of E8M0 code 254
 F32_LOW = float(np.finfo(np.float32).tiny)
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+E2M1 = np.array(E2M1_VALUES, dtype=np.float64)
 
 
 def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
