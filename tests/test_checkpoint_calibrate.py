@@ -467,19 +467,60 @@ def _expert_stack(experts=3, rows=64, cols=96, seed=5):
     return codes, scales
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_expert_stack_decode_matches_an_independent_decode(transposed):
+@pytest.mark.parametrize("layout", ["plain", "transposed", "transposed, checkpoint order"])
+def test_expert_stack_decode_matches_an_independent_decode(layout):
     """decode_experts (the per-layer path, here with device=cpu) against the numpy decoder, bit for bit in bf16,
-    each expert in its own slot (distinct experts: a swap or a repeated expert fails)."""
+    each expert in its own slot (distinct experts: a swap or a repeated expert fails); a transposed [E, K, N]
+    stack both in its own memory order and as a view of [E, N, K] memory (how the layer runner stores it)."""
     from fp4pass.checkpoint.layerwise import decode_experts
 
     codes, scales = _expert_stack()
     expect = _bf16(mx_decode(codes.numpy(), scales.numpy()))  # [E, N, K]
-    if transposed:
-        expect = expect.transpose(1, 2).contiguous()
     out = torch.full(expect.shape, float("nan"), dtype=torch.bfloat16)
-    decode_experts(codes, scales, out, transposed, "stack")
-    assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+    if layout != "plain":
+        expect = expect.transpose(1, 2).contiguous()
+        out = out.transpose(1, 2) if layout.endswith("checkpoint order") else out.transpose(1, 2).contiguous()
+    decode_experts(codes, scales, out, layout != "plain", "stack")
+    assert torch.equal(out.contiguous().view(torch.int16), expect.view(torch.int16))
+
+
+def test_gpt_oss_stacks_are_stored_in_the_checkpoint_order_with_the_model_values(tmp_path):
+    """The layer runner's gpt-oss expert stacks: the model's [E, K, N] shapes over [E, N, K] memory (so x @ W
+    reads an [N, K] matrix transposed), holding the values of the reference decode transposed."""
+    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.checkpoint.detect import detect
+    from fp4pass.checkpoint.layerwise import LayerRunner
+
+    src = ROOT / "gpt_oss"
+    folder = Folder(src)
+    with Catalog.open(src) as catalog:
+        runner = LayerRunner(catalog, detect(catalog.tensors, catalog.config), torch.device("cpu"))
+        with runner.layer(1) as layer:
+            experts = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, name)
+                e, k, n = param.shape
+                assert param.stride() == (n * k, 1, k), name
+                codes = as_bytes(folder.get(f"model.layers.1.mlp.experts.{name}_blocks"))
+                scales = as_bytes(folder.get(f"model.layers.1.mlp.experts.{name}_scales"))
+                expect = _bf16(mx_decode(codes.reshape(e, n, -1), scales.reshape(e, n, -1))).transpose(1, 2)
+                assert torch.equal(param.detach().contiguous().view(torch.int16),
+                                   expect.contiguous().view(torch.int16)), name
+
+
+def test_float32_products_only_on_cpus_without_bf16_matrix_instructions(monkeypatch):
+    from fp4pass.checkpoint.calibration import float32_products
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert float32_products(cpu, torch.bfloat16)
+    assert not float32_products(cpu, torch.float32) and not float32_products(cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert not float32_products(cpu, torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert not float32_products(cpu, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -19,9 +19,11 @@ The run (:class:`LayerRunner`):
    replaced by a recorder that keeps the layer's inputs (hidden states and keyword arguments: masks, position
    embeddings, ``input_ids`` for hash routing) and stops the forward there;
 2. for each layer: its weights are read from the shards into a module of its own class (allocated, filled,
-   run, then returned to the meta device), and every batch goes through its ``forward``; its outputs replace
-   its inputs (one set of hidden states at a time, on disk when they exceed the budget). The next layer's
-   weights are read and dequantized by a background thread (:class:`LayerPrefetcher`) while a layer runs.
+   run, then returned to the meta device; gpt-oss's [E, K, N] expert stacks over memory in the checkpoint's
+   [E, N, K] order, :func:`store_in_checkpoint_order`), and every batch goes through its ``forward``; its
+   outputs replace its inputs (one set of hidden states at a time, on disk when they exceed the budget). The
+   next layer's weights are read and dequantized by a background thread (:class:`LayerPrefetcher`) while a
+   layer runs.
 
 Peak memory: the embedding table + two layers' weights (experts dequantized to bf16: the one running and the
 one loading) + the hidden states of all calibration tokens (``tokens * hidden * 2`` bytes, or ``hc_mult`` times
@@ -50,7 +52,7 @@ from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.formats import MXFP4Tensor
 
 __all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "LayerPrefetcher", "HiddenStore",
-           "experts_modules", "mx_dequantize", "decode_experts"]
+           "experts_modules", "mx_dequantize", "decode_experts", "store_in_checkpoint_order"]
 
 log = logging.getLogger(__name__)
 
@@ -358,18 +360,23 @@ def decode_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
     On a GPU the packed codes and scales (4.25 bits a weight) cross the bus once and are decoded there, not the
     16-bit values; on the CPU each expert decodes straight into its slot of ``out`` (each operation spread over
-    torch's intra-op threads). A transposed stack decodes through one reused [N, K] buffer. The numbers are those
-    of the CPU decode on every device (a table lookup and a multiplication by a power of two, both exact).
+    torch's intra-op threads). A transposed ``out`` stored in the checkpoint's order (a [E, K, N] view of
+    [E, N, K] memory: :func:`store_in_checkpoint_order`) is decoded straight into; another transposed one
+    through one reused [N, K] buffer. The numbers are those of the CPU decode on every device (a table lookup
+    and a multiplication by a power of two, both exact).
     ``cancel``: checked before each expert; when set, :class:`_Cancelled` is raised.
     """
     device = out.device
     codes, scales = codes.to(device), scales.to(device)
     e, n = codes.shape[0], codes.shape[1]
-    buffer = torch.empty(n, codes.shape[2] * 2, dtype=out.dtype, device=device) if transposed else None
+    direct = transposed and out[0].t().is_contiguous()
+    buffer = torch.empty(n, codes.shape[2] * 2, dtype=out.dtype, device=device) if transposed and not direct else None
     for i in range(e):
         if cancel is not None and cancel.is_set():
             raise _Cancelled
-        if transposed:
+        if direct:
+            mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=out[i].t())
+        elif transposed:
             out[i].copy_(mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=buffer).t())
         elif out[i].is_contiguous():
             mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=out[i])
@@ -394,6 +401,27 @@ def _rebuild_buffers(module: torch.nn.Module, cfg, device) -> None:
         for attr in ("attention_scaling",):
             if hasattr(fresh, attr):
                 setattr(sub, attr, getattr(fresh, attr))
+
+
+def store_in_checkpoint_order(module: torch.nn.Module) -> None:
+    """Give ``module``'s transposed expert stacks (``is_transposed``: gpt-oss's [E, K, N] ``gate_up_proj`` and
+    ``down_proj``, used as ``x @ W``) memory in the checkpoint's [E, N, K] order, still on the meta device: each
+    parameter becomes the [E, K, N] transposed view of an [E, N, K] tensor, which ``to_empty`` keeps.
+
+    The values and shapes are the model's; only the strides differ. ``x @ W`` then multiplies by an [N, K]
+    matrix read transposed, the layout every BLAS runs fastest (on CPUs without bf16 matrix instructions a bf16
+    [K, N] operand takes a path ~50x slower), and :func:`decode_experts` decodes each expert straight into it.
+    """
+    for _, sub in experts_modules(module):
+        if not getattr(sub, "is_transposed", False):
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            param = sub._parameters[name]
+            if param.device.type != "meta":
+                continue
+            e, k, n = param.shape
+            view = torch.empty(e, n, k, dtype=param.dtype, device="meta").transpose(1, 2)
+            sub._parameters[name] = torch.nn.Parameter(view, requires_grad=param.requires_grad)
 
 
 def materialize(module: torch.nn.Module, prefix: str, loader: WeightLoader, cfg, device) -> None:
@@ -550,6 +578,7 @@ class LayerRunner:
         failure it is back on the meta device."""
         module = self.layers[index]
         try:
+            store_in_checkpoint_order(module)
             materialize(module, f"layers.{index}.", self.loader, self.cfg, self.device)
         except BaseException:
             module.to_empty(device="meta")
