@@ -158,7 +158,7 @@ def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_sampl
 def load_batches(data, folder, vocab_size: int, *, seq_len: int | None = None, num_samples: int | None = None,
                  batch_size: int | None = None) -> list[Batch]:
     """The calibration batches of ``data`` (a path, module docstring) for the checkpoint in ``folder``."""
-    batch_size = batch_size or DEFAULT_BATCH_SIZE
+    batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for label, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--num-samples", num_samples)):
         if value is not None and value < 1:
             raise CalibrationDataError(f"{label} must be at least 1, got {value}")
