@@ -46,6 +46,7 @@ CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_cmd_inspect.py", "tes
                  "tests/test_cmd_convert.py"]
 CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpoint_convert.py",
                     "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
+CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
 CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
@@ -381,6 +382,38 @@ MUTANTS = [
            "expert's phase, so later experts miss the direct path", [
         ("fp4pass/checkpoint/run.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
     ], CHECKPOINT_TESTS),
+    # -- checkpoint calibration (one layer's statistics) ----------------------------------------------------
+    Mutant("ckpt-calib-gate-up-down-swapped", "an expert's gate/up input lands in its down statistic and its "
+           "intermediate activation in the gate/up one", [
+        ("fp4pass/checkpoint/calibration.py", "        stats = self.stats.get((rel, expert, kind))\n",
+         "        stats = self.stats.get((rel, expert, {\"gate_up\": \"down\", \"down\": \"gate_up\"}[kind]))\n"),
+    ], CKPT_CALIB_TESTS),
+    Mutant("ckpt-calib-tokens-of-the-next-expert", "each expert's row shows the next expert's token count (the "
+           "last one none: unrouted)", [
+        ("fp4pass/checkpoint/calibration.py", "                tokens = self.tokens.get((rel, e), 0)",
+         "                tokens = self.tokens.get((rel, e + 1), 0)"),
+    ], CKPT_CALIB_TESTS),
+    Mutant("ckpt-calib-stack-takes-its-smallest-expert", "a gpt-oss stack's scale is its routed experts' "
+           "smallest, not their largest", [
+        ("fp4pass/checkpoint/calibration.py", "scale.g_amax > best[module].g_amax",
+         "scale.g_amax < best[module].g_amax"),
+    ], CKPT_CALIB_TESTS),
+    Mutant("ckpt-calib-padding-counted", "an expert's padding rows (attention_mask 0) count in its statistics "
+           "and its token count", [
+        ("fp4pass/checkpoint/calibration.py", "            rows = rows[self.valid[token_idx]]\n",
+         "            pass\n"),
+    ], CKPT_CALIB_TESTS),
+    Mutant("ckpt-calib-unrouted-expert-keyed", "an expert no token reached gets a key (its empty statistic's "
+           "scale) instead of its layer's max at convert", [
+        ("fp4pass/checkpoint/calibration.py", "                    if tokens == 0:\n                        continue\n",
+         ""),
+    ], CKPT_CALIB_TESTS),
+    Mutant("ckpt-calib-rank-share-drops-the-rest", "under torch.distributed each rank takes a contiguous "
+           "len // world batches, so the remainder is never calibrated", [
+        ("fp4pass/checkpoint/calibration.py", "    return batches[dist.get_rank()::dist.get_world_size()]",
+         "    n = len(batches) // dist.get_world_size()\n"
+         "    return batches[dist.get_rank() * n:(dist.get_rank() + 1) * n]"),
+    ], CKPT_CALIB_TESTS),
 ]
 
 

@@ -660,3 +660,92 @@ def test_calib_with_scales_is_refused(tmp_path, capsys):
                     tmp_path / "s.json")
     assert code == 2 and one_line(err).endswith("give --calib, --scales or --input-scale, not two of them")
     assert not (tmp_path / "o").exists()
+
+
+# -- torch.distributed: two gloo ranks --------------------------------------------------------------------------
+
+_RANK = """
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[4])
+from test_checkpoint_calib_data import _rows, _stats
+from fp4pass.checkpoint.calibration import CheckpointScales, _share
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+stats, _, _ = _stats(fused=False)
+for expert, kind, peak, n, seed in RECORDS[rank]:
+    stats.record("mlp.experts", expert, kind, _rows(peak, n, seed=seed), torch.arange(n))
+stats.reduce()
+result = CheckpointScales("max")
+stats.results(result)
+json.dump({"share": _share(list(range(7))), "amax": {k: v.amax for k, v in result.tensors.items()},
+           "tokens": [r["tokens"] for r in result.experts], "unrouted": [r["expert"] for r in result.unrouted]},
+          open(out, "w"))
+dist.destroy_process_group()
+"""
+#: per rank: (expert, kind, peak, rows, seed); expert 0's gate/up peak on rank 0, expert 1's down peak on rank 1
+_RECORDS = {0: [(0, "gate_up", 7.0, 4, 1), (0, "down", 2.0, 4, 2), (1, "gate_up", 4.0, 2, 3), (1, "down", 1.0, 2, 4)],
+            1: [(0, "gate_up", 1.0, 3, 5), (0, "down", 6.0, 3, 6), (1, "gate_up", 5.0, 5, 7), (1, "down", 8.0, 5, 8)]}
+
+
+def test_two_ranks_share_the_batches_and_reduce_counts_and_amax(tmp_path):
+    """Rank r takes batches r, r + 2, ...; after the all-reduce both ranks hold every expert's summed token count,
+    the max over ranks of each amax, and the same unrouted expert."""
+    import os
+    import subprocess
+    import sys
+
+    here = str(Path(__file__).resolve().parent)
+    script = _RANK.replace("RECORDS", repr(_RECORDS))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(here).parent), os.environ.get("PYTHONPATH", "")])}
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(r), str(tmp_path / "store"),
+                               str(tmp_path / f"r{r}.json"), here], env=env) for r in range(2)]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    stack = "model.layers.1.mlp.experts"
+    want = {f"{stack}.0.w1": 7.0, f"{stack}.0.w3": 7.0, f"{stack}.0.w2": 6.0, f"{stack}.1.w1": 5.0,
+            f"{stack}.1.w3": 5.0, f"{stack}.1.w2": 8.0}
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["share"] == list(range(7))[r::2]
+        assert {k: v for k, v in got["amax"].items() if "experts" in k} == want
+        assert got["tokens"] == [4 + 3, 2 + 5, 0] and got["unrouted"] == [2]
+
+
+def test_text_that_is_not_a_regular_file_and_a_txt_s_one_row(tmp_path, ckpt):
+    """A .txt or .jsonl is read only as a regular file (refused as calibration data, naming it); a .txt is one
+    record, row 1, even when it holds JSON lines."""
+    folder, tokenizer = ckpt
+    (tmp_path / "z.txt").symlink_to("/dev/zero")
+    assert refused("only regular", tmp_path / "z.txt", folder=folder).startswith(f"{tmp_path / 'z.txt'}: ")
+    text = '{"text": "aaaa"}\n{"text": "zzzz"}\n'
+    (tmp_path / "d.txt").write_text(text)
+    ids = encode(tokenizer, text)
+    top = max(ids)
+    assert refused("outside", tmp_path / "d.txt", folder=folder, vocab=top, seq_len=1) == (
+        f"{tmp_path / 'd.txt'}: row 1: token id {top} from tokenizer.json is outside the model's vocabulary "
+        f"[0, {top})")
+    batches = load_batches(tmp_path / "d.txt", folder, top + 1, seq_len=len(ids))
+    assert np.array_equal(batches[0].input_ids.numpy(), np.asarray([ids]))
+
+
+def test_text_ids_at_both_ends_of_the_vocabulary_and_no_special_tokens(tmp_path, ckpt):
+    """Id 0 (the tokenizer's unknown token) and vocab_size - 1 are in, vocab_size is out and named (the first
+    of several); a tokenizer whose post-processor adds a BOS token adds none here (raw text is cut into
+    sequences, so no sequence starts with one)."""
+    from tokenizers.processors import TemplateProcessing
+
+    folder, tokenizer = ckpt
+    (tmp_path / "d.txt").write_text("a!bzyx")
+    ids = encode(tokenizer, "a!bzyx")
+    assert 0 in ids and ids[-3:] == sorted(ids[-3:], reverse=True)  # z > y > x: the first bad is the largest
+    top = max(ids)
+    assert np.array_equal(load_batches(tmp_path / "d.txt", folder, top + 1, seq_len=len(ids))[0].input_ids.numpy(),
+                          np.asarray([ids]))
+    second = sorted(set(ids))[-3]  # x: z and y are outside [0, x)
+    assert refused("outside", tmp_path / "d.txt", folder=folder, vocab=second, seq_len=1).endswith(
+        f"row 1: token id {top} from tokenizer.json is outside the model's vocabulary [0, {second})")
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", VOCAB - 2)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    assert tokenizer.encode("a!bzyx").ids[0] == VOCAB - 2 and encode(tokenizer, "a!bzyx") == ids
+    batches = load_batches(tmp_path / "d.txt", folder, VOCAB, seq_len=len(ids))
+    assert np.array_equal(batches[0].input_ids.numpy(), np.asarray([ids]))
