@@ -749,3 +749,23 @@ def test_text_ids_at_both_ends_of_the_vocabulary_and_no_special_tokens(tmp_path,
     assert tokenizer.encode("a!bzyx").ids[0] == VOCAB - 2 and encode(tokenizer, "a!bzyx") == ids
     batches = load_batches(tmp_path / "d.txt", folder, VOCAB, seq_len=len(ids))
     assert np.array_equal(batches[0].input_ids.numpy(), np.asarray([ids]))
+
+
+def test_fewer_batches_than_ranks_is_refused_on_every_rank(monkeypatch):
+    """Rank r of W takes batches r, r + W, ...; with fewer batches than ranks every rank refuses alike (a rank
+    left without a batch would otherwise leave the others waiting in the all-reduce)."""
+    import torch.distributed as dist
+
+    import fp4pass.calib.distributed
+    from fp4pass.checkpoint.calibration import _share
+
+    monkeypatch.setattr(fp4pass.calib.distributed, "distributed_ready", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 3)
+    for rank in range(3):
+        monkeypatch.setattr(dist, "get_rank", lambda *a, r=rank: r)
+        assert _share(list(range(8))) == list(range(8))[rank::3]
+        assert _share(list(range(3))) == [rank]
+        with pytest.raises(CalibrationDataError) as info:
+            _share(list(range(2)))
+        assert str(info.value) == ("2 calibration batch(es) for 3 ranks: each rank needs at least one (a smaller "
+                                   "batch size gives more)")

@@ -304,7 +304,11 @@ def _share(batches: list[Batch]) -> list[Batch]:
         return batches
     import torch.distributed as dist
 
-    return batches[dist.get_rank()::dist.get_world_size()]
+    world = dist.get_world_size()
+    if len(batches) < world:  # every rank sees the same count, so all refuse (none waits in an all-reduce)
+        raise CalibrationDataError(f"{len(batches)} calibration batch(es) for {world} ranks: each rank needs at "
+                                   "least one (a smaller batch size gives more)")
+    return batches[dist.get_rank()::world]
 
 
 def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
