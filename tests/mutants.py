@@ -410,9 +410,8 @@ MUTANTS = [
     ], CKPT_CALIB_TESTS),
     Mutant("ckpt-calib-rank-share-drops-the-rest", "under torch.distributed each rank takes a contiguous "
            "len // world batches, so the remainder is never calibrated", [
-        ("fp4pass/checkpoint/calibration.py", "    return batches[dist.get_rank()::dist.get_world_size()]",
-         "    n = len(batches) // dist.get_world_size()\n"
-         "    return batches[dist.get_rank() * n:(dist.get_rank() + 1) * n]"),
+        ("fp4pass/checkpoint/calibration.py", "    return batches[dist.get_rank()::world]",
+         "    n = len(batches) // world\n    return batches[dist.get_rank() * n:(dist.get_rank() + 1) * n]"),
     ], CKPT_CALIB_TESTS),
 ]
 

@@ -87,13 +87,14 @@ def test_mask_counts_only_its_ones_and_an_all_ones_batch_has_none(tmp_path):
     np.savez(tmp_path / "d.npz", input_ids=ids, attention_mask=mask)
     one = load_batches(tmp_path / "d.npz", tmp_path, VOCAB, batch_size=1)
     assert one[0].attention_mask is None and one[2].attention_mask is None
-    assert np.array_equal(one[1].attention_mask.numpy(), mask[1:2])
+    assert np.array_equal(one[1].attention_mask.numpy(), mask[1:2]) and one[1].attention_mask.dtype == torch.int64
     assert [b.tokens for b in one] == [5, 3, 5]
     whole = load_batches(tmp_path / "d.npz", tmp_path, VOCAB, batch_size=3)
     assert whole[0].tokens == 13 and np.array_equal(whole[0].attention_mask.numpy(), mask)
     # a bool mask reads the same; a mask of ones only is none at all
     np.savez(tmp_path / "b.npz", input_ids=ids, attention_mask=mask.astype(bool))
-    assert np.array_equal(load_batches(tmp_path / "b.npz", tmp_path, VOCAB)[0].attention_mask.numpy(), mask)
+    from_bool = load_batches(tmp_path / "b.npz", tmp_path, VOCAB)[0].attention_mask
+    assert np.array_equal(from_bool.numpy(), mask) and from_bool.dtype == torch.int64
     np.savez(tmp_path / "o.npz", input_ids=ids, attention_mask=np.ones((3, 5), np.int8))
     assert load_batches(tmp_path / "o.npz", tmp_path, VOCAB)[0].attention_mask is None
     # padding cut away by seq_len: the rows left are all ones
@@ -769,3 +770,63 @@ def test_fewer_batches_than_ranks_is_refused_on_every_rank(monkeypatch):
             _share(list(range(2)))
         assert str(info.value) == ("2 calibration batch(es) for 3 ranks: each rank needs at least one (a smaller "
                                    "batch size gives more)")
+
+
+@pytest.mark.parametrize("command", ["calibrate", "convert"])
+def test_checkpoint_calibration_flags_in_help_and_their_refusals(tmp_path, capsys, command):
+    """Each flag under its name and metavar, with its default in the help; a value below 1 or a device not in
+    the list is argparse's exit 2 naming the flag; --calib-batch-size is convert's only."""
+    import re
+
+    head = ["calibrate", ROOT / "kimi", "--data", TOKENS, "-o", tmp_path / "s.json"] if command == "calibrate" else \
+        ["convert", ROOT / "kimi", "-o", tmp_path / "o", "--calib", TOKENS]
+    from fp4pass.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0
+    for piece in ("--device {auto,cpu,cuda} checkpoint calibration: where each layer runs (auto: CUDA when torch has "
+                  "a GPU)", "--seq-len T checkpoint calibration: tokens per sequence (text is cut into sequences "
+                  "of T; default 512; longer .npz rows are cut)", "--num-samples N checkpoint calibration: at most "
+                  "N sequences (default: all of DATA)"):
+        assert piece in text, piece
+    batch = "--calib-batch-size B checkpoint calibration: sequences per forward batch (default 8)"
+    assert (batch in text) == (command == "convert")
+    flags = [("--seq-len", "0"), ("--num-samples", "-1"), ("--device", "gpu")]
+    flags += [("--calib-batch-size", "0")] if command == "convert" else []
+    for flag, value in flags:
+        code, err = cli(capsys, *head, flag, value)
+        line = one_line(err.strip().splitlines()[-1])
+        assert code == 2 and re.search(f"argument {flag}: .*{re.escape(value)}", line), line
+    if command == "calibrate":
+        code, err = cli(capsys, *head, "--calib-batch-size", "2")
+        assert code == 2 and "unrecognized arguments: --calib-batch-size 2" in err
+    assert not (tmp_path / "s.json").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("calibrator,detailed", [("max", False), ("max", True), ("percentile", False),
+                                                 ("mse", False)])
+def test_each_statistic_keeps_what_its_calibrator_reads(calibrator, detailed):
+    """A block sample (reservoir and top blocks, the calibrator's sizes) only for the mse sweep or the report's
+    SNR; a histogram of |x| only for the percentile calibrator; each statistic named after its module (an
+    expert's: stack, expert and slot); 16-value blocks along the rows' last dimension."""
+    from fp4pass.calib.calibrators import make_calibrator
+
+    method = make_calibrator(calibrator)
+    stats, layer, _ = _stats(fused=False, calibrator=calibrator, detailed=detailed)
+    sampled = detailed or calibrator == "mse"
+    for key, stat in stats.stats.items():
+        assert stat.sample.capacity == (method.reservoir if sampled else 0), key
+        assert stat.sample.top_k == (method.top_k if sampled else 0), key
+        assert (stat.abs_histogram is not None) == (calibrator == "percentile"), key
+    assert stats.stats[("mlp.experts", 2, "down")].name == "mlp.experts.2.down"
+    assert stats.stats[("self_attn.o_proj", None, "dense")].name == "model.layers.1.self_attn.o_proj"
+    assert stats.names[("mlp.experts", 2, "gate_up")] == ["model.layers.1.mlp.experts.2.w1",
+                                                          "model.layers.1.mlp.experts.2.w3"]
+    assert len(stats.stats) == 3 * 2 + 1  # layer 0's modules are not this layer's
+    _feed(stats)
+    layer.self_attn.o_proj(_rows(1.5, 6).reshape(2, 3, 32))
+    assert stats.stats[("mlp.experts", 0, "gate_up")].blocks == 4 * 32 // 16
+    assert stats.stats[("self_attn.o_proj", None, "dense")].blocks == 6 * 32 // 16
+    assert stats.tokens == {("mlp.experts", 0): 4, ("mlp.experts", 1): 3, ("mlp.experts", 2): 0}

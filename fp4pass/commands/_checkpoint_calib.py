@@ -10,8 +10,8 @@ from fp4pass.commands._safety import positive_int
 from fp4pass.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
-#: flags that only a checkpoint folder's calibration reads, with their defaults (refused for ONNX files)
-FOLDER_ONLY = {"device": None, "seq_len": None, "num_samples": None}
+#: flags that only a checkpoint folder's calibration reads (None unless given; refused for ONNX files)
+FOLDER_ONLY = ("device", "seq_len", "num_samples")
 
 
 def add_arguments(g, batch_size: bool = False) -> None:
@@ -29,8 +29,8 @@ def add_arguments(g, batch_size: bool = False) -> None:
 
 
 def refuse_for_onnx(args) -> None:
-    for flag, default in FOLDER_ONLY.items():
-        if getattr(args, flag, default) != default:
+    for flag in FOLDER_ONLY:
+        if getattr(args, flag) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
 
 
@@ -84,10 +84,10 @@ def calibrate_folder(args) -> int:
 
 def scales_for_convert(args):
     """``convert CKPT_DIR --calib DATA``: the calibrated scales (None without ``--calib``)."""
-    if not getattr(args, "calib", None):
+    if not args.calib:
         return args.scales
     if args.scales or args.input_scale is not None:
         raise UsageError("give --calib, --scales or --input-scale, not two of them")
-    scales = run_calibration(args, args.calib, getattr(args, "calib_batch_size", None))
+    scales = run_calibration(args, args.calib, args.calib_batch_size)
     print_summary(scales, args.output)
     return scales
