@@ -2,15 +2,16 @@
 memory against depth.
 
 - (a) gpt-oss-20b layer shapes (hidden 2880, 32 experts of intermediate 2880, top-4, 64 heads of 64), 2 layers,
-  16 x 128 tokens in batches of 4 rows: the calibration (reading the shards, dequantizing every expert once,
+  16 x 128 tokens in batches of 8 rows (the default): the calibration (reading the shards, dequantizing every expert once,
   running each batch through each layer, the statistics, the scales) against the same model's plain forward
   (``AutoModelForCausalLM`` with every weight resident in bf16, transformers' default experts implementation) of
   the same batches, in the same process (goal <= 1.0x); tokens/s; and the ratio to a matmul floor measured in the
   same process: the matmuls of the routed shapes alone ([tokens * 4 / 32, 2880] x [2880, 5760] and
   x [2880, 2880] per expert, per layer), bf16 in the fastest layout, or float32 products where the calibration
-  uses them, whichever is faster. On the CPU the plain forward is timed on the first batch and scaled to all
-  (same shapes; transformers' default bf16 ``grouped_mm`` runs ~0.3 GFLOP/s on CPUs without bf16 matrix
-  instructions, so all 4 batches would take ~45 minutes);
+  uses them, whichever is faster. On the CPU the plain forward is timed on the first row (128 tokens, which
+  reach every expert) and scaled to all 16 (its time is linear in the tokens; transformers' default bf16
+  ``grouped_mm`` runs ~0.3 GFLOP/s on CPUs without bf16 matrix instructions, so all 16 rows would take ~40
+  minutes there);
 - (b) peak RSS (VmHWM of a child process) of a 16-layer model against a 4-layer model of the same width (hidden
   = intermediate = 1024, 16 experts), each calibrated on the same tokens (goal <= 1.25x); their RSS growth over
   the process's size before calibrating is reported beside it.
@@ -20,7 +21,7 @@ reading and dequantizing that the background thread did not hide; ``load_backgro
 seconds; ``layers_s``; ``scales_s``).
 
 Weights are random MXFP4 codes (:func:`fp4pass.examples.checkpoints.build_checkpoint`, ``runnable=True``), written
-to a temporary folder that is removed after. ``quick``: hidden 256, 8 experts, 2 x 4 x 32 tokens (no goals).
+to a temporary folder that is removed after. ``quick``: hidden 256, 8 experts, 8 x 32 tokens (no goals).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, 
     fastest layout (weights [N, K], read transposed): ``bf16``, and ``float32_products`` (bf16 operands
     multiplied in float32, rounded to bf16, as the calibration does on CPUs without bf16 matrix instructions)
     where that applies."""
-    from fp4pass.checkpoint.calibration import float32_products
+    from fp4pass.checkpoint.layerwise import float32_products
 
     rows = max(1, tokens * top_k // experts)
     x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device)
@@ -120,14 +121,14 @@ def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, 
 def bench_against_forward(device: torch.device, quick: bool) -> list[BenchResult]:
     if quick:
         return against_forward(device, hidden=256, experts=8, rows=8, seq=32, goal=None)
-    return against_forward(device, hidden=2880, experts=32, rows=16, seq=128, goal=1.0, forward_batches=1)
+    return against_forward(device, hidden=2880, experts=32, rows=16, seq=128, goal=1.0, forward_rows=1)
 
 
 def against_forward(device: torch.device, *, hidden: int, experts: int, rows: int, seq: int, goal: float | None,
-                    layers: int = 2, batch: int = 4, forward_batches: int | None = None) -> list[BenchResult]:
+                    layers: int = 2, batch: int = 8, forward_rows: int | None = None) -> list[BenchResult]:
     """Calibration of a ``layers``-layer gpt-oss-shaped checkpoint on ``rows`` x ``seq`` random tokens against
     its plain forward and the routed matmul floor (module docstring), in batches of ``batch`` rows.
-    ``forward_batches``: on the CPU, time the plain forward on that many batches only and scale it to all."""
+    ``forward_rows``: on the CPU, time the plain forward on that many rows only and scale it to all."""
     import fp4pass.checkpoint
 
     with tempfile.TemporaryDirectory(prefix="fp4pass-bench-calib-") as tmp:
@@ -144,7 +145,7 @@ def against_forward(device: torch.device, *, hidden: int, experts: int, rows: in
         calib_s = time.perf_counter() - start
         model = _plain_model(src, device)
         batches = [torch.from_numpy(ids[i:i + batch]).to(device) for i in range(0, rows, batch)]
-        timed = batches if device.type == "cuda" or forward_batches is None else batches[:forward_batches]
+        timed = batches if device.type == "cuda" or forward_rows is None else [batches[0][:forward_rows]]
         with torch.no_grad():
             model(input_ids=batches[0][:, :8], use_cache=False)  # warm, on a few tokens
             _sync(device)
@@ -152,14 +153,14 @@ def against_forward(device: torch.device, *, hidden: int, experts: int, rows: in
             for input_ids in timed:
                 model(input_ids=input_ids, use_cache=False)
             _sync(device)
-        # every batch has the same shape and reaches every expert: the untimed ones cost what the timed ones do
-        forward_s = (time.perf_counter() - start) * len(batches) / len(timed)
+        # the rows have the same length and each reaches every expert: the untimed ones cost what the timed do
+        forward_s = (time.perf_counter() - start) * rows / sum(t.shape[0] for t in timed)
         del model
         floors = _matmul_floor(device, layers, rows * seq, experts, 4, hidden, hidden)
     floor_s = min(floors.values())
     tokens = rows * seq
     extra = {"tokens": tokens, "tokens_per_s": tokens / calib_s, "forward_tokens_per_s": tokens / forward_s,
-             "forward_batches_timed": f"{len(timed)} of {len(batches)}",
+             "forward_rows_timed": f"{sum(t.shape[0] for t in timed)} of {rows}", "batch_rows": batch,
              "layers_x_experts_x_H": f"{layers}x{experts}x{hidden}", "unrouted": len(result.unrouted),
              "device": str(device), **{f"{k}_s": round(v, 3) for k, v in result.timings.items()}}
     return [

@@ -47,7 +47,7 @@ from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
-                                          hidden_budget, resolve_architecture)
+                                          float32_products, hidden_budget, resolve_architecture)
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
 __all__ = ["calibrate", "CheckpointScales"]
@@ -229,23 +229,6 @@ class _LayerStats:
                     out.unrouted.append({"module": stack, "expert": e,
                                          "checkpoint_modules": row.get("checkpoint_modules", [])})
             out.tensors.update(best)
-
-
-def float32_products(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the experts' bf16 matmuls run as float32 ones rounded to bf16: on a CPU without bf16 matrix
-    instructions (AVX512-BF16, AMX). There a bf16 GEMM converts its operands to float32 anyway and is ~5x slower
-    than the float32 GEMM (18 against 92 GFLOP/s on a 2-core AVX2 EPYC, [256, 2880] x [2880, 5760]).
-
-    The result is the same up to the order of the float32 additions: each output is the float32 sum of exact
-    products of bf16 numbers, rounded once to bf16, as a bf16 GEMM with float32 accumulation computes it (1 bf16
-    ulp apart for ~2 in 10,000 outputs of that product, where a sum lands next to a rounding boundary).
-    """
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
-    cpu = torch.cpu
-    native = (getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-              or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
-    return not native
 
 
 def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats):

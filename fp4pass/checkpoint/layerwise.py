@@ -34,6 +34,7 @@ layers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -52,7 +53,8 @@ from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.formats import MXFP4Tensor
 
 __all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "LayerPrefetcher", "HiddenStore",
-           "experts_modules", "mx_dequantize", "decode_experts", "store_in_checkpoint_order"]
+           "experts_modules", "mx_dequantize", "decode_experts", "store_in_checkpoint_order",
+           "float32_products", "float32_linears", "return_freed_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -441,6 +443,45 @@ def materialize(module: torch.nn.Module, prefix: str, loader: WeightLoader, cfg,
         loader.fill(target, tensor, owner)
 
 
+def float32_products(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer's bf16 matmuls (its Linears' and its experts') run as float32 ones rounded to bf16: on a
+    CPU without bf16 matrix instructions (AVX512-BF16, AMX). There a bf16 GEMM converts its operands to float32 anyway and is ~5x slower
+    than the float32 GEMM (18 against 92 GFLOP/s on a 2-core AVX2 EPYC, [256, 2880] x [2880, 5760]).
+
+    The result is the same up to the order of the float32 additions: each output is the float32 sum of exact
+    products of bf16 numbers, rounded once to bf16, as a bf16 GEMM with float32 accumulation computes it (1 bf16
+    ulp apart for ~2 in 10,000 outputs of that product, where a sum lands next to a rounding boundary).
+    """
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    cpu = torch.cpu
+    native = (getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+              or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return not native
+
+
+def _linear_in_float32(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` as float32 products rounded once to ``x``'s dtype (the bias inside the sum, as a bf16
+    GEMM with a bias adds it before its one rounding)."""
+    bias = None if linear.bias is None else linear.bias.float()
+    return torch.nn.functional.linear(x.float(), linear.weight.float(), bias).to(x.dtype)
+
+
+@contextlib.contextmanager
+def float32_linears(module: torch.nn.Module):
+    """Within the block, every bf16 ``torch.nn.Linear`` of ``module`` computes in float32 and rounds to bf16
+    (:func:`float32_products`) when the module's device calls for it; otherwise nothing changes."""
+    linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+               and float32_products(m.weight.device, m.weight.dtype)]
+    for linear in linears:
+        linear.forward = functools.partial(_linear_in_float32, linear)
+    try:
+        yield
+    finally:
+        for linear in linears:
+            del linear.forward
+
+
 class _Stop(Exception):
     """Raised by a recorder to end the capture forward."""
 
@@ -591,11 +632,35 @@ class LayerRunner:
             torch.cuda.synchronize(self.device)  # no kernel still reads memory that the allocator hands out again
         self.layers[index].to_empty(device="meta")
         self.drop_cached(index)
+        return_freed_memory()
 
     def run_layer(self, module, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), float32_linears(module):
             out = module(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+_LIBC_TRIM = None
+
+
+def return_freed_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where there is no
+    glibc. Called after each layer: a layer's transient buffers (a few MiB each: float32 operands, gathered rows)
+    come from the heap, and what they leave free between larger blocks is otherwise kept, so the process's peak
+    memory crept up with depth (16 layers 1.24-1.26x the peak of 4 in the bench; 1.00-1.03x with the trim)."""
+    global _LIBC_TRIM
+    if _LIBC_TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC_TRIM = False
+    if not _LIBC_TRIM:
+        return False
+    _LIBC_TRIM(0)
+    return True
 
 
 class LayerPrefetcher:
