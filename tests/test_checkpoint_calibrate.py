@@ -550,3 +550,79 @@ def test_each_layer_gives_its_freed_heap_back(monkeypatch):
     monkeypatch.setattr(layerwise, "return_freed_memory", lambda: calls.append(1) or True)
     scales = fp4pass.checkpoint.calibrate(ROOT / "gpt_oss", TOKENS, batch_size=BATCH, device="cpu")
     assert len(calls) == scales.layers == 2
+
+
+def _fp8_blocks(weight: np.ndarray, scales: np.ndarray):
+    """E4M3 codes of ``weight`` [R, C] under 128 x 128 block ``scales`` [ceil(R/128), ceil(C/128)] (float32), and
+    their float32 dequantization code * scale (ml_dtypes; the block of element (r, c) is (r // 128, c // 128))."""
+    import ml_dtypes
+
+    rows, cols = weight.shape
+    full = np.repeat(np.repeat(scales, 128, 0)[:rows], 128, 1)[:, :cols]
+    codes = (weight / full).astype(ml_dtypes.float8_e4m3fn)
+    return codes, codes.astype(np.float32) * full
+
+
+@pytest.mark.parametrize("scale_form", ["ue8m0 .scale", "float32 .weight_scale_inv"])
+def test_fp8_block_weights_decode_per_128x128_block(tmp_path, scale_form):
+    """An FP8 E4M3 weight with 128 x 128 block scales (DeepSeek's attention), 200 x 300 so that the blocks are
+    2 x 3 with ragged edges and six distinct scales (a block read along the wrong axis, or a scale divided
+    instead of multiplied, changes values): the loader's bf16 values equal the ml_dtypes decode."""
+    from safetensors.torch import save_file
+
+    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.checkpoint.layerwise import Source, WeightLoader, WeightSources
+
+    rng = np.random.default_rng(3)
+    weight = rng.normal(0, 1, size=(200, 300)).astype(np.float32)
+    if scale_form.startswith("ue8m0"):
+        scales, name = np.float32(2.0) ** np.array([[-3, -1, 0], [1, 2, 4]], dtype=np.float32), "w.scale"
+        stored = torch.from_numpy(scales).to(torch.float8_e8m0fnu)
+    else:
+        scales, name = np.array([[0.3, 0.7, 1.1], [1.9, 2.5, 3.3]], dtype=np.float32), "w.weight_scale_inv"
+        stored = torch.from_numpy(scales)
+    codes, expect = _fp8_blocks(weight, scales)
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"w.weight": torch.from_numpy(codes.view(np.uint8)).view(torch.float8_e4m3fn), name: stored},
+              str(tmp_path / "model.safetensors"))
+    with Catalog.open(tmp_path) as catalog:
+        loader = WeightLoader(catalog, WeightSources(), torch.device("cpu"))
+        got = loader.value(Source("fp8", "w.weight", scale=name))
+    assert torch.equal(got.to(torch.bfloat16).view(torch.int16), _bf16(expect).view(torch.int16))
+
+
+def test_calibrating_fp8_attention_equals_calibrating_its_bf16_decode(tmp_path):
+    """The DeepSeek-V4 example with two attention weights stored as FP8 E4M3 + ue8m0 block scales (as DeepSeek-V4
+    ships them) calibrates exactly as the same example holding those weights' ml_dtypes decode in bf16."""
+    import fp4pass.checkpoint
+    from checkpoint_oracles import rewrite_shard
+
+    fp8, plain = tmp_path / "fp8", tmp_path / "plain"
+    shutil.copytree(ROOT / "deepseek", fp8)
+    shutil.copytree(ROOT / "deepseek", plain)
+    index = json.loads((fp8 / "model.safetensors.index.json").read_text())
+    targets = {"layers.0.attn.wq_b.weight": [[2.0 ** -6]], "layers.1.attn.wo_a.weight": [[2.0 ** -5]]}
+    for name, block_scales in targets.items():
+        shard = index["weight_map"][name]
+        scales = np.array(block_scales, dtype=np.float32)
+        weight = Folder(ROOT / "deepseek").get(name).float().numpy()
+        codes, decoded = _fp8_blocks(weight, scales)
+
+        def to_fp8(tensors, name=name, codes=codes, scales=scales):
+            tensors[name] = torch.from_numpy(codes.view(np.uint8)).view(torch.float8_e4m3fn)
+            tensors[name[: -len(".weight")] + ".scale"] = torch.from_numpy(scales).to(torch.float8_e8m0fnu)
+
+        def to_decoded(tensors, name=name, decoded=decoded):
+            tensors[name] = _bf16(decoded)
+
+        rewrite_shard(fp8 / shard, to_fp8)
+        rewrite_shard(plain / shard, to_decoded)
+        index["weight_map"][name[: -len(".weight")] + ".scale"] = shard
+    (fp8 / "model.safetensors.index.json").write_text(json.dumps(index))
+    a = fp4pass.checkpoint.calibrate(fp8, TOKENS, batch_size=BATCH, device="cpu")
+    b = fp4pass.checkpoint.calibrate(plain, TOKENS, batch_size=BATCH, device="cpu")
+    assert {k: v.amax for k, v in a.tensors.items()} == {k: v.amax for k, v in b.tensors.items()}
+    assert [r["tokens"] for r in a.experts] == [r["tokens"] for r in b.experts]
+    # the FP8 codes are not the bf16 weights: a run that read them as numbers would differ
+    assert not torch.equal(Folder(fp8).get("layers.0.attn.wq_b.weight").float(),
+                           Folder(plain).get("layers.0.attn.wq_b.weight").float())
