@@ -830,3 +830,21 @@ def test_each_statistic_keeps_what_its_calibrator_reads(calibrator, detailed):
     assert stats.stats[("mlp.experts", 0, "gate_up")].blocks == 4 * 32 // 16
     assert stats.stats[("self_attn.o_proj", None, "dense")].blocks == 6 * 32 // 16
     assert stats.tokens == {("mlp.experts", 0): 4, ("mlp.experts", 1): 3, ("mlp.experts", 2): 0}
+
+
+def test_calibrate_never_writes_over_its_inputs(tmp_path, capsys):
+    """-o and --report are checked against CKPT_DIR, --data and each other before the run, each named by its
+    flag; the data is left as it was."""
+    ckpt = shutil.copytree(ROOT / "kimi", tmp_path / "ckpt")
+    data = Path(shutil.copy(TOKENS, tmp_path / "d.npz"))
+    before = data.read_bytes()
+    for flags, message in [
+        (["-o", data], f"-o {data}: refusing to write over the input {data} (--data)"),
+        (["-o", tmp_path / "s.json", "--report", ckpt / "r.json"],
+         f"--report {ckpt / 'r.json'}: is inside the input folder {ckpt} (CKPT_DIR)"),
+        (["-o", tmp_path / "s.json", "--report", tmp_path / "s.json"],
+         f"--report {tmp_path / 's.json'}: the same file as -o {tmp_path / 's.json'}"),
+    ]:
+        code, err = cli(capsys, "calibrate", ckpt, "--data", data, *flags)
+        assert code == 2 and one_line(err).endswith(message), err
+    assert data.read_bytes() == before and not (tmp_path / "s.json").exists() and not (ckpt / "r.json").exists()

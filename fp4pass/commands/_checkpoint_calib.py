@@ -58,7 +58,7 @@ def calibrate_folder(args) -> int:
     from fp4pass.io import RESULT, write_json
 
     for flag in ("provider", "activation", "allow_invalid"):
-        value = getattr(args, flag, None)
+        value = getattr(args, flag)
         if value not in (None, False, "auto"):
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
     _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
