@@ -11,6 +11,7 @@ record their inputs. fp4pass's layer-by-layer run must give the same amax, exact
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -626,3 +627,32 @@ def test_calibrating_fp8_attention_equals_calibrating_its_bf16_decode(tmp_path):
     # the FP8 codes are not the bf16 weights: a run that read them as numbers would differ
     assert not torch.equal(Folder(fp8).get("layers.0.attn.wq_b.weight").float(),
                            Folder(plain).get("layers.0.attn.wq_b.weight").float())
+
+
+def test_hugging_face_expert_names_calibrate_as_the_w1_w2_w3_names(tmp_path):
+    """The Kimi-style example with its experts renamed to Hugging Face's gate_proj / up_proj / down_proj (as
+    DeepSeek-V3 checkpoints name them) gives the same statistics, keyed by the new names: gate and up fill the
+    halves of each expert's gate_up_proj in that order (swapped halves change every expert's down input and the
+    next layer's routing), down its down_proj."""
+    import fp4pass.checkpoint
+    from checkpoint_oracles import rewrite_shard
+
+    renamed = tmp_path / "kimi_hf"
+    shutil.copytree(ROOT / "kimi", renamed)
+
+    def hf(name: str) -> str:  # a tensor or a module name
+        return re.sub(r"\.(w[123])(?=\.|$)", lambda m: "." + KIMI_PARTS[m.group(1)], name)
+
+    for shard in renamed.glob("*.safetensors"):
+        rewrite_shard(shard, lambda tensors: tensors.update({hf(k): tensors.pop(k) for k in list(tensors)}))
+    index_path = renamed / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {hf(k): v for k, v in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index))
+    assert any(".gate_proj." in k for k in Folder(renamed).keys())
+    assert not any(".w1." in k for k in Folder(renamed).keys())
+    ours = fp4pass.checkpoint.calibrate(renamed, TOKENS, batch_size=BATCH, device="cpu")
+    base = fp4pass.checkpoint.calibrate(ROOT / "kimi", TOKENS, batch_size=BATCH, device="cpu")
+    assert {k: v.amax for k, v in ours.tensors.items()} == {hf(k): v.amax for k, v in base.tensors.items()}
+    assert [r["tokens"] for r in ours.experts] == [r["tokens"] for r in base.experts]
