@@ -4,15 +4,21 @@ lack: a kept module under a top-level module that holds nothing converted, and a
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import fp4pass.checkpoint
 from fp4pass.checkpoint import output_forms as forms
 
 sys.path.insert(0, str(Path(__file__).parent))
+from checkpoint_oracles import Folder, as_bytes
+from vllm_probe import vllm_path
 
 
 def test_a_kept_module_is_excluded_under_its_shallowest_ancestor_without_converted_modules():
@@ -89,11 +95,6 @@ def _deepseek_v4_with_fp8_linears(folder: Path) -> dict:
 def test_a_converted_deepseek_v4_keeps_its_fp8_linears_fp8(tmp_path):
     """config.json (read as JSON) lists the bf16 modules in ``ignored_layers`` and not the FP8 ones, whose
     tensors are copied byte for byte (read back with the safetensors package)."""
-    import json
-
-    import fp4pass.checkpoint
-    from checkpoint_oracles import Folder, as_bytes
-
     fp8 = _deepseek_v4_with_fp8_linears(tmp_path / "src")
     fp4pass.checkpoint.convert(tmp_path / "src", tmp_path / "out", input_scale=0.0123)
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
@@ -113,20 +114,13 @@ def test_a_converted_deepseek_v4_keeps_its_fp8_linears_fp8(tmp_path):
 @pytest.mark.slow
 def test_vllm_keeps_the_fp8_linears_fp8_and_the_bf16_ones_unquantized(tmp_path):
     """vLLM 0.33.0's own DeepseekV4FP8Config and ``is_layer_skipped`` (tests/vllm_probe.py) on the folder."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import fp4pass.checkpoint
-    from vllm_probe import vllm_path
-
     if not vllm_path():
         pytest.skip("the unpacked vLLM 0.33.0 wheel is absent (~/.cache/fp4pass-test; bash .ci/install fetches it)")
     _deepseek_v4_with_fp8_linears(tmp_path / "src")
     fp4pass.checkpoint.convert(tmp_path / "src", tmp_path / "out", input_scale=0.0123)
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_probe.py"), str(tmp_path / "out")],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
+                          check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])[str(tmp_path / "out")]
     assert result["quant_method"] == "deepseek_v4_fp8" and result["moe_quant_algo"] == "NVFP4", result
