@@ -1,0 +1,283 @@
+"""``convert --check`` (fp4pass.checkpoint.check) against outputs damaged after the fact.
+
+Each output is written by the converter, then one defect is planted in it with the safetensors package (a
+nibble, a block scale, a global scale); the check is run on the folder as it is. What each defect must do is
+computed here with numpy and ml_dtypes (tests/checkpoint_oracles.py), never with the check's own decoders:
+which experts decode to their source exactly, where the first wrong value is and what it holds, how large the
+squared error is next to plain NVFP4 requantization.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_oracles import (
+    EXPERTS_PREFIX,
+    Folder,
+    as_bytes,
+    expert_modules,
+    moe_checkpoint,
+    mx_decode,
+    nv_decode,
+    requant_sse,
+    source_linear,
+    write_checkpoint,
+)
+from safetensors.torch import load_file, save_file
+
+import fp4pass.checkpoint
+from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.checkpoint.detect import detect
+
+pytest.importorskip("compressed_tensors")
+
+CT = "compressed-tensors"
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
+
+
+def _check(src: Path, out: Path, fmt: str, method: str = "auto") -> dict:
+    """The check of ``out`` against ``src``, as ``convert --check`` runs it on its own output."""
+    from fp4pass.checkpoint.check import check_checkpoint
+
+    catalog = Catalog.open(src)
+    try:
+        return check_checkpoint(catalog, detect(catalog.tensors, catalog.config), out, fmt, method)
+    finally:
+        catalog.close()
+
+
+def _out_tensors(out: Path, module: str, fmt: str) -> tuple[np.ndarray, np.ndarray, float]:
+    """(codes [N, K/2], E4M3 bytes [N, K/16], global multiplier) of one Linear as written."""
+    f = Folder(out)
+    if fmt == CT:
+        return (as_bytes(f.get(f"{module}.weight_packed")), as_bytes(f.get(f"{module}.weight_scale")),
+                1.0 / float(f.get(f"{module}.weight_global_scale").double().reshape(())))
+    return (as_bytes(f.get(f"{module}.weight")), as_bytes(f.get(f"{module}.weight_scale")),
+            float(f.get(f"{module}.weight_scale_2").double()))
+
+
+def _edit(out: Path, name: str, edit) -> None:
+    """Rewrite the shard holding ``name`` with ``edit(tensor) -> tensor`` applied to it."""
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        if name in tensors:
+            tensors[name] = edit(tensors[name].clone())
+            save_file(tensors, path, metadata={"format": "pt"})
+            return
+    raise KeyError(name)
+
+
+def _exact_modules(src: Path, out: Path, modules: list[str], fmt: str) -> list[str]:
+    return [m for m in modules if np.array_equal(mx_decode(*source_linear(src, m)), nv_decode(*_out_tensors(out, m, fmt)))]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A compressed-tensors MXFP4 MoE (two experts; expert 1's gate lossy) converted to both forms."""
+    root = tmp_path_factory.mktemp("check")
+    src = moe_checkpoint(root / "src", CT, "w", experts=2, lossy={(1, "gate"): 2}, seed=4)
+    outs = {fmt: root / fmt for fmt in (CT, "modelopt")}
+    for fmt, out in outs.items():
+        fp4pass.checkpoint.convert(src, out, format=fmt)
+    modules = [m for e in expert_modules("w", 2) for m in e]
+    return src, outs, modules
+
+
+@pytest.mark.parametrize("fmt", [CT, "modelopt"])
+def test_a_good_output_passes_with_every_expert_counted(moe, fmt):
+    src, outs, modules = moe
+    result = _check(src, outs[fmt], fmt)
+    assert result["passed"] and result["failures"] == [] and result["decoded_in_float64"] == []
+    assert result["experts_checked"] == len(modules) == 6
+    exact = _exact_modules(src, outs[fmt], modules, fmt)
+    lossy_gate = expert_modules("w", 2)[1][0]
+    assert lossy_gate not in exact and len(exact) == 5  # the oracle's own count, not the converter's
+    assert result["experts_identical"] == len(exact)
+    assert result["reader"] == "compressed-tensors NVFP4PackedCompressor" + (
+        " via ModelOptNvfp4Converter" if fmt == "modelopt" else "")
+
+
+def _first_nonzero(codes: np.ndarray, row: int) -> int:
+    """The first element of ``row`` whose E2M1 magnitude is neither 0 nor 6 (so one step up stays in range)."""
+    nibbles = np.stack((codes[row] & 0x0F, codes[row] >> 4), axis=-1).reshape(-1)
+    return int(np.flatnonzero(((nibbles & 7) != 0) & ((nibbles & 7) != 7))[0])
+
+
+def _bump(out: Path, module: str, fmt: str, row: int, col: int) -> None:
+    """The element (row, col) of ``module`` one E2M1 magnitude step up (e.g. 1.0 -> 1.5), in place."""
+    name = f"{module}.weight_packed" if fmt == CT else f"{module}.weight"
+
+    def edit(t):
+        b = t.view(torch.uint8)
+        shift = 4 * (col % 2)
+        b[row, col // 2] = int(b[row, col // 2]) + (1 << shift)
+        return t
+    _edit(out, name, edit)
+
+
+@pytest.mark.parametrize("fmt", [CT, "modelopt"])
+def test_one_value_off_in_an_exact_expert_is_named_with_its_place_and_values(moe, tmp_path, fmt):
+    """An expert within the lossless spread must decode to its source exactly: one value one step off (an error
+    far below plain requantization's) fails it, naming the first wrong element and both values."""
+    src, outs, _ = moe
+    out = tmp_path / "out"
+    shutil.copytree(outs[fmt], out)
+    down = expert_modules("w", 2)[0][2]
+    codes, _, _ = _out_tensors(out, down, fmt)
+    row, col = 3, _first_nonzero(codes, 3)
+    _bump(out, down, fmt, row, col)
+    x = mx_decode(*source_linear(src, down))
+    y = nv_decode(*_out_tensors(out, down, fmt))
+    assert list(zip(*np.nonzero(x != y))) == [(row, col)]
+    assert ((y - x) ** 2).sum() < requant_sse(x) / 10  # the requantization bound alone would let it pass
+    result = _check(src, out, fmt)
+    assert not result["passed"]
+    assert [f["expert"] for f in result["failures"]] == [down]
+    assert result["failures"][0]["reason"] == (f"spread {_spread(src, expert_modules('w', 2)[0][2:])} <= 17 but "
+                                               f"value at {[row, col]} is {float(y[row, col])!r}, source "
+                                               f"{float(x[row, col])!r}")
+    assert result["experts_checked"] == 6 and result["experts_identical"] == 4
+
+
+def _spread(src: Path, modules) -> int:
+    """Exponent spread over the blocks holding a non-zero value, of the modules sharing one global scale."""
+    exps = []
+    for m in modules:
+        codes, e8m0 = source_linear(src, m)
+        held = (mx_decode(codes, e8m0).reshape(*e8m0.shape, 32) != 0).any(-1)
+        exps.append(e8m0.astype(np.int64)[held])
+    e = np.concatenate(exps)
+    return int(e.max() - e.min())
+
+
+def _edge_source(folder: Path, spread: int) -> Path:
+    """One expert whose gate/up pair spans exactly ``spread`` octaves: the gate's block (0, 0) at the bottom,
+    (0, 1) at the top, every other block of the pair in between."""
+    rng = np.random.default_rng(spread)
+    tensors = {}
+    for proj, rows, k in (("w1", 32, 64), ("w3", 32, 64), ("w2", 64, 32)):
+        codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+        e8m0 = (110 + rng.integers(1, spread, (rows, k // 32))).astype(np.uint8)
+        if proj == "w1":
+            e8m0[0, 0], e8m0[0, 1] = 110, 110 + spread
+            codes[0, :32] = 0x53  # 1.5 and 3.0: non-zero in both blocks, one step up stays in range
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_packed"] = torch.from_numpy(codes)
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_scale"] = torch.from_numpy(e8m0)
+    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(1, 64, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = torch.ones(8, 64, dtype=torch.bfloat16)
+    config = {"hidden_size": 64,
+              "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
+    return write_checkpoint(folder, tensors, config)
+
+
+def test_at_the_lossless_spread_a_tiny_error_still_fails(tmp_path):
+    """Spread 17 (the largest one NVFP4 holds exactly) is held to exactness: a value of the bottom block one step
+    off, an error many orders below plain requantization's, fails the check."""
+    src = _edge_source(tmp_path / "src", 17)
+    gate, up, _ = (f"{EXPERTS_PREFIX}.0.{p}" for p in ("w1", "w3", "w2"))
+    assert _spread(src, [gate, up]) == 17
+    out = tmp_path / "out"
+    fp4pass.checkpoint.convert(src, out, format=CT)
+    assert _exact_modules(src, out, [gate, up], CT) == [gate, up]
+    good = _check(src, out, CT)
+    assert good["passed"] and good["experts_identical"] == 3
+    _bump(out, gate, CT, 0, 0)  # 1.5 -> 2.0 at the bottom block
+    x, y = mx_decode(*source_linear(src, gate)), nv_decode(*_out_tensors(out, gate, CT))
+    assert list(zip(*np.nonzero(x != y))) == [(0, 0)]
+    assert 0 < ((y - x) ** 2).sum() < requant_sse(x) * 1e-6
+    bad = _check(src, out, CT)
+    assert [f["expert"] for f in bad["failures"]] == [gate] and "spread 17 <= 17" in bad["failures"][0]["reason"]
+
+
+def _requant_sse64(x: np.ndarray) -> float:
+    """SSE of plain NVFP4 quantization of ``x`` [N, K] in float64 throughout (ModelOpt's formulas: global scale
+    amax / (6 * 448), E4M3 block scales, E2M1 codes; ml_dtypes rounds each), valid over float64's whole range."""
+    import ml_dtypes
+
+    amax = float(np.abs(x).max())
+    g = amax / 2688.0
+    blocks = x.reshape(x.shape[0], -1, 16)
+    s = np.clip(np.abs(blocks).max(-1) / (6.0 * g), 2.0**-9, 448.0)
+    full = (s.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * g)[..., None]
+    q = np.clip(blocks / full, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    return float((((q * full).reshape(x.shape) - x) ** 2).sum())
+
+
+def _extreme_source(folder: Path, low: int, high: int) -> Path:
+    """One expert; its gate/up pair at E8M0 codes ``high - 3 .. high``, the gate's first block of rows 0-3 at
+    ``low`` (spread > 17: lossy); its down at ``high - 3 .. high`` too."""
+    rng = np.random.default_rng(low)
+    tensors = {}
+    for proj, rows, k in (("w1", 32, 64), ("w3", 32, 64), ("w2", 64, 32)):
+        codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+        e8m0 = rng.integers(high - 3, high + 1, (rows, k // 32)).astype(np.uint8)
+        if proj == "w1":
+            e8m0[:4, 0] = low
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_packed"] = torch.from_numpy(codes)
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_scale"] = torch.from_numpy(e8m0)
+    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(1, 64, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = torch.ones(8, 64, dtype=torch.bfloat16)
+    config = {"hidden_size": 64,
+              "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
+    return write_checkpoint(folder, tensors, config)
+
+
+def _scale_global(out: Path, module: str, fmt: str, factor: float) -> None:
+    """Every decoded value of ``module`` times ``factor`` (its global multiplier times it; compressed-tensors'
+    divisor divided by it)."""
+    if fmt == CT:
+        _edit(out, f"{module}.weight_global_scale", lambda t: (t.double() / factor).float())
+    else:
+        _edit(out, f"{module}.weight_scale_2", lambda t: (t.double() * factor).float())
+
+
+def _factor_for(x: np.ndarray, codes, e4m3, multiplier: float, target: float) -> float:
+    """A factor on the global multiplier that makes the squared error of the decode ``target`` (bisection; the
+    error grows with the factor from 1 on, for these weights)."""
+    lo, hi = 1.0, 4.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        sse = float(((nv_decode(codes, e4m3, float(np.float32(multiplier * mid))) - x) ** 2).sum())
+        lo, hi = (mid, hi) if sse < target else (lo, mid)
+    return lo
+
+
+CASES = {"float32 range": (None, None), "up to 6 * 2^127": (230, 254), "down to 2^-126": (1, 30)}
+
+
+@pytest.mark.parametrize("fmt", [CT, "modelopt"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_lossy_expert_half_again_worse_than_plain_requantization_fails(moe, tmp_path, fmt, case):
+    """A lossy expert is held to plain requantization's squared error (the baseline, measured here in float64
+    over the whole range): its output as written passes; the same with every value scaled so that the error is
+    1.5 times the baseline fails, naming it, where compressed-tensors decodes (float32 range) and where the
+    check decodes in float64 itself (values past float32's largest or below its normal range)."""
+    low, high = CASES[case]
+    if low is None:
+        src, outs, _ = moe
+        module = expert_modules("w", 2)[1][0]
+        out = tmp_path / "out"
+        shutil.copytree(outs[fmt], out)
+    else:
+        src = _extreme_source(tmp_path / "src", low, high)
+        module = f"{EXPERTS_PREFIX}.0.w1"
+        out = tmp_path / "out"
+        fp4pass.checkpoint.convert(src, out, format=fmt)
+    x = mx_decode(*source_linear(src, module))
+    baseline = _requant_sse64(x)
+    codes, e4m3, multiplier = _out_tensors(out, module, fmt)
+    written = float(((nv_decode(codes, e4m3, multiplier) - x) ** 2).sum())
+    assert 0 < written <= baseline * 1.01
+    good = _check(src, out, fmt)
+    assert good["passed"], good["failures"]
+    assert (module in [d["expert"] for d in good["decoded_in_float64"]]) == (low is not None)
+    _scale_global(out, module, fmt, _factor_for(x, codes, e4m3, multiplier, 1.5 * baseline))
+    codes, e4m3, multiplier = _out_tensors(out, module, fmt)
+    assert 1.4 < float(((nv_decode(codes, e4m3, multiplier) - x) ** 2).sum()) / baseline < 1.6
+    bad = _check(src, out, fmt)
+    assert [f["expert"] for f in bad["failures"]] == [module]
+    assert "above plain requantization" in bad["failures"][0]["reason"]
