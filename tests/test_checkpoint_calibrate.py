@@ -656,3 +656,24 @@ def test_hugging_face_expert_names_calibrate_as_the_w1_w2_w3_names(tmp_path):
     base = fp4pass.checkpoint.calibrate(ROOT / "kimi", TOKENS, batch_size=BATCH, device="cpu")
     assert {k: v.amax for k, v in ours.tensors.items()} == {hf(k): v.amax for k, v in base.tensors.items()}
     assert [r["tokens"] for r in ours.experts] == [r["tokens"] for r in base.experts]
+
+
+def test_hash_routing_follows_each_batch_tokens(tmp_path):
+    """DeepSeek-V4's hash-routed layer picks experts by token id (``tid2eid[input_ids]``). The bundled example's
+    table sends every token to experts {0, 1}; here token t goes to experts t % 3 and (t + 1) % 3, so a layer
+    run with another batch's token ids routes differently. Every expert's token count and amax equal hooks on
+    transformers' whole-model forward."""
+    import fp4pass.checkpoint
+    from checkpoint_oracles import rewrite_shard
+
+    src = tmp_path / "deepseek"
+    shutil.copytree(ROOT / "deepseek", src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "layers.0.ffn.gate.tid2eid"
+    table = torch.tensor([[t % 3, (t + 1) % 3] for t in range(32)], dtype=torch.int64)
+    rewrite_shard(src / index["weight_map"][name], lambda tensors: tensors.update({name: table}))
+    ours = fp4pass.checkpoint.calibrate(src, TOKENS, batch_size=BATCH, device="cpu")
+    (tmp_path / "oracle").mkdir()
+    expected = oracle(src, "deepseek_v4", FAMILIES["deepseek"][1], tmp_path / "oracle")
+    assert _ours(ours) == expected["experts"]
+    assert all(expected["experts"][(0, e)][0] for e in range(3))  # every expert of layer 0 reached
