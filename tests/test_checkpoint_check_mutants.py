@@ -274,10 +274,56 @@ def test_a_lossy_expert_half_again_worse_than_plain_requantization_fails(moe, tm
     assert 0 < written <= baseline * 1.01
     good = _check(src, out, fmt)
     assert good["passed"], good["failures"]
-    assert (module in [d["expert"] for d in good["decoded_in_float64"]]) == (low is not None)
+    why = {d["expert"]: d["why"] for d in good["decoded_in_float64"]}
+    assert (module in why) == (low is not None)
+    if high == 254:
+        assert f"source values up to {np.abs(x).max():.6g} " in why[module] and "overflows" in why[module]
+    elif low is not None:
+        held = np.abs(x)[x != 0]
+        assert f"source values down to {held.min():.6g} " in why[module] and "normal range" in why[module]
     _scale_global(out, module, fmt, _factor_for(x, codes, e4m3, multiplier, 1.5 * baseline))
     codes, e4m3, multiplier = _out_tensors(out, module, fmt)
     assert 1.4 < float(((nv_decode(codes, e4m3, multiplier) - x) ** 2).sum()) / baseline < 1.6
     bad = _check(src, out, fmt)
     assert [f["expert"] for f in bad["failures"]] == [module]
     assert "above plain requantization" in bad["failures"][0]["reason"]
+
+
+def test_every_expert_of_a_gpt_oss_stack_is_checked_and_a_wrong_one_named(tmp_path):
+    """ModelOpt's gpt-oss stacks ([E, K/2, N] codes, [E, K/16, N] block scales, one multiplier): every expert
+    of both stacks counted; one value of expert 0 (the first: no expert may be skipped) one step off fails the
+    check naming ``stack[0]``, and the same in the last expert names ``stack[E-1]``."""
+    src = moe_checkpoint(tmp_path / "src", "gpt-oss", experts=3, seed=7)
+    out = tmp_path / "out"
+    fp4pass.checkpoint.convert(src, out)
+    stack = f"{EXPERTS_PREFIX}.gate_up_proj"
+    f = Folder(src)
+    blocks = as_bytes(f.get(f"{stack}_blocks"))
+    src_codes, src_e8m0 = blocks.reshape(*blocks.shape[:2], -1), as_bytes(f.get(f"{stack}_scales"))
+    o = Folder(out)
+    codes, e4m3 = as_bytes(o.get(stack)), as_bytes(o.get(f"{stack}_weight_scale"))
+    multiplier = float(o.get(f"{stack}_weight_scale_2").double())
+    exact = sum(np.array_equal(mx_decode(src_codes[e], src_e8m0[e]), nv_decode(codes[e].T, e4m3[e].T, multiplier))
+                for e in range(3))
+    assert exact == 3  # and the down stack, by the same oracle:
+    down = f"{EXPERTS_PREFIX}.down_proj"
+    d_blocks, d_e8m0 = as_bytes(f.get(f"{down}_blocks")), as_bytes(f.get(f"{down}_scales"))
+    d_codes, d_e4m3 = as_bytes(o.get(down)), as_bytes(o.get(f"{down}_weight_scale"))
+    d_mult = float(o.get(f"{down}_weight_scale_2").double())
+    assert all(np.array_equal(mx_decode(d_blocks[e].reshape(d_blocks.shape[1], -1), d_e8m0[e]),
+                              nv_decode(d_codes[e].T, d_e4m3[e].T, d_mult)) for e in range(3))
+    good = _check(src, out, "modelopt")
+    assert good["passed"] and good["experts_checked"] == 6 and good["experts_identical"] == 6
+    for e in (0, 2):
+        bad_dir = tmp_path / f"bad{e}"
+        shutil.copytree(out, bad_dir)
+        col = _first_nonzero(codes[e].T.copy(), 1)  # in row 1 of expert e, in [N, K/2] order
+
+        def bump(t, e=e, col=col):
+            b = t.view(torch.uint8)  # [E, K/2, N]: element (n=1, k=col) sits at byte [e, col // 2, 1]
+            b[e, col // 2, 1] = int(b[e, col // 2, 1]) + (1 << (4 * (col % 2)))
+            return t
+        _edit(bad_dir, stack, bump)
+        bad = _check(src, bad_dir, "modelopt")
+        assert [x["expert"] for x in bad["failures"]] == [f"{stack}[{e}]"]
+        assert f"value at {[1, col]}" in bad["failures"][0]["reason"]
