@@ -677,3 +677,26 @@ def test_hash_routing_follows_each_batch_tokens(tmp_path):
     expected = oracle(src, "deepseek_v4", FAMILIES["deepseek"][1], tmp_path / "oracle")
     assert _ours(ours) == expected["experts"]
     assert all(expected["experts"][(0, e)][0] for e in range(3))  # every expert of layer 0 reached
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek"])
+def test_batches_of_two_lengths_calibrate_as_each_length_alone(tmp_path, name):
+    """A data folder holding 32-token rows and 16-token rows: each layer's inputs (masks, rotary tables) are
+    made for each batch's own shape. The run equals the two runs of each file alone merged as the statistics
+    merge (token counts add, amax is the larger), each batch computed with the same shapes either way."""
+    import fp4pass.checkpoint
+
+    ids = np.load(TOKENS)["input_ids"]
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez(data / "a.npz", input_ids=ids[:8])
+    np.savez(data / "b.npz", input_ids=ids[8:, 5:21])
+    both = fp4pass.checkpoint.calibrate(ROOT / name, data, batch_size=BATCH, device="cpu")
+    alone = [fp4pass.checkpoint.calibrate(ROOT / name, data / f, batch_size=BATCH, device="cpu")
+             for f in ("a.npz", "b.npz")]
+    assert both.tokens == 8 * 32 + 8 * 16
+    for key in set(both.tensors) | set(alone[0].tensors) | set(alone[1].tensors):
+        assert both.tensors[key].amax == max(a.tensors[key].amax for a in alone if key in a.tensors), key
+    assert [r["tokens"] for r in both.experts] == [a["tokens"] + b["tokens"] for a, b in
+                                                   zip(alone[0].experts, alone[1].experts)]
+    assert alone[0].tensors != alone[1].tensors  # the two files differ where it matters
