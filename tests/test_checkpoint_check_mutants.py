@@ -327,3 +327,72 @@ def test_every_expert_of_a_gpt_oss_stack_is_checked_and_a_wrong_one_named(tmp_pa
         bad = _check(src, bad_dir, "modelopt")
         assert [x["expert"] for x in bad["failures"]] == [f"{stack}[{e}]"]
         assert f"value at {[1, col]}" in bad["failures"][0]["reason"]
+
+
+def _nan_block_scale(out: Path, module: str) -> None:
+    """One E4M3 block scale of ``module`` set to 0x7F (NaN)."""
+    def edit(t):
+        t.view(torch.uint8)[5, 1] = 0x7F
+        return t
+    _edit(out, f"{module}.weight_scale", edit)
+
+
+@pytest.mark.parametrize("fmt", [CT, "modelopt"])
+def test_a_lossy_expert_decoding_to_nan_fails(moe, tmp_path, fmt):
+    """A NaN compares false with every bound: a lossy expert (held to the requantization bound, not exactness)
+    whose output holds a NaN block scale must still fail."""
+    src, outs, _ = moe
+    module = expert_modules("w", 2)[1][0]
+    out = tmp_path / "out"
+    shutil.copytree(outs[fmt], out)
+    _nan_block_scale(out, module)
+    assert np.isnan(nv_decode(*_out_tensors(out, module, fmt))).any()
+    result = _check(src, out, fmt)
+    assert [f["expert"] for f in result["failures"]] == [module] and "not finite" in result["failures"][0]["reason"]
+
+
+def _uniform_source(folder: Path, low: int, high: int, zero_down: bool = False) -> Path:
+    """One expert, every E8M0 code drawn from ``low .. high``; ``zero_down``: the down projection all zeros."""
+    rng = np.random.default_rng(low + high)
+    tensors = {}
+    for proj, rows, k in (("w1", 32, 64), ("w3", 32, 64), ("w2", 64, 32)):
+        codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+        if zero_down and proj == "w2":
+            codes[:] = 0
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_packed"] = torch.from_numpy(codes)
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_scale"] = torch.from_numpy(
+            rng.integers(low, high + 1, (rows, k // 32)).astype(np.uint8))
+    tensors["lm_head.weight"] = torch.ones(8, 64, dtype=torch.bfloat16)
+    config = {"hidden_size": 64,
+              "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
+    return write_checkpoint(folder, tensors, config)
+
+
+def test_requant_holds_an_all_zero_expert_to_its_bound_and_fails_it_on_nan(tmp_path):
+    """``--method requant`` promises no exact expert: every one is compared with plain requantization, an all-zero
+    one too (a bound of 0, met by the zeros written); with a NaN block scale planted it fails, as a failure of
+    that expert, not an error of the check."""
+    src = _uniform_source(tmp_path / "src", 110, 120, zero_down=True)
+    down = f"{EXPERTS_PREFIX}.0.w2"
+    out = tmp_path / "out"
+    fp4pass.checkpoint.convert(src, out, format=CT)
+    assert not nv_decode(*_out_tensors(out, down, CT)).any()
+    good = _check(src, out, CT, "requant")
+    assert good["passed"] and good["experts_identical"] == 3 and good["exact_up_to_spread"] == -1
+    _nan_block_scale(out, down)
+    bad = _check(src, out, CT, "requant")
+    assert [f["expert"] for f in bad["failures"]] == [down] and "not finite" in bad["failures"][0]["reason"]
+
+
+def test_requant_bound_of_an_expert_below_float32s_normal_range(tmp_path):
+    """An expert whose values all lie below 6 * 2^-119 (E8M0 codes 1 to 8): plain requantization's global scale
+    (amax / 2688) is below float32's normal range, so the check's baseline is computed on the values scaled up
+    by a power of two; the output as written meets it (and decodes exactly, by the oracle)."""
+    src = _uniform_source(tmp_path / "src", 1, 8)
+    out = tmp_path / "out"
+    fp4pass.checkpoint.convert(src, out, format=CT)
+    modules = [f"{EXPERTS_PREFIX}.0.{p}" for p in ("w1", "w3", "w2")]
+    assert _exact_modules(src, out, modules, CT) == modules
+    result = _check(src, out, CT, "requant")
+    assert result["passed"] and result["experts_identical"] == 3
+    assert [d["expert"] for d in result["decoded_in_float64"]] == modules

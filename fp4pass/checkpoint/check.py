@@ -166,7 +166,10 @@ def _compare(name: str, x: np.ndarray, y: np.ndarray, spread: int, reader: _Read
     except FP4PassError as exc:
         raise CheckpointError(f"--check: expert {name}: plain requantization of its source (the baseline) "
                               f"failed: {exc}") from None
-    if sse > baseline * (1 + SLACK):
+    if not np.isfinite(sse):  # a NaN is above no bound: it would pass the comparison below
+        result["failures"].append({"expert": name, "reason": f"SSE {sse}: the output decodes to values that are not "
+                                                             "finite"})
+    elif sse > baseline * (1 + SLACK):
         result["failures"].append({"expert": name, "reason": f"SSE {sse:.6g} above plain requantization's "
                                                              f"{baseline:.6g}"})
     elif sse == 0:
