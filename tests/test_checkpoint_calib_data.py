@@ -292,14 +292,14 @@ def _layer(hidden: int = 32) -> torch.nn.Module:
     layer = torch.nn.Module()
     layer.mlp = torch.nn.Module()
     layer.mlp.experts = _Experts(hidden=hidden)
-    layer.self_attn = torch.nn.Module()
-    layer.self_attn.o_proj = torch.nn.Linear(hidden, hidden, bias=False)
+    layer.attn = torch.nn.Module()
+    layer.attn.wo_b = torch.nn.Linear(hidden, hidden, bias=False)
     return layer
 
 
 def _runner(fused: bool, layer: int = 1):
     """The sources' map of a layer (checkpoint module -> (model path, expert, kind)), and another layer's entries
-    (which must be left alone)."""
+    (which must be left alone). The dense Linear has DeepSeek-V4's name, which sorts before the experts'."""
     from types import SimpleNamespace
 
     quantized = {}
@@ -312,7 +312,7 @@ def _runner(fused: bool, layer: int = 1):
             for e in range(3):
                 for proj, kind in (("w1", "gate_up"), ("w3", "gate_up"), ("w2", "down")):
                     quantized[f"model.{stack}.{e}.{proj}"] = (stack, e, kind)
-        quantized[f"model.layers.{i}.self_attn.o_proj"] = (f"layers.{i}.self_attn.o_proj", None, "dense")
+        quantized[f"model.layers.{i}.attn.wo_b"] = (f"layers.{i}.attn.wo_b", None, "dense")
     return SimpleNamespace(sources=SimpleNamespace(quantized=quantized))
 
 
@@ -359,12 +359,12 @@ def test_each_expert_keeps_its_own_gate_up_and_down_and_the_unrouted_have_no_key
     stats, layer, undo = _stats(fused=False)
     _feed(stats)
     x = _rows(1.5, 6).reshape(2, 3, 32)
-    layer.self_attn.o_proj(x)
+    layer.attn.wo_b(x)
     out = CheckpointScales("max")
     stats.results(out)
     stack = "model.layers.1.mlp.experts"
     want = {f"{stack}.0.w1": 7.0, f"{stack}.0.w3": 7.0, f"{stack}.0.w2": 2.0, f"{stack}.1.w1": 5.0,
-            f"{stack}.1.w3": 5.0, f"{stack}.1.w2": 3.0, "model.layers.1.self_attn.o_proj": 1.5}
+            f"{stack}.1.w3": 5.0, f"{stack}.1.w2": 3.0, "model.layers.1.attn.wo_b": 1.5}
     assert {k: v.amax for k, v in out.tensors.items()} == want
     for name, amax in want.items():
         assert out.tensors[name].g_amax == amax and out.tensors[name].input_scale == _want_scale(amax)
@@ -376,10 +376,10 @@ def test_each_expert_keeps_its_own_gate_up_and_down_and_the_unrouted_have_no_key
     assert "gate_up_amax" not in out.experts[2]
     assert out.unrouted == [{"module": "layers.1.mlp.experts", "expert": 2,
                              "checkpoint_modules": [f"{stack}.2.w1", f"{stack}.2.w3", f"{stack}.2.w2"]}]
-    assert out.dense == [{"module": "model.layers.1.self_attn.o_proj", "amax": 1.5,
+    assert out.dense == [{"module": "model.layers.1.attn.wo_b", "amax": 1.5,
                           "input_scale": _want_scale(1.5)}]
     stats.remove(undo)
-    assert "forward" not in vars(layer.mlp.experts) and not layer.self_attn.o_proj._forward_pre_hooks
+    assert "forward" not in vars(layer.mlp.experts) and not layer.attn.wo_b._forward_pre_hooks
 
 
 def test_a_gpt_oss_stack_takes_its_largest_expert_per_projection():
@@ -407,7 +407,7 @@ def test_padding_is_left_out_of_the_experts_and_the_dense_linear():
     _feed(stats, valid)
     x = _rows(1.5, 6)
     x[3, 0] = 9.0  # padding: never counted
-    layer.self_attn.o_proj(x.reshape(2, 3, 32))
+    layer.attn.wo_b(x.reshape(2, 3, 32))
     out = CheckpointScales("max")
     stats.results(out)
     stack = "model.layers.1.mlp.experts"
@@ -416,7 +416,7 @@ def test_padding_is_left_out_of_the_experts_and_the_dense_linear():
     assert out.tensors[f"{stack}.0.w2"].amax == _np_amax(_rows(2.0, 4, seed=2)[[0, 1]])
     assert out.tensors[f"{stack}.1.w1"].amax == _np_amax(_rows(5.0, 3, seed=3)[[0, 1]])
     kept = _np_amax(x[valid])
-    assert kept < 1.5 and out.tensors["model.layers.1.self_attn.o_proj"].amax == kept  # row 5 held 1.5
+    assert kept < 1.5 and out.tensors["model.layers.1.attn.wo_b"].amax == kept  # row 5 held 1.5
 
 
 def test_an_expert_whose_tokens_are_all_padding_is_unrouted():
@@ -577,7 +577,9 @@ class _Spy:
         return CheckpointScales("max", {"m.layers.0.mlp.experts.0.w1": scale}, batches=3, model_type="deepseek_v3",
                                 layers=1, tokens=96, seconds=1.25,
                                 experts=[{"module": "layers.0.mlp.experts", "expert": 0, "tokens": 96,
-                                          "checkpoint_modules": ["m.layers.0.mlp.experts.0.w1"]}])
+                                          "checkpoint_modules": ["m.layers.0.mlp.experts.0.w1"]},
+                                         {"module": "layers.0.mlp.experts", "expert": 1, "tokens": 0}],
+                                unrouted=[{"module": "layers.0.mlp.experts", "expert": 1, "checkpoint_modules": []}])
 
 
 @pytest.mark.parametrize("argv,want", [
@@ -602,10 +604,12 @@ def test_calibrate_passes_its_flags(tmp_path, capsys, monkeypatch, argv, want):
     assert spy.calls == [(str(ROOT / "kimi"), str(TOKENS), want)]
     assert json.loads((tmp_path / "s.json").read_text())["tensors"]["m.layers.0.mlp.experts.0.w1"]["amax"] == 2.0
     assert ("--quiet" in argv) == (out == "")
-    if out:
-        assert _table(out)[0] == {"m.layers.0.mlp.experts.0.w1": ("96", "2", format(2.0 / 2688, ".5g"))}
+    if out:  # an expert with no checkpoint module of its own (none quantized) is named by its stack
+        assert _table(out) == ({"m.layers.0.mlp.experts.0.w1": ("96", "2", format(2.0 / 2688, ".5g"))},
+                               ["unrouted (no token routed; the layer's max fills it): expert 1 of "
+                                "layers.0.mlp.experts"])
     assert one_line(err) == ("fp4pass calibrate: 1 module scales from 96 tokens (3 batches) through 1 layers of "
-                             "deepseek_v3 on cpu in 1.2 s; 0 expert(s) unrouted (they take their layer's max) -> "
+                             "deepseek_v3 on cpu in 1.2 s; 1 expert(s) unrouted (they take their layer's max) -> "
                              "s.json")
 
 
@@ -821,14 +825,14 @@ def test_each_statistic_keeps_what_its_calibrator_reads(calibrator, detailed):
         assert stat.sample.top_k == (method.top_k if sampled else 0), key
         assert (stat.abs_histogram is not None) == (calibrator == "percentile"), key
     assert stats.stats[("mlp.experts", 2, "down")].name == "mlp.experts.2.down"
-    assert stats.stats[("self_attn.o_proj", None, "dense")].name == "model.layers.1.self_attn.o_proj"
+    assert stats.stats[("attn.wo_b", None, "dense")].name == "model.layers.1.attn.wo_b"
     assert stats.names[("mlp.experts", 2, "gate_up")] == ["model.layers.1.mlp.experts.2.w1",
                                                           "model.layers.1.mlp.experts.2.w3"]
     assert len(stats.stats) == 3 * 2 + 1  # layer 0's modules are not this layer's
     _feed(stats)
-    layer.self_attn.o_proj(_rows(1.5, 6).reshape(2, 3, 32))
+    layer.attn.wo_b(_rows(1.5, 6).reshape(2, 3, 32))
     assert stats.stats[("mlp.experts", 0, "gate_up")].blocks == 4 * 32 // 16
-    assert stats.stats[("self_attn.o_proj", None, "dense")].blocks == 6 * 32 // 16
+    assert stats.stats[("attn.wo_b", None, "dense")].blocks == 6 * 32 // 16
     assert stats.tokens == {("mlp.experts", 0): 4, ("mlp.experts", 1): 3, ("mlp.experts", 2): 0}
 
 
@@ -848,3 +852,27 @@ def test_calibrate_never_writes_over_its_inputs(tmp_path, capsys):
         code, err = cli(capsys, "calibrate", ckpt, "--data", data, *flags)
         assert code == 2 and one_line(err).endswith(message), err
     assert data.read_bytes() == before and not (tmp_path / "s.json").exists() and not (ckpt / "r.json").exists()
+
+
+def test_statistics_live_on_the_layers_device_and_only_quantized_stacks_are_hooked():
+    """Each statistic is made on the device the layer runs on (here torch's meta device, which any other
+    device tells apart); an expert stack the checkpoint does not quantize, met first, is left alone and the
+    quantized one after it is still hooked."""
+    from fp4pass.calib.calibrators import make_calibrator
+    from fp4pass.checkpoint.calibration import _LayerStats
+
+    stats = _LayerStats(_runner(fused=False), 1, make_calibrator("max"), torch.device("meta"), False)
+    assert stats.stats and all(s.device.type == "meta" and s.amax.device.type == "meta" for s in stats.stats.values())
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.bf16_experts = _Experts()  # registered first: named_modules meets it first
+    layer.mlp.experts = _Experts()
+    layer.attn = torch.nn.Module()
+    layer.attn.wo_b = torch.nn.Linear(32, 32, bias=False)
+    fused = _LayerStats(_runner(fused=True), 1, make_calibrator("max"), torch.device("cpu"), False)
+    undo = fused.install(layer)
+    assert "forward" in vars(layer.mlp.experts) and "forward" not in vars(layer.mlp.bf16_experts)
+    assert sorted(k for k in fused.stats if k[0] == "mlp.experts") == [
+        ("mlp.experts", e, kind) for e in range(3) for kind in ("down", "gate_up")]
+    fused.remove(undo)
+    assert "forward" not in vars(layer.mlp.experts)
