@@ -54,7 +54,7 @@ E2M1 = np.array(E2M1_VALUES, dtype=np.float64)
 
 def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """float64 [..., K] from packed codes uint8 [..., K/2] (low nibble first) and E8M0 bytes [..., K/32]."""
-    nibbles = np.stack((codes & 0x0F, codes >> 4), axis=-1).reshape(*codes.shape[:-1], -1)
+    nibbles = np.stack((codes & 0x0F, codes >> 4), axis=-1)  # [..., K/2, 2]: element order, low nibble first
     values = E2M1[nibbles].reshape(*scales.shape, 32)
     scale = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
     return (values * scale[..., None]).reshape(*codes.shape[:-1], -1)
@@ -71,7 +71,7 @@ def decode_nvfp4(packed: np.ndarray, scales_e4m3: np.ndarray, multiplier: float)
     """float64 [N, K] from packed E2M1 codes uint8 [N, K/2] (low nibble first), E4M3 block scales (their bytes,
     [N, K/16]) and the global multiplier: code * scale * multiplier, exact in float64 (no rounding: 4 + 4 + 24
     significant bits)."""
-    nibbles = np.stack((packed & 0x0F, packed >> 4), axis=-1).reshape(packed.shape[0], -1)
+    nibbles = np.stack((packed & 0x0F, packed >> 4), axis=-1)  # [N, K/2, 2]: element order, low nibble first
     values = E2M1[nibbles].reshape(*scales_e4m3.shape, 16)
     scale = np.ascontiguousarray(scales_e4m3).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     return (values * scale[..., None] * float(multiplier)).reshape(packed.shape[0], -1)
