@@ -18,7 +18,7 @@ memory against depth.
 
 The (a) rows carry the calibration's phases (``load_s``: the wait for a layer's weights, the part of their
 reading and dequantizing that the background thread did not hide; ``load_background_s``: that thread's own
-seconds; ``layers_s``; ``scales_s``).
+seconds; ``layers_s``; ``release_s``: freeing each layer; ``scales_s``).
 
 Weights are random MXFP4 codes (:func:`fp4pass.examples.checkpoints.build_checkpoint`, ``runnable=True``), written
 to a temporary folder that is removed after. ``quick``: hidden 256, 8 experts, 8 x 32 tokens (no goals).

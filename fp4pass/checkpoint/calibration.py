@@ -70,7 +70,8 @@ class CheckpointScales(ActivationScales):
     spilled_batches: int = 0
     #: where the time went: "embed" (inputs up to the first layer), "load" (waiting for the layers' weights: the
     #: part of their reading and dequantizing not hidden behind the previous layer's run), "layers" (the batches
-    #: through the layers, statistics included), "scales" (the calibrators); "load_background": the seconds the
+    #: through the layers, statistics included), "release" (each layer's memory freed, the heap trimmed),
+    #: "scales" (the all-reduce and the calibrators); "load_background": the seconds the
     #: background thread spent reading and dequantizing (overlapping the other phases)
     timings: dict = field(default_factory=dict)
 
@@ -385,6 +386,7 @@ def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, 
                 clock.lap("layers")
                 _LayerStats.remove(undo)
                 prefetch.release(i)
+                clock.lap("release")  # the layer's memory back: freed, and the heap trimmed
                 layer_stats.reduce()
                 layer_stats.results(out)
                 clock.lap("scales")
