@@ -55,12 +55,13 @@ def tensors(layers: int) -> list[tuple[str, str, list[int]]]:
                 (p + "self_attn.sinks", "BF16", [HEADS])]
         for proj, rows, cols in (("q_proj", HEADS * HEAD_DIM, H), ("k_proj", KV_HEADS * HEAD_DIM, H),
                                  ("v_proj", KV_HEADS * HEAD_DIM, H), ("o_proj", H, HEADS * HEAD_DIM)):
-            out += [(f"{p}self_attn.{proj}.weight", "BF16", [rows, cols]), (f"{p}self_attn.{proj}.bias", "BF16", [rows])]
+            out += [(f"{p}self_attn.{proj}.weight", "BF16", [rows, cols]),
+                    (f"{p}self_attn.{proj}.bias", "BF16", [rows])]
         out += [(p + "mlp.router.weight", "BF16", [EXPERTS, H]), (p + "mlp.router.bias", "BF16", [EXPERTS])]
         for proj, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
             e = f"{p}mlp.experts.{proj}"
-            out += [(e + "_blocks", "U8", [EXPERTS, rows, cols // 32, 16]), (e + "_scales", "U8", [EXPERTS, rows, cols // 32]),
-                    (e + "_bias", "BF16", [EXPERTS, rows])]
+            out += [(e + "_blocks", "U8", [EXPERTS, rows, cols // 32, 16]),
+                    (e + "_scales", "U8", [EXPERTS, rows, cols // 32]), (e + "_bias", "BF16", [EXPERTS, rows])]
     return out
 
 
