@@ -396,3 +396,77 @@ def test_requant_bound_of_an_expert_below_float32s_normal_range(tmp_path):
     result = _check(src, out, CT, "requant")
     assert result["passed"] and result["experts_identical"] == 3
     assert [d["expert"] for d in result["decoded_in_float64"]] == modules
+
+
+def _expert_source(folder: Path, weights: dict) -> Path:
+    """One expert from ``weights`` {"w1" | "w3" | "w2": (codes uint8 [N, K/2], E8M0 bytes [N, K/32])}."""
+    tensors = {}
+    for proj, (codes, e8m0) in weights.items():
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_packed"] = torch.from_numpy(np.ascontiguousarray(codes))
+        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_scale"] = torch.from_numpy(np.ascontiguousarray(e8m0))
+    tensors["lm_head.weight"] = torch.ones(8, 64, dtype=torch.bfloat16)
+    config = {"hidden_size": 64,
+              "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
+    return write_checkpoint(folder, tensors, config)
+
+
+def _draw(rng, rows: int, k: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
+    return (rng.integers(0, 256, (rows, k // 2), dtype=np.uint8),
+            rng.integers(low, high + 1, (rows, k // 32)).astype(np.uint8))
+
+
+def test_blocks_holding_only_zeros_do_not_widen_the_spread(tmp_path):
+    """The spread is taken over the blocks that hold a non-zero value: a block of +0 and one of -0 (code 8) at
+    exponents 40 octaves apart leave the gate exact, so a value one step off still fails it; a block whose only
+    non-zero values are even elements (low nibbles) counts, and 30 octaves below the rest makes the gate lossy."""
+    rng = np.random.default_rng(11)
+    gate, up, down = (_draw(rng, 32, 64, 110, 120), _draw(rng, 32, 64, 110, 120), _draw(rng, 64, 32, 110, 120))
+    gate[0][1, :16], gate[1][1, 0] = 0x88, 150  # -0 everywhere, far above
+    gate[0][2, :16], gate[1][2, 0] = 0x00, 60  # +0 everywhere, far below
+    gate[1][5, 0] = 110  # the bottom: where a value one step off is smallest
+    src = _expert_source(tmp_path / "src", {"w1": gate, "w3": up, "w2": down})
+    modules = [f"{EXPERTS_PREFIX}.0.{p}" for p in ("w1", "w3", "w2")]
+    out = tmp_path / "out"
+    fp4pass.checkpoint.convert(src, out, format=CT)
+    assert _spread(src, modules[:2]) <= 17 and _exact_modules(src, out, modules, CT) == modules
+    assert _check(src, out, CT)["experts_identical"] == 3
+    col = _first_nonzero(_out_tensors(out, modules[0], CT)[0], 5)
+    assert col < 32
+    _bump(out, modules[0], CT, 5, col)
+    x, y = mx_decode(*source_linear(src, modules[0])), nv_decode(*_out_tensors(out, modules[0], CT))
+    assert ((y - x) ** 2).sum() < requant_sse(x) / 10
+    assert [f["expert"] for f in _check(src, out, CT)["failures"]] == [modules[0]]
+
+    gate[0][3, :16], gate[1][3, 0] = 0x01, 80  # 0.5 at every even element, 30 octaves below
+    lossy = _expert_source(tmp_path / "lossy", {"w1": gate, "w3": up, "w2": down})
+    out = tmp_path / "lossy-out"
+    fp4pass.checkpoint.convert(lossy, out, format=CT)
+    assert _spread(lossy, modules[:2]) == 40 and modules[0] not in _exact_modules(lossy, out, modules, CT)
+    result = _check(lossy, out, CT)
+    assert result["passed"], result["failures"]
+
+
+def test_float64_decoding_starts_at_2_to_127_and_below_2_to_minus_126(tmp_path):
+    """Decoded here in float64: an expert whose largest magnitude reaches 2^127 (E8M0 code 254 times 1.0), and
+    one holding a magnitude below 2^-126 (code 1 times 0.5); not one whose largest is just below 2^127, nor one
+    whose smallest is exactly 2^-126."""
+    rng = np.random.default_rng(12)
+    gate, up, down = (_draw(rng, 32, 64, 238, 250), _draw(rng, 32, 64, 238, 250), _draw(rng, 64, 32, 238, 250))
+    gate[0][0, :16], gate[1][0, 0] = 0x12, 254  # 1.0 and 0.5: the largest is exactly 2^127
+    high = _expert_source(tmp_path / "high", {"w1": gate, "w3": up, "w2": down})
+    gate, up, down = (_draw(rng, 32, 64, 2, 12), _draw(rng, 32, 64, 2, 12), _draw(rng, 64, 32, 2, 12))
+    for codes, e8m0 in (gate, up, down):  # code 2 times 0.5 is 2^-126: every magnitude from there up
+        codes[(e8m0 == 2).repeat(16, axis=1) & ((codes & 0x07) == 1)] &= 0xF0
+        codes[(e8m0 == 2).repeat(16, axis=1) & ((codes & 0x70) == 0x10)] &= 0x0F
+    gate[0][0, :16], gate[1][0, 0] = 0x24, 1  # 2.0 and 1.0 times 2^-126: the smallest exactly 2^-126
+    down[0][0, :16], down[1][0, 0] = 0x21, 1  # 0.5 times 2^-126 = 2^-127
+    low = _expert_source(tmp_path / "low", {"w1": gate, "w3": up, "w2": down})
+    modules = [f"{EXPERTS_PREFIX}.0.{p}" for p in ("w1", "w3", "w2")]
+    for src, listed in ((high, modules[:1]), (low, modules[2:])):
+        x = {m: np.abs(mx_decode(*source_linear(src, m))) for m in modules}
+        assert [m for m in modules if x[m].max() >= 2.0**127 or x[m][x[m] > 0].min() < 2.0**-126] == listed
+        out = src.with_name(src.name + "-out")
+        fp4pass.checkpoint.convert(src, out, format=CT)
+        result = _check(src, out, CT)
+        assert result["passed"] and result["experts_identical"] == 3, result
+        assert [d["expert"] for d in result["decoded_in_float64"]] == listed

@@ -80,7 +80,7 @@ def decode_nvfp4(packed: np.ndarray, scales_e4m3: np.ndarray, multiplier: float)
 def _why_float64(x: np.ndarray, y: np.ndarray) -> str | None:
     """Why the reader's decode ``y`` of the source values ``x`` cannot be compared (module docstring), or None."""
     magnitude = np.abs(x)
-    top = float(magnitude.max()) if magnitude.size else 0.0
+    top = float(magnitude.max())  # never empty: a weight with no element is refused before
     held = magnitude[magnitude > 0]
     low = float(held.min()) if held.size else None
     if top >= F32_HIGH:
