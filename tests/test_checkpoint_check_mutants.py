@@ -277,10 +277,12 @@ def test_a_lossy_expert_half_again_worse_than_plain_requantization_fails(moe, tm
     why = {d["expert"]: d["why"] for d in good["decoded_in_float64"]}
     assert (module in why) == (low is not None)
     if high == 254:
-        assert f"source values up to {np.abs(x).max():.6g} " in why[module] and "overflows" in why[module]
+        assert why[module] == (f"source values up to {np.abs(x).max():.6g} (E8M0 codes near 254): "
+                               "compressed-tensors' float32/bf16 overflows")
     elif low is not None:
         held = np.abs(x)[x != 0]
-        assert f"source values down to {held.min():.6g} " in why[module] and "normal range" in why[module]
+        assert why[module] == (f"source values down to {held.min():.6g} (E8M0 codes near 0): below float32's normal "
+                               "range, where compressed-tensors' float32/bf16 loses them")
     _scale_global(out, module, fmt, _factor_for(x, codes, e4m3, multiplier, 1.5 * baseline))
     codes, e4m3, multiplier = _out_tensors(out, module, fmt)
     assert 1.4 < float(((nv_decode(codes, e4m3, multiplier) - x) ** 2).sum()) / baseline < 1.6
@@ -349,6 +351,7 @@ def test_a_lossy_expert_decoding_to_nan_fails(moe, tmp_path, fmt):
     assert np.isnan(nv_decode(*_out_tensors(out, module, fmt))).any()
     result = _check(src, out, fmt)
     assert [f["expert"] for f in result["failures"]] == [module] and "not finite" in result["failures"][0]["reason"]
+    assert result["decoded_in_float64"] == [{"expert": module, "why": "compressed-tensors' decode is not finite"}]
 
 
 def _uniform_source(folder: Path, low: int, high: int, zero_down: bool = False) -> Path:

@@ -143,11 +143,11 @@ def _modelopt_linear(f, module: str) -> dict:
 
 
 def _compare(name: str, x: np.ndarray, y: np.ndarray, spread: int, reader: _Reader, result: dict,
-             own=None) -> None:
+             own) -> None:
     """Compare expert ``name``: ``x`` its source values, ``y`` the reader's decode of the output; ``own()`` the
     float64 decode of the output (:func:`decode_nvfp4`), used where the reader cannot hold the values."""
     result["experts_checked"] += 1
-    why = _why_float64(x, y) if own is not None else None
+    why = _why_float64(x, y)
     if why is not None:
         y = own()
         result["decoded_in_float64"].append({"expert": name, "why": why})
