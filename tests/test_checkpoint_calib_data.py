@@ -165,6 +165,10 @@ def test_a_folder_reads_its_npz_in_name_order_and_stops_at_num_samples(tmp_path)
     assert np.array_equal(got, np.concatenate([a, b[:2]]))
     exact = load_batches(data, tmp_path, VOCAB, num_samples=3, batch_size=8)  # a alone holds 3
     assert len(exact) == 1 and np.array_equal(exact[0].input_ids.numpy(), a)
+    one_more = load_batches(data, tmp_path, VOCAB, num_samples=4, batch_size=8)
+    assert [x.where for x in one_more] == [f"{data / 'a.npz'}[0:3]", f"{data / 'b.npz'}[0:1]"]
+    both = load_batches(data, tmp_path, VOCAB, num_samples=7, batch_size=8)  # a and b hold 7: c is not read
+    assert np.array_equal(np.concatenate([x.input_ids.numpy() for x in both]), np.concatenate([a, b]))
     refused("not a readable .npz", data, folder=tmp_path)  # without num_samples, c is read
 
 
@@ -876,3 +880,46 @@ def test_statistics_live_on_the_layers_device_and_only_quantized_stacks_are_hook
         ("mlp.experts", e, kind) for e in range(3) for kind in ("down", "gate_up")]
     fused.remove(undo)
     assert "forward" not in vars(layer.mlp.experts)
+
+
+def test_arrays_beside_input_ids_are_never_read(tmp_path):
+    """Only input_ids and attention_mask are read: another array, even one numpy would have to unpickle, is
+    left alone."""
+    ids = ids_array(2, 4)
+    np.savez(tmp_path / "d.npz", input_ids=ids, meta=np.array([{"source": "web"}], dtype=object))
+    assert np.array_equal(load_batches(tmp_path / "d.npz", tmp_path, VOCAB)[0].input_ids.numpy(), ids)
+
+
+def test_an_expert_with_a_module_left_unquantized():
+    """An expert whose down projection the checkpoint keeps unquantized: its rows still run and count, its
+    gate/up modules get their scale, and no key or statistic appears for the missing one; the token count is
+    the gate/up rows'."""
+    from fp4pass.calib.calibrators import make_calibrator
+    from fp4pass.checkpoint.calibration import CheckpointScales, _LayerStats
+
+    runner = _runner(fused=False)
+    del runner.sources.quantized["model.layers.1.mlp.experts.2.w2"]
+    stats = _LayerStats(runner, 1, make_calibrator("max"), torch.device("cpu"), False)
+    stats.install(_layer())
+    assert ("mlp.experts", 2, "down") not in stats.stats
+    stats.record("mlp.experts", 2, "gate_up", _rows(4.0, 5, seed=11), torch.arange(5))
+    stats.record("mlp.experts", 2, "down", _rows(9.0, 5, seed=12), torch.arange(5))
+    stats.record("mlp.experts", 0, "gate_up", _rows(3.0, 2, seed=13), torch.arange(2))  # no down rows at all
+    out = CheckpointScales("max")
+    stats.results(out)
+    stack = "model.layers.1.mlp.experts"
+    assert {k: v.amax for k, v in out.tensors.items() if ".2." in k} == {f"{stack}.2.w1": 4.0, f"{stack}.2.w3": 4.0}
+    assert out.experts[2]["checkpoint_modules"] == [f"{stack}.2.w1", f"{stack}.2.w3"]
+    assert [r["tokens"] for r in out.experts] == [2, 0, 5]
+
+
+def test_a_special_file_among_the_data_folder_is_refused(tmp_path):
+    """A FIFO named like an .npz is refused by name before any file of the folder is read (never opened: that
+    would wait for a writer)."""
+    import os
+
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez(data / "a.npz", input_ids=ids_array(2, 3))
+    os.mkfifo(data / "b.npz")
+    assert refused("FIFO", data, folder=tmp_path).startswith(f"{data / 'b.npz'}: a FIFO")
