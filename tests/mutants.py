@@ -47,6 +47,7 @@ CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_cmd_inspect.py", "tes
 CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpoint_convert.py",
                     "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
 CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
+CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
 CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
@@ -413,6 +414,36 @@ MUTANTS = [
         ("fp4pass/checkpoint/calibration.py", "    return batches[dist.get_rank()::world]",
          "    n = len(batches) // world\n    return batches[dist.get_rank() * n:(dist.get_rank() + 1) * n]"),
     ], CKPT_CALIB_TESTS),
+    # -- checkpoint calibration (the layer runner: weights, layer inputs, numerics) -------------------------
+    Mutant("ckpt-calib-hf-gate-up-swapped", "Hugging Face expert names fill the up half with gate_proj and the "
+           "gate half with up_proj (w1/w3 still right)", [
+        ("fp4pass/checkpoint/layerwise.py", '"gate_proj": 0, "w3": 1, "up_proj": 1}',
+         '"gate_proj": 1, "w3": 1, "up_proj": 0}'),
+    ], CKPT_CALIBRATE_TESTS),
+    Mutant("ckpt-calib-hash-routing-stale-ids", "a layer's cached inputs keep the first batch's input_ids, so "
+           "DeepSeek-V4's hash routing routes every later batch by them", [
+        ("fp4pass/checkpoint/layerwise.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
+         "            pass"),
+    ], CKPT_CALIBRATE_TESTS),
+    Mutant("ckpt-calib-layer-inputs-one-shape", "a layer's inputs (masks, rotary tables) are cached per layer, "
+           "not per batch shape", [
+        ("fp4pass/checkpoint/layerwise.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
+    ], CKPT_CALIBRATE_TESTS),
+    Mutant("ckpt-calib-fp8-scale-ignored", "FP8 E4M3 block-scaled weights are read without their block scales", [
+        ("fp4pass/checkpoint/layerwise.py", "        return weight * full\n", "        return weight\n"),
+    ], CKPT_CALIBRATE_TESTS),
+    Mutant("ckpt-calib-float32-linear-drops-bias", "a Linear run as float32 products loses its bias", [
+        ("fp4pass/checkpoint/layerwise.py", "    bias = None if linear.bias is None else linear.bias.float()",
+         "    bias = None"),
+    ], CKPT_CALIBRATE_TESTS),
+    Mutant("ckpt-calib-stack-decoded-into-first-expert", "a stack stored in the checkpoint's order has every "
+           "expert decoded into expert 0's slot", [
+        ("fp4pass/checkpoint/layerwise.py", "out=out[i].t())", "out=out[0].t())"),
+    ], CKPT_CALIBRATE_TESTS),
+    Mutant("ckpt-calib-heap-not-trimmed", "a released layer's freed heap is kept (peak memory creeps with depth)", [
+        ("fp4pass/checkpoint/layerwise.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
+         "        self.drop_cached(index)\n"),
+    ], CKPT_CALIBRATE_TESTS),
 ]
 
 
