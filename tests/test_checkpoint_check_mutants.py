@@ -10,6 +10,7 @@ squared error is next to plain NVFP4 requantization.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -514,3 +515,16 @@ def test_the_bound_is_plain_requantization_as_the_reader_decodes_it(moe, tmp_pat
     _bump(out, module, CT, row, col)
     result = _check(src, out, CT, "requant")
     assert [f["expert"] for f in result["failures"]] == [module]
+
+
+def test_check_without_compressed_tensors_is_a_usage_error_naming_the_extra(moe, tmp_path, monkeypatch, capsys):
+    """Without compressed-tensors installed, ``convert --check`` stops with exit 2, naming --check and the extra
+    that installs it, and writes nothing."""
+    from fp4pass.cli import main
+
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # what importing a missing package raises
+    out = tmp_path / "out"
+    assert main(["convert", str(moe[0]), "-o", str(out), "--check", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--check needs compressed_tensors, which is not installed: pip install 'fp4pass[checkpoint]'" in err
+    assert not out.exists() and not list(tmp_path.iterdir())
