@@ -509,6 +509,38 @@ def test_gpt_oss_stacks_are_stored_in_the_checkpoint_order_with_the_model_values
                                    expect.contiguous().view(torch.int16)), name
 
 
+@pytest.mark.parametrize("layout", ["plain", "transposed", "transposed, checkpoint order"])
+def test_a_nan_scale_in_a_stack_is_refused_naming_its_expert(layout):
+    """E8M0 code 255 (NaN) in expert 2's scales: the error names the stack and that expert, whichever path
+    decodes it."""
+    from fp4pass.checkpoint.layerwise import decode_experts
+
+    codes, scales = _expert_stack()
+    scales[2, 5, 1] = 255
+    e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 2
+    out = torch.empty((e, n, k), dtype=torch.bfloat16)
+    if layout != "plain":
+        out = out.transpose(1, 2) if layout.endswith("checkpoint order") else out.transpose(1, 2).contiguous()
+    with pytest.raises(Exception, match=r"model\.layers\.7\.mlp\.experts\.gate_up_proj\[2\]"):
+        decode_experts(codes, scales, out, layout != "plain", "model.layers.7.mlp.experts.gate_up_proj")
+
+
+def test_float32_products_on_a_torch_without_the_cpu_probes(monkeypatch):
+    """A torch without ``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported`` counts as a CPU
+    without bf16 matrix instructions (float32 products), and one with either probe true as one with them."""
+    from fp4pass.checkpoint.layerwise import float32_products
+
+    cpu = torch.device("cpu")
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert float32_products(cpu, torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert not float32_products(cpu, torch.bfloat16)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert not float32_products(cpu, torch.bfloat16)
+
+
 def test_float32_products_only_on_cpus_without_bf16_matrix_instructions(monkeypatch):
     from fp4pass.checkpoint.layerwise import float32_products
 
