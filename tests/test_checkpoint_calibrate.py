@@ -541,6 +541,27 @@ def test_float32_products_on_a_torch_without_the_cpu_probes(monkeypatch):
     assert not float32_products(cpu, torch.bfloat16)
 
 
+def test_only_transposed_stacks_change_their_memory_order():
+    """In a module holding a stack without ``is_transposed`` (used as ``linear(x, W)``) before a transposed one,
+    only the transposed one is laid over [E, N, K] memory; shapes stay the model's."""
+    from fp4pass.checkpoint.layerwise import store_in_checkpoint_order
+
+    def stack(transposed: bool | None) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.gate_up_proj = torch.nn.Parameter(torch.empty(4, 6, 10, device="meta"))
+        m.down_proj = torch.nn.Parameter(torch.empty(4, 5, 6, device="meta"))
+        if transposed is not None:
+            m.is_transposed = transposed
+        return m
+
+    holder = torch.nn.Module()
+    holder.a, holder.b = stack(None), stack(True)
+    store_in_checkpoint_order(holder)
+    assert holder.a.gate_up_proj.is_contiguous() and holder.a.down_proj.is_contiguous()
+    assert holder.b.gate_up_proj.shape == (4, 6, 10) and holder.b.gate_up_proj.stride() == (60, 1, 6)
+    assert holder.b.down_proj.shape == (4, 5, 6) and holder.b.down_proj.stride() == (30, 1, 5)
+
+
 def test_float32_products_only_on_cpus_without_bf16_matrix_instructions(monkeypatch):
     from fp4pass.checkpoint.layerwise import float32_products
 
