@@ -89,6 +89,8 @@ def test_mask_counts_only_its_ones_and_an_all_ones_batch_has_none(tmp_path):
     assert one[0].attention_mask is None and one[2].attention_mask is None
     assert np.array_equal(one[1].attention_mask.numpy(), mask[1:2]) and one[1].attention_mask.dtype == torch.int64
     assert [b.tokens for b in one] == [5, 3, 5]
+    capped = load_batches(tmp_path / "d.npz", tmp_path, VOCAB, num_samples=2)  # the mask is capped with the rows
+    assert capped[0].tokens == 8 and np.array_equal(capped[0].attention_mask.numpy(), mask[:2])
     whole = load_batches(tmp_path / "d.npz", tmp_path, VOCAB, batch_size=3)
     assert whole[0].tokens == 13 and np.array_equal(whole[0].attention_mask.numpy(), mask)
     # a bool mask reads the same; a mask of ones only is none at all
@@ -152,7 +154,7 @@ def test_a_row_whose_kept_positions_are_all_padding(tmp_path):
 def test_a_folder_reads_its_npz_in_name_order_and_stops_at_num_samples(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    b, a = ids_array(4, 3, seed=1), ids_array(3, 3, seed=2)
+    b, a = ids_array(4, 5, seed=1), ids_array(3, 5, seed=2)  # 5 columns: a count of columns is no row count
     a[:, 0] = 20 + np.arange(3)  # rows of a and b differ in their first token
     np.savez(data / "b.npz", input_ids=b)  # written first, read second
     np.savez(data / "a.npz", input_ids=a)
@@ -168,6 +170,8 @@ def test_a_folder_reads_its_npz_in_name_order_and_stops_at_num_samples(tmp_path)
     one_more = load_batches(data, tmp_path, VOCAB, num_samples=4, batch_size=8)
     assert [x.where for x in one_more] == [f"{data / 'a.npz'}[0:3]", f"{data / 'b.npz'}[0:1]"]
     both = load_batches(data, tmp_path, VOCAB, num_samples=7, batch_size=8)  # a and b hold 7: c is not read
+    cut = load_batches(data, tmp_path, VOCAB, num_samples=4, seq_len=2)
+    assert np.array_equal(np.concatenate([x.input_ids.numpy() for x in cut]), np.concatenate([a[:, :2], b[:1, :2]]))
     assert np.array_equal(np.concatenate([x.input_ids.numpy() for x in both]), np.concatenate([a, b]))
     refused("not a readable .npz", data, folder=tmp_path)  # without num_samples, c is read
 
@@ -443,16 +447,19 @@ def test_an_expert_whose_tokens_are_all_padding_is_unrouted():
                                                                       if "experts" in k)
 
 
-@pytest.mark.parametrize("calibrator", ["max", "headroom", "percentile"])
-def test_the_layer_scale_equals_the_reports_scale_without_its_detail(calibrator):
+@pytest.mark.parametrize("calibrator,options", [("max", {}), ("headroom", {}), ("percentile", {}),
+                                                ("headroom", {"b_min_percentile": 20.0, "b_max_percentile": 90.0})])
+def test_the_layer_scale_equals_the_reports_scale_without_its_detail(calibrator, options):
     """Without ``detailed`` the scale skips the report's fractions and SNR; everything else equals the
-    ONNX calibration's ``scale_for`` of the same statistic."""
+    ONNX calibration's ``scale_for`` of the same statistic (B_min and B_max at the headroom calibrator's own
+    percentiles)."""
     from fp4pass.calib.calibrators import make_calibrator
     from fp4pass.calib.runner import scale_for
     from fp4pass.calib.stats import ActivationStats
 
-    method = make_calibrator(calibrator)
+    method = make_calibrator(calibrator, **options)
     stats, _, _ = _stats(fused=False, calibrator=calibrator)
+    stats.method = method
     x = torch.from_numpy(np.random.default_rng(9).standard_t(3, (64, 64)).astype(np.float32))
     x[:, :16] = 0  # zero blocks
     mine = ActivationStats("x", abs_histogram=method.needs_abs_histogram)
@@ -923,3 +930,54 @@ def test_a_special_file_among_the_data_folder_is_refused(tmp_path):
     np.savez(data / "a.npz", input_ids=ids_array(2, 3))
     os.mkfifo(data / "b.npz")
     assert refused("FIFO", data, folder=tmp_path).startswith(f"{data / 'b.npz'}: a FIFO")
+
+
+def test_an_all_zero_statistic_and_a_stack_the_layer_lacks():
+    """A statistic that saw only zeros: amax, B_min and B_max 0, as the ONNX calibration's ``scale_for`` gives;
+    a quantized stack the built layer does not hold (never met by install) gives no expert rows."""
+    from fp4pass.calib.calibrators import make_calibrator
+    from fp4pass.calib.runner import scale_for
+    from fp4pass.calib.stats import ActivationStats
+    from fp4pass.checkpoint.calibration import CheckpointScales, _LayerStats
+
+    method = make_calibrator("max")
+    stats = _LayerStats(_runner(fused=True), 1, method, torch.device("cpu"), False)
+    zero = ActivationStats("z")
+    zero.update(torch.zeros(4, 32))
+    got, ref = stats.scale(zero), scale_for(zero, method)
+    assert (got.amax, got.b_min, got.b_max, got.blocks, got.zero_blocks) == (0.0, 0.0, 0.0, 8, 8)
+    assert (got.b_min, got.b_max, got.g_amax, got.note) == (ref.b_min, ref.b_max, ref.g_amax, ref.note)
+    bare = torch.nn.Module()
+    bare.attn = torch.nn.Module()
+    bare.attn.wo_b = torch.nn.Linear(32, 32, bias=False)
+    stats.install(bare)
+    bare.attn.wo_b(_rows(2.5, 3))
+    out = CheckpointScales("max")
+    stats.results(out)
+    assert out.experts == [] and out.unrouted == [] and list(out.tensors) == ["model.layers.1.attn.wo_b"]
+
+
+def test_an_expert_whose_gate_up_is_unquantized_keeps_its_down_scale():
+    from fp4pass.calib.calibrators import make_calibrator
+    from fp4pass.checkpoint.calibration import CheckpointScales, _LayerStats
+
+    runner = _runner(fused=False)
+    for proj in ("w1", "w3"):
+        del runner.sources.quantized[f"model.layers.1.mlp.experts.2.{proj}"]
+    stats = _LayerStats(runner, 1, make_calibrator("max"), torch.device("cpu"), False)
+    stats.install(_layer())
+    stats.record("mlp.experts", 2, "gate_up", _rows(4.0, 5, seed=11), torch.arange(5))
+    stats.record("mlp.experts", 2, "down", _rows(9.0, 5, seed=12), torch.arange(5))
+    out = CheckpointScales("max")
+    stats.results(out)
+    stack = "model.layers.1.mlp.experts"
+    assert {k: v.amax for k, v in out.tensors.items() if ".2." in k} == {f"{stack}.2.w2": 9.0}
+    assert out.experts[2]["checkpoint_modules"] == [f"{stack}.2.w2"] and out.experts[2]["tokens"] == 5
+    # none of an expert's modules quantized: it has no statistic, so it is listed as unrouted, with no module
+    del runner.sources.quantized[f"{stack}.2.w2"]
+    stats = _LayerStats(runner, 1, make_calibrator("max"), torch.device("cpu"), False)
+    stats.install(_layer())
+    out = CheckpointScales("max")
+    stats.results(out)
+    assert "checkpoint_modules" not in out.experts[2]
+    assert out.unrouted[-1] == {"module": "layers.1.mlp.experts", "expert": 2, "checkpoint_modules": []}
