@@ -468,7 +468,7 @@ def _expert_stack(experts=3, rows=64, cols=96, seed=5):
     return codes, scales
 
 
-@pytest.mark.parametrize("layout", ["plain", "transposed", "transposed, checkpoint order"])
+@pytest.mark.parametrize("layout", ["plain", "plain, strided", "transposed", "transposed, checkpoint order"])
 def test_expert_stack_decode_matches_an_independent_decode(layout):
     """decode_experts (the per-layer path, here with device=cpu) against the numpy decoder, bit for bit in bf16,
     each expert in its own slot (distinct experts: a swap or a repeated expert fails); a transposed [E, K, N]
@@ -478,10 +478,13 @@ def test_expert_stack_decode_matches_an_independent_decode(layout):
     codes, scales = _expert_stack()
     expect = _bf16(mx_decode(codes.numpy(), scales.numpy()))  # [E, N, K]
     out = torch.full(expect.shape, float("nan"), dtype=torch.bfloat16)
-    if layout != "plain":
+    if layout == "plain, strided":  # each expert's rows are strided: a slice of a wider tensor
+        e, n, k = expect.shape
+        out = torch.full((e, n, k + 32), float("nan"), dtype=torch.bfloat16)[:, :, :k]
+    elif layout != "plain":
         expect = expect.transpose(1, 2).contiguous()
         out = out.transpose(1, 2) if layout.endswith("checkpoint order") else out.transpose(1, 2).contiguous()
-    decode_experts(codes, scales, out, layout != "plain", "stack")
+    decode_experts(codes, scales, out, layout.startswith("transposed"), "stack")
     assert torch.equal(out.contiguous().view(torch.int16), expect.view(torch.int16))
 
 
@@ -560,6 +563,21 @@ def test_only_transposed_stacks_change_their_memory_order():
     assert holder.a.gate_up_proj.is_contiguous() and holder.a.down_proj.is_contiguous()
     assert holder.b.gate_up_proj.shape == (4, 6, 10) and holder.b.gate_up_proj.stride() == (60, 1, 6)
     assert holder.b.down_proj.shape == (4, 5, 6) and holder.b.down_proj.stride() == (30, 1, 5)
+
+
+def test_no_heap_trim_where_there_is_no_c_library(monkeypatch):
+    """Without a C library that has ``malloc_trim`` the trim is skipped (False), every time, with no error."""
+    import ctypes
+
+    from fp4pass.checkpoint import layerwise
+
+    def refuse(*_args, **_kwargs):
+        raise OSError("no such library")
+
+    monkeypatch.setattr(layerwise, "_LIBC_TRIM", None)
+    monkeypatch.setattr(ctypes, "CDLL", refuse)
+    assert layerwise.return_freed_memory() is False
+    assert layerwise.return_freed_memory() is False
 
 
 def test_float32_products_only_on_cpus_without_bf16_matrix_instructions(monkeypatch):
