@@ -431,7 +431,7 @@ import fp4pass.checkpoint
 rank, store, src, data, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
 scales = fp4pass.checkpoint.calibrate(src, data, batch_size=4, device="cpu")
-json.dump({"amax": {k: v.amax for k, v in scales.tensors.items()}, "batches": scales.batches,
+json.dump({"amax": {k: v.amax for k, v in scales.tensors.items()}, "batches": scales.batches, "all": scales.tokens,
            "tokens": [[r["module"], r["expert"], r["tokens"]] for r in scales.experts]}, open(out, "w"))
 dist.destroy_process_group()
 """
@@ -440,7 +440,7 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(tmp_path):
     """Under torch.distributed each rank runs half the batches; after the all-reduce, both hold exactly the
-    single process's amax and token counts."""
+    single process's amax and token counts, and report the whole data's batches and tokens."""
     import os
     import subprocess
     import sys
@@ -457,7 +457,7 @@ def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(tmp_path):
             "tokens": [[r["module"], r["expert"], r["tokens"]] for r in single.experts]}
     for r in range(2):
         got = json.loads((tmp_path / f"r{r}.json").read_text())
-        assert got["batches"] == 2 and single.batches == 4
+        assert got["batches"] == single.batches == 4 and got["all"] == single.tokens == 16 * 32
         assert got["amax"] == want["amax"] and got["tokens"] == want["tokens"]
 
 

@@ -316,14 +316,15 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
         if not found.units:
             raise CheckpointError(f"{src_dir}: no MXFP4 weights found, so nothing to calibrate")
         model_type, cfg = resolve_architecture(catalog.config, src_dir)
-        batches = _share(load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len,
-                                      num_samples=num_samples, batch_size=batch_size))
+        every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
+                             batch_size=batch_size)
+        batches = _share(every)  # this rank's; the report counts all of them, as its per-expert tokens do
         if not batches:
             raise CalibrationDataError(f"{data}: no calibration rows")
         runner = LayerRunner(catalog, found, dev)
         store = HiddenStore(hidden_budget(dev, hidden_budget_bytes), dev)
         out = CheckpointScales(method.name, model_type=model_type, device=str(dev), layers=runner.num_layers,
-                               batches=len(batches), tokens=sum(b.tokens for b in batches))
+                               batches=len(every), tokens=sum(b.tokens for b in every))
         try:
             _run(runner, batches, store, method, dev, out, show_progress, report_detail)
             out.spilled_batches = store.spilled
