@@ -623,3 +623,34 @@ def test_convert_checks_its_own_output(tmp_path, monkeypatch, capsys):
     code, err = cli(capsys, "convert", "models/checkpoints/kimi", "-o", tmp_path / "bad", "--format",
                     "compressed-tensors", "--input-scale", "0.5")
     assert code == 3 and "scale_convention" in err and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_convert_of_large_or_zero_weights_is_not_called_a_writer_bug(tmp_path, capsys, fmt):
+    """The validator's magnitude guesses cannot tell a weight amax above 2^10 from a swapped global scale, nor an
+    all-zero expert's global scale of 1 from a folded one. In a folder fp4pass wrote the scales are the weights'
+    own: a Kimi-style expert whose E8M0 codes reach 137 (amax 6 x 2^10) and an all-zero expert convert (exit 0,
+    also with --method requant), and the same folder through `inspect` still shows the guess, marked as one."""
+    import shutil
+
+    from checkpoint_oracles import rewrite_shard
+
+    src = tmp_path / "src"
+    shutil.copytree("models/checkpoints/kimi", src)
+    layer = "model.layers.1.mlp.experts"
+
+    def edit(tensors):
+        for proj in ("w1", "w2", "w3"):
+            scale = tensors[f"{layer}.0.{proj}.weight_scale"]
+            tensors[f"{layer}.0.{proj}.weight_scale"] = torch.full_like(scale, 121) + (torch.arange(
+                scale.numel(), dtype=torch.uint8).reshape(scale.shape) % 17)
+            tensors[f"{layer}.1.{proj}.weight_packed"] = torch.zeros_like(tensors[f"{layer}.1.{proj}.weight_packed"])
+
+    rewrite_shard(src / "model.safetensors", edit)
+    for method in ("auto", "requant"):
+        out = tmp_path / f"out-{method}"
+        code, err = cli(capsys, "convert", src, "-o", out, "--format", fmt, "--method", method, "--input-scale", "0.5")
+        assert code == 0, err
+        assert out.is_dir()
+    seen = validate(tmp_path / "out-auto")["problems"]
+    assert all(p.get("guess") for p in seen if p["kind"] in ("scale_convention", "folded_global_scale"))
