@@ -13,7 +13,8 @@ from fp4pass.errors import UsageError
 
 __all__ = ["require"]
 
-_DISTRIBUTIONS = {"matplotlib": "matplotlib", "onnx_graphsurgeon": "onnx-graphsurgeon", "transformers": "transformers"}
+_DISTRIBUTIONS = {"matplotlib": "matplotlib", "onnx_graphsurgeon": "onnx-graphsurgeon", "transformers": "transformers",
+                  "compressed_tensors": "compressed-tensors"}
 
 
 def require(module: str, extra: str, feature: str):

@@ -526,5 +526,5 @@ def test_check_without_compressed_tensors_is_a_usage_error_naming_the_extra(moe,
     out = tmp_path / "out"
     assert main(["convert", str(moe[0]), "-o", str(out), "--check", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "--check needs compressed_tensors, which is not installed: pip install 'fp4pass[checkpoint]'" in err
+    assert "--check needs compressed-tensors, which is not installed: pip install 'fp4pass[checkpoint]'" in err
     assert not out.exists() and not list(tmp_path.iterdir())
