@@ -512,7 +512,7 @@ def test_gpt_oss_stacks_are_stored_in_the_checkpoint_order_with_the_model_values
                                    expect.contiguous().view(torch.int16)), name
 
 
-@pytest.mark.parametrize("layout", ["plain", "transposed", "transposed, checkpoint order"])
+@pytest.mark.parametrize("layout", ["plain", "plain, strided", "transposed", "transposed, checkpoint order"])
 def test_a_nan_scale_in_a_stack_is_refused_naming_its_expert(layout):
     """E8M0 code 255 (NaN) in expert 2's scales: the error names the stack and that expert, whichever path
     decodes it."""
@@ -522,10 +522,12 @@ def test_a_nan_scale_in_a_stack_is_refused_naming_its_expert(layout):
     scales[2, 5, 1] = 255
     e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 2
     out = torch.empty((e, n, k), dtype=torch.bfloat16)
-    if layout != "plain":
+    if layout == "plain, strided":
+        out = torch.empty((e, n, k + 32), dtype=torch.bfloat16)[:, :, :k]
+    elif layout != "plain":
         out = out.transpose(1, 2) if layout.endswith("checkpoint order") else out.transpose(1, 2).contiguous()
     with pytest.raises(Exception, match=r"model\.layers\.7\.mlp\.experts\.gate_up_proj\[2\]"):
-        decode_experts(codes, scales, out, layout != "plain", "model.layers.7.mlp.experts.gate_up_proj")
+        decode_experts(codes, scales, out, layout.startswith("transposed"), "model.layers.7.mlp.experts.gate_up_proj")
 
 
 def test_float32_products_on_a_torch_without_the_cpu_probes(monkeypatch):
@@ -563,6 +565,7 @@ def test_only_transposed_stacks_change_their_memory_order():
     assert holder.a.gate_up_proj.is_contiguous() and holder.a.down_proj.is_contiguous()
     assert holder.b.gate_up_proj.shape == (4, 6, 10) and holder.b.gate_up_proj.stride() == (60, 1, 6)
     assert holder.b.down_proj.shape == (4, 5, 6) and holder.b.down_proj.stride() == (30, 1, 5)
+    assert {p.device.type for p in holder.parameters()} == {"meta"}  # no memory until the layer is loaded
 
 
 def test_no_heap_trim_where_there_is_no_c_library(monkeypatch):
