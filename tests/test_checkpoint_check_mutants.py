@@ -158,14 +158,24 @@ def _spread(src: Path, modules) -> int:
 def _edge_source(folder: Path, spread: int) -> Path:
     """One expert whose gate/up pair spans exactly ``spread`` octaves: the gate's block (0, 0) at the bottom,
     (0, 1) at the top, every other block of the pair in between."""
-    rng = np.random.default_rng(spread)
+    def gate(codes, e8m0):
+        e8m0[0, 0], e8m0[0, 1] = 110, 110 + spread
+        codes[0, :32] = 0x53  # 1.5 and 3.0: non-zero in both blocks, one step up stays in range
+
+    return _one_expert(folder, spread, lambda rng, shape: (110 + rng.integers(1, spread, shape)).astype(np.uint8),
+                       gate)
+
+
+def _one_expert(folder: Path, seed: int, draw_scales, edit_gate) -> Path:
+    """A compressed-tensors checkpoint of one MXFP4 expert (w1, w3 [32, 64], w2 [64, 32]): random codes, E8M0
+    scales from ``draw_scales(rng, shape)``, then ``edit_gate(codes, e8m0)`` on w1's arrays."""
+    rng = np.random.default_rng(seed)
     tensors = {}
     for proj, rows, k in (("w1", 32, 64), ("w3", 32, 64), ("w2", 64, 32)):
         codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
-        e8m0 = (110 + rng.integers(1, spread, (rows, k // 32))).astype(np.uint8)
+        e8m0 = draw_scales(rng, (rows, k // 32))
         if proj == "w1":
-            e8m0[0, 0], e8m0[0, 1] = 110, 110 + spread
-            codes[0, :32] = 0x53  # 1.5 and 3.0: non-zero in both blocks, one step up stays in range
+            edit_gate(codes, e8m0)
         tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_packed"] = torch.from_numpy(codes)
         tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_scale"] = torch.from_numpy(e8m0)
     tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(1, 64, dtype=torch.bfloat16)
@@ -211,20 +221,11 @@ def _requant_sse64(x: np.ndarray) -> float:
 def _extreme_source(folder: Path, low: int, high: int) -> Path:
     """One expert; its gate/up pair at E8M0 codes ``high - 3 .. high``, the gate's first block of rows 0-3 at
     ``low`` (spread > 17: lossy); its down at ``high - 3 .. high`` too."""
-    rng = np.random.default_rng(low)
-    tensors = {}
-    for proj, rows, k in (("w1", 32, 64), ("w3", 32, 64), ("w2", 64, 32)):
-        codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
-        e8m0 = rng.integers(high - 3, high + 1, (rows, k // 32)).astype(np.uint8)
-        if proj == "w1":
-            e8m0[:4, 0] = low
-        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_packed"] = torch.from_numpy(codes)
-        tensors[f"{EXPERTS_PREFIX}.0.{proj}.weight_scale"] = torch.from_numpy(e8m0)
-    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(1, 64, dtype=torch.bfloat16)
-    tensors["lm_head.weight"] = torch.ones(8, 64, dtype=torch.bfloat16)
-    config = {"hidden_size": 64,
-              "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
-    return write_checkpoint(folder, tensors, config)
+    def gate(_codes, e8m0):
+        e8m0[:4, 0] = low
+
+    return _one_expert(folder, low, lambda rng, shape: rng.integers(high - 3, high + 1, shape).astype(np.uint8),
+                       gate)
 
 
 def _scale_global(out: Path, module: str, fmt: str, factor: float) -> None:
