@@ -620,7 +620,9 @@ def test_each_layer_gives_its_freed_heap_back(monkeypatch):
     import fp4pass.checkpoint
     from fp4pass.checkpoint import layerwise
 
-    assert layerwise.return_freed_memory() is True
+    import platform
+
+    assert layerwise.return_freed_memory() is (platform.libc_ver()[0] == "glibc")
     calls = []
     monkeypatch.setattr(layerwise, "return_freed_memory", lambda: calls.append(1) or True)
     scales = fp4pass.checkpoint.calibrate(ROOT / "gpt_oss", TOKENS, batch_size=BATCH, device="cpu")
