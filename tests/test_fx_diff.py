@@ -73,7 +73,8 @@ def test_json_table_and_plot_match_the_onnx_diff(pair, tmp_path):
     _, _, x, ep_a, ep_b = pair
     result = fp4pass.fx.diff(ep_a, ep_b, (x,), snr_min=60.0)
     data = json.loads(json.dumps(result.to_json(), allow_nan=False))
-    assert set(data) == {"provider", "outputs", "intermediates", "first_divergent", "passed"}
+    assert set(data) == {"provider", "outputs", "intermediates", "first_divergent", "passed", "notes", "provider_options",
+                         "placement"}
     assert data["provider"] == "torch:cpu"
     assert all(tuple(entry) == JSON_KEYS for entry in data["outputs"] + data["intermediates"])
     table = result.format_table()

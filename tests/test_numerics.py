@@ -49,7 +49,8 @@ def test_identical_models_pass_with_zero_error(pair):
     for m in [*result.outputs, *result.intermediates]:
         assert m.snr_db is None and m.max_abs_err == 0 and m.rel_l2 == 0
     js = result.to_json()
-    assert set(js) == {"provider", "outputs", "intermediates", "first_divergent", "passed"}
+    assert set(js) == {"provider", "outputs", "intermediates", "first_divergent", "passed", "notes", "provider_options",
+                       "placement"}
     assert all(set(e) == KEYS and e["snr_db"] is None for e in js["outputs"] + js["intermediates"])
     assert {e["name"] for e in js["intermediates"]} >= {"h", "w_t"}
 

@@ -14,6 +14,9 @@ Signature::
    shared with a given input, a KV cache's past length ``past_length`` (default 0), its head dim, an all-ones
    ``attention_mask``); a symbolic dim still open is 1, and a note says so.
 3. Sessions come from :func:`fp4pass.onnx.runtime.make_session` ("auto": CUDA EP if it loads, else CPU).
+   On the CUDA EP (TF32 off: ``provider_options`` says what the session took) the first run of each model is
+   profiled: ``placement`` counts the nodes each EP ran, and ``provider`` is "cuda" only when every node that
+   reads weights ran on the CUDA EP, else "cuda (N nodes on cpu)" with a note naming them.
    ``provider="reference"`` runs both models with ``onnx.reference`` instead (numpy: slow, for small models),
    lowering only TensorRT's activation quantizer: what onnxruntime's CPU kernels cannot run (bfloat16
    MatMul) still gets a diff. Where onnxruntime has no kernel for a node (its NOT_IMPLEMENTED), the diff
@@ -39,6 +42,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +58,8 @@ from fp4pass.onnx.feeds import dims_mismatch, plan_feeds
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
-from fp4pass.onnx.runtime import make_session
+from fp4pass.onnx.runtime import Placement, cuda_available, end_profile, make_session, node_placement, profiling
+from fp4pass.onnx.runtime import provider_options as session_provider_options
 from fp4pass.onnx.tables import aligned
 from fp4pass.progress import progress
 
@@ -79,7 +84,8 @@ def _sort_key(m: TensorMetrics) -> tuple:
 
 @dataclass
 class DiffResult:
-    """What :func:`diff` found. ``to_json`` gives the JSON keys of ``fp4pass diff --json``; the rest is for tables and plots."""
+    """What :func:`diff` found. ``to_json`` gives the JSON keys of ``fp4pass diff --json`` (the notes included); the
+    rest is for tables and plots."""
 
     provider: str
     outputs: list[TensorMetrics]
@@ -91,6 +97,8 @@ class DiffResult:
     order: list[str] = field(default_factory=list)  # compared tensors, topological order of the original
     worst_output_errors: np.ndarray | None = None  # sample of |a-b| of the worst output
     provider_notes: list[str] = field(default_factory=list)  # the runtime's words on the provider (also in notes)
+    provider_options: dict = field(default_factory=dict)  # the CUDA EP's options as the session took them
+    placement: dict | None = None  # per model ("original", "rewritten"): Placement.to_json() of a CUDA run
 
     def to_json(self) -> dict:
         return {
@@ -99,10 +107,14 @@ class DiffResult:
             "intermediates": [m.to_json() for m in self.intermediates],
             "first_divergent": self.first_divergent,
             "passed": self.passed,
+            "notes": list(self.notes),
+            "provider_options": dict(self.provider_options),
+            "placement": self.placement,
         }
 
-    def format_table(self, limit: int = 20) -> str:
-        """Outputs, then the worst ``limit`` intermediates, each worst first; then the verdict."""
+    def format_table(self, limit: int = 20, notes: bool = True) -> str:
+        """Outputs, then the worst ``limit`` intermediates, each worst first; the first divergent node; the notes
+        (``notes``: one line each, "note: ..."); then the verdict."""
 
         def fmt(value, spec):
             return "-" if value is None else format(value, spec)
@@ -131,6 +143,8 @@ class DiffResult:
             what = "first divergent" if self.snr_min is not None else "first divergent (differs at all; no --snr-min)"
             snr = "identical" if fd["snr_db"] is None else f"{fd['snr_db']:.2f} dB"
             lines.append(f"{what}: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} snr {snr}")
+        if notes:
+            lines.extend(f"note: {note}" for note in self.notes)
         threshold = (" (no SNR threshold applied: --snr-min not given; only NaN/Inf fail)" if self.snr_min is None
                      else f" (snr-min {self.snr_min:g} dB)")
         lines.append(("PASSED" if self.passed else "FAILED") + threshold)
@@ -224,7 +238,8 @@ def make_inputs(model: ir.Model, given: dict | None = None, *, seed: int = 0, sh
         elif dtype == np.bool_:
             feeds[value.name] = rng.integers(0, 2, size=dims, dtype=np.bool_)
         else:
-            raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; give it in --inputs")
+            raise UsageError(f"input {value.name!r} of type {value.dtype} cannot be drawn at random; "
+                             "give it in --inputs")
     drawn = [n for n in feeds if n not in given]
     if drawn:
         notes.append(f"inputs {drawn} are not given: made up (random values, seed {seed}), not real data; "
@@ -338,6 +353,8 @@ class _Runner:
         self.provider_arg = provider
         self.provider = None
         self.note = None
+        self.placement: Placement | None = None  # of the first run on the CUDA EP
+        self.provider_options: dict = {}
         self.input_names = [v.name for v in self.model.graph.inputs if v.const_value is None]
         self.output_names = [v.name for v in self.model.graph.outputs]
 
@@ -345,11 +362,24 @@ class _Runner:
         model = _with_outputs(self.model, list(extra)) if extra else self.model
         if self.reference:
             return self._run_reference(model, feeds)
+        options = _session_options()
+        profile_dir = None
+        if self.placement is None and self.provider_arg != "cpu" and cuda_available()[0]:
+            profile_dir = tempfile.TemporaryDirectory(prefix="fp4pass-profile-")
+            profiling(options, profile_dir.name)
         try:
-            session, self.provider, self.note = make_session(model, self.provider_arg, options=_session_options())
+            return self._run_session(model, options, feeds, profiled=profile_dir is not None)
+        finally:
+            if profile_dir is not None:
+                profile_dir.cleanup()
+
+    def _run_session(self, model: ir.Model, options, feeds: dict, profiled: bool) -> dict[str, np.ndarray]:
+        try:
+            session, self.provider, self.note = make_session(model, self.provider_arg, options=options)
         except ModelError as exc:
             kind = _NoKernel if "NOT_IMPLEMENTED" in str(exc) else ModelError
             raise kind(f"{self.label}: {exc}") from None
+        self.provider_options = session_provider_options(session)
         names = [o.name for o in session.get_outputs()]
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
@@ -357,7 +387,12 @@ class _Runner:
         try:
             values = session.run(names, {n: feeds[n] for n in self.input_names}, _run_options())
         except Exception as exc:  # onnxruntime's own error types
-            raise ModelError(f"{self.label}: onnxruntime failed to run it: {str(exc).strip().splitlines()[0]}") from None
+            first = str(exc).strip().splitlines()[0]
+            raise ModelError(f"{self.label}: onnxruntime failed to run it: {first}") from None
+        if profiled:
+            events = end_profile(session)
+            if self.provider == "cuda":
+                self.placement = node_placement(events, model)
         return dict(zip(names, values))
 
     def _run_reference(self, model: ir.Model, feeds: dict) -> dict[str, np.ndarray]:
@@ -469,7 +504,7 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
                 continue
             inter_metrics.append(compare(name, a, b))
         del values_a, values_b
-    provider_used = runner_a.provider
+    provider_used, placement = _placement(runner_a, runner_b, notes)
     provider_notes = sorted({runner_a.note, runner_b.note} - {None})
     notes[:0] = provider_notes
 
@@ -480,7 +515,27 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
     for note in notes:
         logger.debug("diff: %s", note)
     return DiffResult(provider_used, output_metrics, inter_metrics, first, passed, notes, snr_min, order, worst_errors,
-                      provider_notes)
+                      provider_notes, runner_a.provider_options or runner_b.provider_options, placement)
+
+
+def _placement(runner_a: _Runner, runner_b: _Runner, notes: list[str]) -> tuple[str, dict | None]:
+    """The diff's ``provider`` and ``placement`` (module docstring, step 3): "cuda" when both models' weight nodes
+    ran on the CUDA EP, else "cuda (N nodes on cpu)", N the CPU nodes of both; a note per model names its weight
+    nodes that ran on the CPU."""
+    if runner_a.placement is None and runner_b.placement is None:
+        return runner_a.provider, None
+    placements = {"original": runner_a.placement, "rewritten": runner_b.placement}
+    on_cpu = 0
+    for runner, placement in ((runner_a, runner_a.placement), (runner_b, runner_b.placement)):
+        if placement is None or not placement.weight_nodes_on_cpu:
+            continue
+        on_cpu += len(placement.on_cpu)
+        shown = ", ".join(repr(n) for n in placement.weight_nodes_on_cpu[:5])
+        more = f" and {len(placement.weight_nodes_on_cpu) - 5} more" if len(placement.weight_nodes_on_cpu) > 5 else ""
+        notes.append(f"{runner.label}: {len(placement.weight_nodes_on_cpu)} of its {placement.weight_nodes} nodes "
+                     f"that read weights ran on the CPU EP (no CUDA kernel): {shown}{more}")
+    provider = "cuda" if not on_cpu else f"cuda ({on_cpu} nodes on cpu)"
+    return provider, {key: p.to_json() for key, p in placements.items() if p is not None}
 
 
 def _comparable(model_a: ir.Model, model_b: ir.Model, runner_a: _Runner, runner_b: _Runner, label_a: str,

@@ -9,6 +9,12 @@
 - ``model``: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``. In-memory models whose initializers
   exceed ~1.8 GB are saved to a temporary folder with external data and loaded by path (protobuf's 2 GB
   limit); the folder lives as long as the session.
+- CUDA sessions run with :data:`CUDA_OPTIONS` (TF32 off: float32 products keep their 24-bit mantissa instead of
+  TensorFloat-32's 11, which would put ~1e-3 relative error into every float32 MatMul of a numerics check);
+  :func:`provider_options` reads back what the session took.
+- :func:`node_placement` tells which execution provider ran each node, from onnxruntime's profile of one run
+  (:func:`profiling`, :func:`end_profile`): a CUDA session places what the CUDA EP has no kernel for (and
+  shape arithmetic) on the CPU. The nodes that carry the weights decide whether a run "ran on CUDA".
 - External data resolves against the model's own folder, whatever the working folder: a path is loaded by
   path (onnxruntime reads the data beside it), and an ``onnx_ir.Model`` whose external tensors all live in one
   folder gets that folder as the session's ``session.model_external_initializers_file_folder_path`` (a model
@@ -20,9 +26,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -34,13 +42,17 @@ from fp4pass.errors import ModelError, UsageError
 from fp4pass.formats.constants import QUARK_DOMAIN
 from fp4pass.onnx.loading import external_tensors, proto_tensors
 
-__all__ = ["make_session", "cuda_available", "installed_runtimes", "PROVIDERS", "RUNTIME_DISTRIBUTIONS"]
+__all__ = ["make_session", "cuda_available", "installed_runtimes", "provider_options", "profiling", "end_profile",
+           "node_placement", "weight_nodes", "Placement", "CUDA_OPTIONS", "PROVIDERS", "RUNTIME_DISTRIBUTIONS"]
 
 logger = logging.getLogger(__name__)
 
 PROVIDERS = values(Provider)
 _CUDA_EP, _CPU_EP = "CUDAExecutionProvider", "CPUExecutionProvider"
 _INLINE_LIMIT = int(1.8 * 2**30)  # bytes of initializers above which a model goes through a file
+
+#: the CUDA EP's options on every session fp4pass makes: float32 MatMul/Conv in float32, not TensorFloat-32
+CUDA_OPTIONS = {"use_tf32": "0"}
 
 
 #: the PyPI distributions that install the ``onnxruntime`` module (any one of them serves fp4pass)
@@ -111,7 +123,7 @@ def _providers(provider: str) -> tuple[list[str], str, str | None]:
         return [_CPU_EP], "cpu", None
     ok, why = cuda_available()
     if ok:
-        return [_CUDA_EP, _CPU_EP], "cuda", None
+        return [(_CUDA_EP, dict(CUDA_OPTIONS)), _CPU_EP], "cuda", None
     note = f"CUDA requested but {why}; running on CPU" if provider == "cuda" else None
     return [_CPU_EP], "cpu", note
 
@@ -227,3 +239,109 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
         provider_used = "cpu"
         note = "the CUDA execution provider did not load for this model; running on CPU"
     return session, provider_used, note
+
+
+def provider_options(session) -> dict[str, str]:
+    """The :data:`CUDA_OPTIONS` keys as ``session`` reports them back from its CUDA EP ({} when the CUDA EP does not
+    run it): proof that the options took effect, for the report."""
+    if _CUDA_EP not in session.get_providers():
+        return {}
+    taken = session.get_provider_options().get(_CUDA_EP, {})
+    return {key: taken.get(key) for key in CUDA_OPTIONS}
+
+
+def profiling(options, folder: str | os.PathLike) -> None:
+    """Set ``options`` (an ``ort.SessionOptions``) to write onnxruntime's profile of each run into ``folder``."""
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(folder) / "ort_profile")
+
+
+def end_profile(session) -> list[dict]:
+    """Stop ``session``'s profiling; its events (onnxruntime's Chrome-trace JSON list), the file removed."""
+    path = session.end_profiling()
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+#: an initializer of at least this many elements is a weight (smaller ones: shapes, axes, biases of tiny models)
+WEIGHT_MIN_ELEMENTS = 1024
+#: op types that read weights; they count as weight nodes when onnxruntime made them (fusions name nodes anew)
+_WEIGHT_OPS = frozenset({"MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulNBits", "MoE", "QMoE", "Conv",
+                         "FusedConv", "GatherBlockQuantized", "DequantizeLinear", "DynamicQuantizeMatMul",
+                         "MatMulIntegerToFloat", "QLinearMatMul"})
+_KERNEL_SUFFIX = "_kernel_time"  # onnxruntime's profile names a node's event "<node name>_kernel_time"
+_SHORT = {_CUDA_EP: "cuda", _CPU_EP: "cpu"}
+
+
+def weight_nodes(model: ir.Model) -> tuple[set[str], set[str]]:
+    """(names of the nodes of ``model``'s main graph that read an initializer of >= :data:`WEIGHT_MIN_ELEMENTS`
+    elements, names of all its nodes)."""
+    weights, names = set(), set()
+    for node in model.graph:
+        names.add(node.name)
+        for value in node.inputs:
+            tensor = value.const_value if value is not None else None
+            if tensor is not None and tensor.size >= WEIGHT_MIN_ELEMENTS:
+                weights.add(node.name)
+    return weights, names
+
+
+@dataclass
+class Placement:
+    """Where the nodes of one profiled run ran.
+
+    ``nodes``: executed nodes per provider ("cuda", "cpu"; onnxruntime's own Memcpy nodes left out);
+    ``on_cpu``: the nodes (name, op type) that ran on the CPU EP; ``weight_nodes``: how many nodes that read
+    weights ran; ``weight_nodes_on_cpu``: those of them that ran on the CPU EP (names)."""
+
+    nodes: dict[str, int] = field(default_factory=dict)
+    on_cpu: list[tuple[str, str]] = field(default_factory=list)
+    weight_nodes: int = 0
+    weight_nodes_on_cpu: list[str] = field(default_factory=list)
+
+    def provider_label(self) -> str:
+        """"cuda" when every weight node ran on the CUDA EP, else "cuda (N nodes on cpu)", N every CPU node."""
+        if not self.weight_nodes_on_cpu:
+            return "cuda"
+        return f"cuda ({len(self.on_cpu)} nodes on cpu)"
+
+    def to_json(self) -> dict:
+        return {"nodes": dict(self.nodes), "on_cpu": [f"{name} ({op})" for name, op in self.on_cpu],
+                "weight_nodes": self.weight_nodes, "weight_nodes_on_cpu": list(self.weight_nodes_on_cpu)}
+
+
+def node_placement(events: list[dict], model: ir.Model) -> Placement:
+    """The :class:`Placement` of one run of ``model`` from onnxruntime's profile ``events``.
+
+    onnxruntime writes one event per executed node and run: ``{"cat": "Node", "name": "<node>_kernel_time",
+    "args": {"op_name": ..., "provider": "CUDAExecutionProvider", ...}}``. A node counts once however many runs
+    the profile holds. A node reads weights when ``model``'s node of that name reads an initializer of
+    >= :data:`WEIGHT_MIN_ELEMENTS` elements, or when onnxruntime made it (no node of ``model`` has its name: a
+    fusion) and its op type reads weights (MatMul, Gemm, MoE, ...). Nodes onnxruntime folded into constants at
+    load do not run and are not counted.
+    """
+    weights, names = weight_nodes(model)
+    placement, seen = Placement(), set()
+    for event in events:
+        name = event.get("name", "")
+        args = event.get("args") or {}
+        if event.get("cat") != "Node" or not name.endswith(_KERNEL_SUFFIX) or "provider" not in args:
+            continue
+        node, op_type = name[: -len(_KERNEL_SUFFIX)], args.get("op_name", "?")
+        if node in seen or op_type.startswith("Memcpy"):
+            continue
+        seen.add(node)
+        where = _SHORT.get(args["provider"], args["provider"])
+        placement.nodes[where] = placement.nodes.get(where, 0) + 1
+        reads_weights = node in weights or (node not in names and op_type in _WEIGHT_OPS)
+        placement.weight_nodes += reads_weights
+        if where == "cpu":
+            placement.on_cpu.append((node, op_type))
+            if reads_weights:
+                placement.weight_nodes_on_cpu.append(node)
+    return placement
