@@ -167,6 +167,14 @@ MUTANTS = [
     Mutant("fx-export-bf16-rms-norm", "fx.export leaves RMSNormalization's bfloat16 input beside its FP32 scale", [
         ("fp4pass/fx/exporter.py", "    _widen_rms_norm_inputs(onnx_model)\n", "\n"),
     ], ["tests/test_gpt_oss_e2e.py"]),
+    Mutant("fx-copy-renames-builtin-input", "a copied fx graph keeps torch.fx's new names (nn.Sequential's "
+           "placeholder input becomes input_1, which the program's signature does not name)", [
+        ("fp4pass/fx/program.py", "            node.name = original.name  #", "            node.name = node.name  #"),
+    ], ["tests/test_fx_input_names.py"]),
+    Mutant("fx-module-renames-builtin-input", "calibration runs program.module() as torch names it (input -> "
+           "input_1), so the activation the program names input is not found", [
+        ("fp4pass/fx/program.py", "        node.name = name\n", "        pass\n"),
+    ], ["tests/test_fx_input_names.py"]),
     Mutant("emulate-clamp-normal", "the activation quantizer clamps E4M3 block scales at 2^-6 instead of 2^-9", [
         ("fp4pass/onnx/emulate.py", 'f"{p}/e4m3_min_subnormal", E4M3_MIN_SUBNORMAL, f32)',
          'f"{p}/e4m3_min_subnormal", 2.0**-6, f32)'),

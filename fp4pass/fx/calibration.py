@@ -59,6 +59,7 @@ from fp4pass.errors import FP4PassError, ModelError, NonFiniteError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
 from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_quantize_nvfp4)
 from fp4pass.fx import ops  # noqa: F401  (registers torch.ops.fp4pass.dequantize_*)
+from fp4pass.fx.program import copy_graph_module, program_module
 from fp4pass.fx.shapes import check_inputs, guard_error, input_problem
 from fp4pass.progress import progress
 from fp4pass.fx.noise import quiet_torch
@@ -236,13 +237,13 @@ def _copy_sharing_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     tensors = itertools.chain(gm.parameters(), gm.buffers(),
                               (_fetch(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"))
     memo = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
-    return copy.deepcopy(gm, memo)
+    return copy_graph_module(gm, memo)
 
 
 def _runnable(program) -> torch.fx.GraphModule:
     """A GraphModule of ``program`` to run and to edit, sharing its weights (node names are kept)."""
     if isinstance(program, torch.export.ExportedProgram):
-        return program.module()
+        return program_module(program)
     return _copy_sharing_weights(program)
 
 
@@ -356,7 +357,7 @@ def insert_fake_quantizers(graph: torch.fx.Graph, scales: ActivationScales,
 
 def _with_fake_quantizers(program, scales: ActivationScales, targets: list[FxCalibrationTarget]):
     if isinstance(program, torch.export.ExportedProgram):
-        gm = copy.deepcopy(program.graph_module)
+        gm = copy_graph_module(program.graph_module)
         insert_fake_quantizers(gm.graph, scales, targets)
         gm.recompile()
         with quiet_torch():  # copying the call graph's treespecs warns of torch's own LeafSpec deprecation

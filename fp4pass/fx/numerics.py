@@ -49,6 +49,7 @@ from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.numerics import DiffResult, plot_diff
 from fp4pass.onnx.numerics import _sort_key  # worst first, the ONNX diff's own order
+from fp4pass.fx.program import program_module
 from fp4pass.fx.shapes import check_inputs, guard_error
 from fp4pass.progress import progress
 
@@ -74,12 +75,12 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
 
 def _graph_module(model, args: tuple, kwargs: dict, label: str) -> torch.fx.GraphModule:
     if isinstance(model, torch.export.ExportedProgram):
-        return model.module()
+        return program_module(model)
     if isinstance(model, torch.fx.GraphModule):
         return model
     if isinstance(model, torch.nn.Module):
         log.info("fx diff: exporting %s (%s) with torch.export.export", label, type(model).__name__)
-        return torch.export.export(model, args, kwargs).module()
+        return program_module(torch.export.export(model, args, kwargs))
     raise UsageError(f"fx diff: {label} must be an ExportedProgram, a GraphModule or an nn.Module, "
                      f"got {type(model).__name__}")
 

@@ -26,7 +26,52 @@ import torch.fx
 
 from fp4pass.errors import UsageError
 
-__all__ = ["GraphConstants", "ModuleConstants", "ProgramConstants", "constants_of"]
+__all__ = ["GraphConstants", "ModuleConstants", "ProgramConstants", "constants_of", "copy_graph_module",
+           "program_module"]
+
+
+def copy_graph_module(gm: torch.fx.GraphModule, memo: dict | None = None) -> torch.fx.GraphModule:
+    """A deep copy of ``gm`` whose nodes keep ``gm``'s names.
+
+    torch.fx's copy gives each node a fresh name from its namespace, which renames a node named after a Python
+    builtin: ``torch.export`` names the placeholder of ``forward(self, input)`` (``nn.Sequential``'s) ``input``,
+    the copy would call it ``input_1``, and the program's graph signature, or a calibration target found on the
+    original graph, would no longer name it. ``memo`` is ``copy.deepcopy``'s (tensors to share, not copy).
+    """
+    with warnings.catch_warnings():  # torch's own pytree specs warn about their deprecated LeafSpec on copy
+        warnings.simplefilter("ignore", FutureWarning)
+        copied = copy.deepcopy(gm, memo)
+    renamed = False
+    for original, node in zip(gm.graph.nodes, copied.graph.nodes):
+        if node.name != original.name:
+            node.name = original.name  # as torch.export names its placeholders: set, not drawn from the namespace
+            renamed = True
+    if renamed:
+        copied.recompile()
+    return copied
+
+
+def program_module(program) -> torch.fx.GraphModule:
+    """``program.module()`` (weights as attributes, runnable) whose inputs keep the program's names.
+
+    ``module()`` renames an input named after a Python builtin (``input`` -> ``input_1``); a calibration target
+    or a diff row found on the program's graph names the program's node, so the names are set back: the
+    module's placeholders are the program's user inputs, in the signature's order.
+    """
+    from torch.export.graph_signature import InputKind
+
+    module = program.module()
+    names = [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    if len(names) != len(placeholders) or all(n.name == name for n, name in zip(placeholders, names)):
+        return module
+    taken = {n.name for n in module.graph.nodes} - {n.name for n in placeholders}
+    if taken & set(names):
+        return module  # a program's name already held by another node: keep torch's
+    for node, name in zip(placeholders, names):
+        node.name = name
+    module.recompile()
+    return module
 
 
 class GraphConstants:
@@ -150,9 +195,7 @@ class ProgramConstants(GraphConstants):
 
         self._kinds = InputKind
         self.program = program
-        with warnings.catch_warnings():  # torch's own pytree specs warn about their deprecated LeafSpec on copy
-            warnings.simplefilter("ignore", FutureWarning)
-            self.graph_module = copy.deepcopy(program.graph_module)
+        self.graph_module = copy_graph_module(program.graph_module)
         self.specs = list(program.graph_signature.input_specs)
         self.state_dict = dict(program.state_dict)
         self.constants = dict(program.constants)
