@@ -160,6 +160,10 @@ class _LayerStats:
         return hook
 
     def record(self, rel: str, expert: int, kind: str, rows: torch.Tensor, token_idx: torch.Tensor) -> None:
+        """Count the rows of expert ``expert`` (kind "gate_up" or "down"; "out" is not counted) that are not
+        padding into their statistic; the rows are kept as they are (returns None)."""
+        if kind == "out":
+            return None
         if self.valid is not None:
             rows = rows[self.valid[token_idx]]
         if kind == "gate_up":
@@ -232,16 +236,14 @@ class _LayerStats:
             out.tensors.update(best)
 
 
-def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats):
-    """The eager expert loop of transformers' MoE experts (gpt-oss: ``x @ W + b`` on [E, K, N] stacks; DeepSeek:
-    ``linear(x, W)``), with each expert's rows handed to its statistics on the way. On a CPU without bf16
-    matrix instructions each product runs in float32 and is rounded to the model's dtype
-    (:func:`float32_products`); the bias is then added in the model's dtype, as the model does."""
+def expert_projection(experts: torch.nn.Module):
+    """``project(x, weight, bias)``: one product of the model's experts as transformers' eager loop computes it
+    (gpt-oss: ``x @ W + b`` on [E, K, N] stacks; DeepSeek: ``linear(x, W)``). On a CPU without bf16 matrix
+    instructions the product runs in float32 and is rounded to the model's dtype (:func:`float32_products`);
+    the bias is then added in the model's dtype, as the model does."""
     import torch.nn.functional as F
 
-    num = experts.num_experts
     transposed = bool(getattr(experts, "is_transposed", False))
-    biased = bool(getattr(experts, "has_bias", False))
     upcast = float32_products(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
 
     def project(x, weight, bias):
@@ -249,6 +251,36 @@ def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats
         y = a @ w if transposed else F.linear(a, w)
         y = y.to(x.dtype)
         return y + bias if bias is not None else y
+
+    return project
+
+
+def expert_output(experts: torch.nn.Module, e: int, rows: torch.Tensor, project, on_input=None) -> torch.Tensor:
+    """Expert ``e``'s MLP on ``rows`` [n, H] (before the routing weight): gate/up product, the model's gated
+    activation (``_apply_gate``), down product. ``on_input(kind, x)`` sees the input of each product (``kind``
+    "gate_up" or "down") and may return a replacement for it (a fake-quantized copy), or None to keep it."""
+    biased = bool(getattr(experts, "has_bias", False))
+    if on_input is not None:
+        rows = _replaced(rows, on_input("gate_up", rows))
+    gate_up = project(rows, experts.gate_up_proj[e], experts.gate_up_proj_bias[e] if biased else None)
+    gated = experts._apply_gate(gate_up)
+    if on_input is not None:
+        gated = _replaced(gated, on_input("down", gated))
+    return project(gated, experts.down_proj[e], experts.down_proj_bias[e] if biased else None)
+
+
+def _replaced(rows: torch.Tensor, replacement: torch.Tensor | None) -> torch.Tensor:
+    return rows if replacement is None else replacement
+
+
+def _routed_forward(experts: torch.nn.Module, rel: str, visitor):
+    """The eager expert loop of transformers' MoE experts (same order, same operations: :func:`expert_output`),
+    with each expert's rows shown to ``visitor.record(rel, e, kind, rows, token_idx)``: kind "gate_up" (the MoE
+    input of its tokens) and "down" (its intermediate activation), whose return value, when not None, replaces
+    the rows; then "out" (its output before the routing weight; the return value is ignored). ``token_idx``:
+    the rows' token positions in the flattened batch."""
+    num = experts.num_experts
+    project = expert_projection(experts)
 
     def forward(hidden_states, top_k_index, top_k_weights):
         final = torch.zeros_like(hidden_states)
@@ -266,12 +298,9 @@ def _routed_forward(experts: torch.nn.Module, rel: str, layer_stats: _LayerStats
             picked = order[start:start + count]
             start += count
             top_k_pos, token_idx = picked // tokens, picked % tokens
-            current = hidden_states[token_idx]
-            layer_stats.record(rel, e, "gate_up", current, token_idx)
-            gate_up = project(current, experts.gate_up_proj[e], experts.gate_up_proj_bias[e] if biased else None)
-            gated = experts._apply_gate(gate_up)
-            layer_stats.record(rel, e, "down", gated, token_idx)
-            out = project(gated, experts.down_proj[e], experts.down_proj_bias[e] if biased else None)
+            out = expert_output(experts, e, hidden_states[token_idx], project,
+                                lambda kind, rows: visitor.record(rel, e, kind, rows, token_idx))
+            visitor.record(rel, e, "out", out, token_idx)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             # index_add_ in transformers' loop; a token meets each expert once, so each row gets one addition
             # either way (the same numbers), and index_put_ is ~9x faster on the CPU for bf16

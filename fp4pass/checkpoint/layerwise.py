@@ -125,9 +125,11 @@ def _rename(name: str, renamings: list) -> str:
 class Source:
     """Where one model tensor (or one expert's part of it) comes from."""
 
-    kind: str  # plain | mx | fused | fp8
-    name: str  # checkpoint tensor (plain, fp8) or module (mx, fused)
-    unit: object = None  # Linear | FusedExperts
+    kind: str  # plain | mx | fused | fp8 | decoded | decoded-stack
+    name: str  # checkpoint tensor (plain, fp8) or module (mx, fused, decoded, decoded-stack)
+    #: Linear | FusedExperts (MXFP4); for "decoded" a unit with ``decode(read, device, dtype)`` -> [N, K], for
+    #: "decoded-stack" one with ``fill_stack(read, out, transposed)`` (another quantized form: NVFP4)
+    unit: object = None
     scale: str | None = None  # fp8 block scales
 
 
@@ -146,14 +148,16 @@ class WeightSources:
         out = cls()
         sources: list[tuple[str, Source]] = []
         for unit in found.units:
-            if isinstance(unit, FusedExperts):
+            if isinstance(unit, FusedExperts) or hasattr(unit, "fill_stack"):
                 target = _rename(unit.name, renamings)
-                out.plain[target] = Source("fused", unit.name, unit)
+                kind = "fused" if isinstance(unit, FusedExperts) else "decoded-stack"
+                out.plain[target] = Source(kind, unit.name, unit)
                 stack = target.rpartition(".")[0]
                 out.quantized[unit.name] = (stack, None, "gate_up" if unit.proj.startswith("gate_up") else "down")
                 continue
             for lin in unit if isinstance(unit, tuple) else (unit,):
-                sources.append((lin.module + ".weight", Source("mx", lin.module, lin)))
+                kind = "decoded" if hasattr(lin, "decode") else "mx"
+                sources.append((lin.module + ".weight", Source(kind, lin.module, lin)))
         fp8_scales = set()
         for name, entry in catalog.tensors.items():
             if name in found.consumed:
@@ -177,11 +181,11 @@ class WeightSources:
                 stack = match.group("experts")
                 tensor = f"{stack}.gate_up_proj" if proj in _GATE_UP else f"{stack}.down_proj"
                 out.experts.setdefault(tensor, {}).setdefault(e, {})[_GATE_UP.get(proj, 0)] = source
-                if source.kind == "mx":
+                if source.kind in ("mx", "decoded"):
                     out.quantized[source.name] = (stack, e, "gate_up" if proj in _GATE_UP else "down")
                 continue
             out.plain[target] = source
-            if source.kind == "mx":
+            if source.kind in ("mx", "decoded"):
                 out.quantized[source.name] = (target[: -len(".weight")], None, "dense")
         return out
 
@@ -228,6 +232,8 @@ class WeightLoader:
             return self._mx(source.unit, dtype)
         if source.kind == "fp8":
             return self._fp8(source)
+        if source.kind == "decoded":
+            return source.unit.decode(self._read, self.device, dtype)
         return self._read(source.name)
 
     def fill(self, target: str, tensor: torch.Tensor, owner: torch.nn.Module | None = None) -> None:
@@ -240,6 +246,9 @@ class WeightLoader:
             source = self.sources.plain[target]
             if source.kind == "fused":
                 self._fill_fused(source.unit, tensor, target, bool(getattr(owner, "is_transposed", False)))
+                return
+            if source.kind == "decoded-stack":
+                source.unit.fill_stack(self._read, tensor, bool(getattr(owner, "is_transposed", False)))
                 return
             value = self.value(source, tensor.dtype)
             if tuple(value.shape) != tuple(tensor.shape):
@@ -487,7 +496,9 @@ class _Stop(Exception):
 
 
 class _Recorder(torch.nn.Module):
-    """Stands in for decoder layer ``index``: records its inputs when it is the wanted one, else passes them on."""
+    """Stands in for decoder layer ``index``: records its inputs when it is the wanted one, returns the hidden
+    states put in ``box["inject"]`` when it is the last layer and they are given (the model's own tail, its final
+    norm, then runs on them), else passes its inputs on."""
 
     def __init__(self, index: int, box: dict):
         super().__init__()
@@ -497,6 +508,9 @@ class _Recorder(torch.nn.Module):
         if self.box["want"] == self.index:
             self.box["hidden"], self.box["args"], self.box["kwargs"] = hidden_states, args, kwargs
             raise _Stop
+        inject = self.box.get("inject")
+        if inject is not None and inject[0] == self.index:
+            return inject[1]
         return hidden_states
 
 
@@ -550,9 +564,12 @@ class HiddenStore:
 class LayerRunner:
     """The model of a checkpoint, run layer by layer on ``batches`` (module docstring)."""
 
-    def __init__(self, catalog: Catalog, found, device: torch.device, dtype=torch.bfloat16):
+    def __init__(self, catalog: Catalog, found, device: torch.device, dtype=torch.bfloat16,
+                 config: dict | None = None):
+        """``found``: the checkpoint's quantized units (:func:`fp4pass.checkpoint.detect.detect`, or another
+        form's decoded units); ``config``: the model's config.json when it is not the catalog's own."""
         self.catalog, self.device = catalog, device
-        self.model_type, self.cfg = resolve_architecture(catalog.config, catalog.folder)
+        self.model_type, self.cfg = resolve_architecture(catalog.config if config is None else config, catalog.folder)
         self.model, self.base = build_skeleton(self.model_type, self.cfg, dtype)
         self.sources = WeightSources.build(catalog, found, self.model_type)
         self.loader = WeightLoader(catalog, self.sources, device)
@@ -638,6 +655,35 @@ class LayerRunner:
         with torch.no_grad(), float32_linears(module):
             out = module(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+    def final_hidden(self, last: torch.Tensor, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The base model's output for a batch whose last decoder layer gave ``last``: the model's own forward
+        with ``last`` put in place of that layer's output, so its tail (final norm; DeepSeek-V4's
+        hyper-connection head) runs as the model runs it."""
+        self.box["inject"] = (len(self.layers) - 1, last)
+        try:
+            with torch.no_grad():
+                out = self.base(input_ids=input_ids.to(self.device),
+                                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                                use_cache=False)
+        finally:
+            self.box["inject"] = None
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def output_head(self) -> torch.nn.Module:
+        """The causal LM's output embedding (``lm_head``), loaded on first use: from the checkpoint, or the
+        input embedding's weight where the config ties them."""
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise CheckpointError(f"{self.model_type}: the transformers model has no output embedding (lm_head)")
+        if head.weight.device.type == "meta":
+            if bool(getattr(self.cfg, "tie_word_embeddings", False)) and "lm_head.weight" not in self.sources.plain:
+                head.weight = self.model.get_input_embeddings().weight
+            else:
+                prefix = next(n for n, m in self.model.named_modules() if m is head)
+                materialize(head, f"{prefix}.", self.loader, self.cfg, self.device)
+        return head
 
 
 _LIBC_TRIM = None

@@ -1,0 +1,610 @@
+"""What an NVFP4 checkpoint costs in accuracy, layer by layer and expert by expert, before it is served.
+
+::
+
+    result = fp4pass.checkpoint.diff("gpt-oss-20b", "gpt-oss-20b-nvfp4", "calib.jsonl", seq_len=512)
+    print(result.format_table()); result.to_json()
+
+Both checkpoints run through transformers' own modeling code, one decoder layer at a time, on the runner that
+calibration uses (:mod:`fp4pass.checkpoint.layerwise`): the source (MXFP4 of any form fp4pass converts, or a bf16
+checkpoint of the same architecture) as it is, the NVFP4 side from its stored tensors decoded by its form's
+convention and, for W4A4, with every quantized module's input fake-quantized to NVFP4 with its stored input
+scale, as the engines compute (:mod:`fp4pass.checkpoint.nvfp4_weights`). Memory holds one layer of each model
+(two while the next loads) and the hidden states of both.
+
+Figures, with SNR = 10 log10(sum a^2 / sum (a - b)^2) = 20 log10(||a|| / ||a - b||) over the tokens that are
+not padding (``None`` where the two are identical), ``a`` the source's:
+
+- per decoder layer, ``snr_db_local``: the NVFP4 layer fed the source's input hidden states, its output against
+  the source layer's (where a defect shows); ``snr_db_end_to_end``: each model fed its own previous layer's
+  output;
+- per routed expert, ``snr_db``: the expert's MLP output (before its routing weight) on the tokens the source
+  routed to it, the NVFP4 expert given the source's inputs; experts no token reached are listed apart;
+- at the logits (the model's own final norm and ``lm_head``, in float32): ``kl_mean`` / ``kl_max`` of
+  KL(source || nvfp4) per token over the vocabulary (natural log), ``top1_agreement``, and the perplexity of
+  each on the data's next tokens (the first position of each row is not scored);
+- ``first_below``: the first layer whose local SNR is under ``snr_min``.
+
+Under ``torch.distributed`` each rank runs its share of the batches and the sums are all-reduced, as in
+calibration.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.checkpoint.calib_data import Batch, load_batches
+from fp4pass.checkpoint.calibration import _Clock, _share, expert_output, expert_projection, _routed_forward
+from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.checkpoint.detect import detect
+from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
+                                          float32_products, hidden_budget, resolve_architecture)
+from fp4pass.checkpoint.nvfp4_weights import NVExpertStack, NVFP4Weights, fake_quantize_activation, find_nvfp4
+from fp4pass.checkpoint.safetensors_io import CheckpointError
+
+__all__ = ["diff", "CheckpointDiff", "WORST_EXPERTS", "SHAPE_FIELDS"]
+
+log = logging.getLogger(__name__)
+
+#: experts listed in the report, the worst first (every routed expert when fewer)
+WORST_EXPERTS = 10
+#: config fields two checkpoints must agree on to be the same architecture
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "moe_intermediate_size",
+                "num_local_experts", "n_routed_experts", "num_experts", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "hc_mult")
+#: bytes of float32 logits computed at once (per model)
+LOGITS_CHUNK_BYTES = 1 << 28
+
+
+class _Energy:
+    """Signal and error energy of a comparison, in float64: SNR = 10 log10(signal / error)."""
+
+    __slots__ = ("signal", "error", "values", "nonfinite")
+
+    def __init__(self):
+        self.signal = self.error = 0.0
+        self.values = self.nonfinite = 0
+
+    def add(self, ref: torch.Tensor, test: torch.Tensor) -> None:
+        r, t = ref.double(), test.double()
+        finite = torch.isfinite(t)
+        self.nonfinite += int((~finite).sum())
+        d = torch.where(finite, t - r, torch.zeros_like(r))
+        self.signal += float((r * r).sum())
+        self.error += float((d * d).sum())
+        self.values += r.numel()
+
+    def as_list(self) -> list[float]:
+        return [self.signal, self.error, float(self.values), float(self.nonfinite)]
+
+    def set(self, values: list[float]) -> None:
+        self.signal, self.error, self.values, self.nonfinite = values[0], values[1], int(values[2]), int(values[3])
+
+    def snr_db(self) -> float | None:
+        """None where identical; -inf where the test side has NaN/Inf or the reference is all zero."""
+        if self.nonfinite:
+            return -math.inf
+        if self.error == 0.0:
+            return None
+        if self.signal == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.signal / self.error)
+
+
+def _json_db(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 4)
+
+
+@dataclass
+class CheckpointDiff:
+    """The figures of :func:`diff` (module docstring); ``to_json()`` and ``format_table()`` like the ONNX diff."""
+
+    layers: list[dict]
+    experts: list[dict]  # every routed expert, the worst first
+    unrouted: list[dict]
+    logits: dict
+    run: dict
+    notes: list[str] = field(default_factory=list)
+    snr_min: float | None = None
+    kl_max: float | None = None
+
+    @property
+    def first_below(self) -> int | None:
+        if self.snr_min is None:
+            return None
+        for row in self.layers:
+            snr = row["snr_db_local"]
+            if snr is not None and snr < self.snr_min:
+                return row["index"]
+        return None
+
+    @property
+    def passed(self) -> bool:
+        kl = self.logits.get("kl_mean")
+        over = self.kl_max is not None and (kl is None or not math.isfinite(kl) or kl > self.kl_max)
+        return self.first_below is None and not over
+
+    def worst_experts(self, count: int = WORST_EXPERTS) -> list[dict]:
+        return self.experts[:max(count, WORST_EXPERTS)]
+
+    def to_json(self) -> dict:
+        def row(r: dict) -> dict:
+            return {k: (_json_db(v) if k.startswith("snr_db") else v) for k, v in r.items()}
+
+        logits = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.logits.items()}
+        return {"layers": [row(r) for r in self.layers], "experts": [row(r) for r in self.worst_experts()],
+                "unrouted_experts": self.unrouted, "logits": logits, "first_below": self.first_below,
+                "snr_min": self.snr_min, "kl_max": self.kl_max, "passed": self.passed, "run": self.run,
+                "notes": self.notes}
+
+    def format_table(self, experts: int = WORST_EXPERTS) -> str:
+        def db(value) -> str:
+            if value is None:
+                return "identical"
+            return "NaN/Inf" if not math.isfinite(value) else f"{value:.2f}"
+
+        lines = [f"{'layer':>5} {'local SNR dB':>13} {'end-to-end SNR dB':>18}"]
+        for r in self.layers:
+            mark = "  <- first under --snr-min" if r["index"] == self.first_below else ""
+            lines.append(f"{r['index']:>5} {db(r['snr_db_local']):>13} {db(r['snr_db_end_to_end']):>18}{mark}")
+        worst = self.worst_experts(experts)
+        if worst:
+            lines += ["", f"worst experts ({len(worst)} of {len(self.experts)} routed)",
+                      f"{'layer':>5} {'expert':>6} {'SNR dB':>9} {'tokens':>7}  module"]
+            lines += [f"{r['layer']:>5} {r['expert']:>6} {db(r['snr_db']):>9} {r['tokens']:>7}  {r['module']}"
+                      for r in worst]
+        if self.unrouted:
+            lines.append(f"unrouted experts (no token of the data reached them): {len(self.unrouted)}")
+        lg = self.logits
+        if lg:
+            lines += ["", f"logits: KL mean {lg['kl_mean']:.4g}, max {lg['kl_max']:.4g} (nats); top-1 agreement "
+                          f"{lg['top1_agreement']:.2%}; perplexity source {lg['ppl_source']:.4g}, nvfp4 "
+                          f"{lg['ppl_nvfp4']:.4g}"]
+        r = self.run
+        lines.append(f"{r['tokens']} tokens in {r['batches']} batches, {r['layers']} layers of {r['model_type']} "
+                     f"({r['nvfp4_form']}, {r['activations']}) on {r['device']} in {r['seconds']:.1f} s")
+        lines += [f"note: {n}" for n in self.notes]
+        verdict = "passed" if self.passed else "FAILED"
+        limits = [f"--snr-min {self.snr_min}" if self.snr_min is not None else None,
+                  f"--kl-max {self.kl_max}" if self.kl_max is not None else None]
+        limits = [x for x in limits if x]
+        if limits:
+            lines.append(f"{verdict} ({', '.join(limits)})")
+        return "\n".join(lines)
+
+
+class _Quantizer:
+    """W4A4: fake-quantizes the inputs of the NVFP4 side's quantized modules (module docstring), as hooks on
+    its dense Linears and inside its experts' routed loop."""
+
+    def __init__(self, runner: LayerRunner, weights: NVFP4Weights, notes: list[str]):
+        self.active = weights.activations == "W4A4"
+        self.dense: dict[str, torch.Tensor] = {}  # model module path -> g
+        self.experts: dict[tuple, torch.Tensor] = {}  # (model stack path, expert | None, kind) -> g ([] or [E])
+        if not self.active:
+            return
+        read = runner.catalog.read
+        units = weights.modules()
+        pairs: dict[tuple, dict] = {}
+        for name, (target, expert, kind) in runner.sources.quantized.items():
+            g = units[name].activation_scale(read)
+            if g is None:
+                continue
+            g = g.to(runner.device)
+            if expert is None and kind == "dense":
+                self.dense[target] = g
+            elif kind == "gate_up" and expert is not None:
+                pairs.setdefault((target, expert), {})[name.rpartition(".")[2]] = g
+            else:
+                self.experts[(target, expert, kind)] = g
+        differ = []
+        for (target, expert), halves in pairs.items():
+            gate = next((halves[k] for k in ("w1", "gate_proj") if k in halves), None)
+            chosen = gate if gate is not None else next(iter(halves.values()))
+            self.experts[(target, expert, "gate_up")] = chosen
+            if any(not torch.equal(v, chosen) for v in halves.values()):
+                differ.append(f"{target}.{expert}")
+        if differ:
+            notes.append(f"{len(differ)} expert(s) store different gate (w1) and up (w3) input scales; their fused "
+                         f"gate/up input is quantized with w1's, as vLLM does (first: {differ[0]})")
+
+    def scale(self, stack: str, expert: int, kind: str) -> torch.Tensor | None:
+        g = self.experts.get((stack, expert, kind))
+        if g is None:
+            g = self.experts.get((stack, None, kind))
+            if g is not None and g.dim():
+                g = g[expert]
+        return g
+
+    def install(self, layer: torch.nn.Module, prefix: str) -> list:
+        undo = []
+        if not self.active:
+            return undo
+        for rel, target in ((r, prefix + r) for r in _dense_paths(self.dense, prefix)):
+            g = self.dense[target]
+            handle = layer.get_submodule(rel).register_forward_pre_hook(
+                lambda _m, args, g=g: (fake_quantize_activation(args[0], g), *args[1:]))
+            undo.append(handle)
+        return undo
+
+    def on_input(self, stack: str, expert: int):
+        """``on_input(kind, rows)`` of :func:`expert_output` for one NVFP4 expert."""
+        if not self.active:
+            return None
+
+        def quantize(kind: str, rows: torch.Tensor):
+            g = self.scale(stack, expert, kind)
+            return None if g is None else fake_quantize_activation(rows, g)
+        return quantize
+
+
+def _dense_paths(dense: dict, prefix: str) -> list[str]:
+    return [t[len(prefix):] for t in dense if t.startswith(prefix)]
+
+
+class _NVFP4Experts:
+    """The routed loop of an NVFP4 expert stack: each expert's inputs fake-quantized (W4A4)."""
+
+    def __init__(self, quantizer: _Quantizer, stack: str):
+        self.quantizer, self.stack = quantizer, stack
+
+    def record(self, rel, expert, kind, rows, token_idx):
+        if kind == "out":
+            return None
+        hook = self.quantizer.on_input(self.stack, expert)
+        return None if hook is None else hook(kind, rows)
+
+
+class _SourceExperts:
+    """The source's routed loop, keeping each expert's non-padding input rows and output of the batch."""
+
+    def __init__(self):
+        self.valid: torch.Tensor | None = None
+        self.rows: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def record(self, rel, expert, kind, rows, token_idx):
+        keep = rows if self.valid is None else rows[self.valid[token_idx]]
+        if kind == "gate_up":
+            self.rows[expert] = keep
+        elif kind == "out":
+            self.outputs[expert] = keep
+        return None
+
+
+def _same_architecture(src: Catalog, nvfp4: Catalog) -> None:
+    """Refuse two checkpoints of different architectures or shapes (exit 2), naming the field."""
+    a, b = src.config, nvfp4.config
+    type_a, _ = resolve_architecture(a, src.folder)
+    type_b, _ = resolve_architecture(b, nvfp4.folder)
+    if type_a != type_b:
+        raise CheckpointError(f"{nvfp4.folder}: a {type_b} model, but {src.folder} is {type_a}: not the same "
+                              "architecture")
+    for key in SHAPE_FIELDS:
+        if key in a and key in b and a[key] != b[key]:
+            what = "layer counts" if key == "num_hidden_layers" else key
+            raise CheckpointError(f"{nvfp4.folder}: {key} {b[key]!r}, but {src.folder} has {a[key]!r}: the two "
+                                  f"checkpoints differ in {what}")
+
+
+def _peak_rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of ``hidden`` [n, H]: float32 products where the CPU lacks bf16 matrix instructions
+    (the head's weight converted in slices of the vocabulary), else the head's own product, upcast."""
+    weight = head.weight
+    if not float32_products(weight.device, weight.dtype):
+        return head(hidden).float()
+    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+    x = hidden.float()
+    step = max(1, (64 << 20) // (weight.shape[1] * 4))
+    for v in range(0, weight.shape[0], step):
+        torch.matmul(x, weight[v:v + step].float().t(), out=out[:, v:v + step])
+    if getattr(head, "bias", None) is not None:
+        out += head.bias.float()
+    return out
+
+
+class _LogitStats:
+    """KL(source || nvfp4), top-1 agreement and both negative log-likelihoods, summed over tokens."""
+
+    def __init__(self):
+        self.kl_sum = 0.0
+        self.kl_max = 0.0
+        self.tokens = 0
+        self.agree = 0
+        self.nll = [0.0, 0.0]
+        self.scored = 0
+
+    def add(self, src: torch.Tensor, nv: torch.Tensor, targets: torch.Tensor) -> None:
+        """``src``/``nv``: float32 logits [n, V]; ``targets`` [n]: the next token id, -1 where not scored."""
+        log_p = torch.log_softmax(src, -1)
+        log_q = torch.log_softmax(nv, -1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        kl = torch.where(torch.isnan(kl), torch.full_like(kl, math.inf), kl)
+        self.kl_sum += float(kl.double().sum())
+        self.kl_max = max(self.kl_max, float(kl.max()) if kl.numel() else 0.0)
+        self.tokens += kl.numel()
+        self.agree += int((src.argmax(-1) == nv.argmax(-1)).sum())
+        scored = targets >= 0
+        if scored.any():
+            idx = targets[scored].unsqueeze(-1)
+            self.nll[0] -= float(log_p[scored].gather(-1, idx).double().sum())
+            self.nll[1] -= float(log_q[scored].gather(-1, idx).double().sum())
+            self.scored += int(scored.sum())
+
+    def as_list(self) -> list[float]:
+        return [self.kl_sum, float(self.tokens), float(self.agree), self.nll[0], self.nll[1], float(self.scored)]
+
+    def set(self, values: list[float], kl_max: float) -> None:
+        self.kl_sum, self.tokens, self.agree = values[0], int(values[1]), int(values[2])
+        self.nll, self.scored, self.kl_max = [values[3], values[4]], int(values[5]), kl_max
+
+    def to_json(self) -> dict:
+        def ppl(nll: float) -> float | None:
+            if not self.scored:
+                return None
+            mean = nll / self.scored
+            return math.exp(mean) if mean < 700 else math.inf
+        n = max(self.tokens, 1)
+        return {"kl_mean": self.kl_sum / n, "kl_max": self.kl_max, "top1_agreement": self.agree / n,
+                "ppl_source": ppl(self.nll[0]), "ppl_nvfp4": ppl(self.nll[1]), "tokens": self.tokens,
+                "scored_next_tokens": self.scored}
+
+
+def _targets(batch: Batch, device) -> torch.Tensor:
+    """[B, T]: the next token where this position and the next are real tokens, else -1."""
+    ids = batch.input_ids.to(device)
+    out = torch.full_like(ids, -1)
+    out[:, :-1] = ids[:, 1:]
+    if batch.attention_mask is not None:
+        mask = batch.attention_mask.to(device).bool()
+        scored = mask[:, :-1] & mask[:, 1:]
+        out[:, :-1] = torch.where(scored, out[:, :-1], torch.full_like(out[:, :-1], -1))
+    return out
+
+
+def _valid(batch: Batch, device) -> torch.Tensor | None:
+    return None if batch.attention_mask is None else batch.attention_mask.reshape(-1).bool().to(device)
+
+
+def _tokens_of(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The non-padding positions of ``hidden`` [B, T, ...] as rows [n, ...]."""
+    if batch.attention_mask is None:
+        return hidden.reshape(-1, *hidden.shape[2:])
+    return hidden[batch.attention_mask.to(hidden.device).bool()]
+
+
+def _reduce(values: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+    """Sum ``values`` and take the max of ``maxima`` over the process group (torch.distributed), if any."""
+    from fp4pass.calib.distributed import distributed_ready
+
+    if not distributed_ready():
+        return values, maxima
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sums = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    tops = torch.tensor(maxima or [0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(tops, op=dist.ReduceOp.MAX)
+    return sums.tolist(), tops.tolist()[:len(maxima)]
+
+
+def _source_units(catalog: Catalog):
+    """The source's MXFP4 units (none for a bf16 checkpoint); an NVFP4 source is refused."""
+    found = detect(catalog.tensors, catalog.config)
+    if not found.units:
+        try:
+            find_nvfp4(catalog)
+        except CheckpointError:
+            return found
+        raise CheckpointError(f"{catalog.folder}: holds NVFP4 weights; give the MXFP4 (or bf16) source first and "
+                              "the NVFP4 checkpoint second")
+    if found.declined:
+        first = found.declined[0]
+        raise CheckpointError(f"{first['tensor']}: {first['reason']} (the source cannot run as it is)")
+    return found
+
+
+def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: int | None = None,
+         batch_size: int | None = None, device: str | None = "auto", snr_min: float | None = None,
+         kl_max: float | None = None, follow_symlinks: bool = False, hidden_budget_bytes: int | None = None,
+         show_progress: bool | None = False) -> CheckpointDiff:
+    """Run ``src_dir`` and ``nvfp4_dir`` side by side on ``data`` (any form calibration takes) and measure what
+    the NVFP4 checkpoint loses (module docstring). ``device``: auto | cpu | cuda; ``hidden_budget_bytes``:
+    hidden states kept in memory (the rest spill to a temporary folder), as in calibration. Raises
+    :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models or bad data."""
+    start = time.perf_counter()
+    dev = default_device(device)
+    with Catalog.open(src_dir, follow_symlinks) as src, Catalog.open(nvfp4_dir, follow_symlinks) as target:
+        _same_architecture(src, target)
+        found = _source_units(src)
+        weights = find_nvfp4(target)
+        model_type, cfg = resolve_architecture(src.config, src_dir)
+        every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
+                             batch_size=batch_size)
+        batches = _share(every)
+        if not batches:
+            raise CalibrationDataError(f"{data}: no rows to run")
+        src_runner = LayerRunner(src, found, dev)
+        nv_runner = LayerRunner(target, weights, dev)
+        notes: list[str] = []
+        quantizer = _Quantizer(nv_runner, weights, notes)
+        budget = hidden_budget(dev, hidden_budget_bytes) // 2
+        stores = HiddenStore(budget, dev), HiddenStore(budget, dev)
+        run = {"model_type": model_type, "device": str(dev), "layers": src_runner.num_layers,
+               "batches": len(every), "tokens": sum(b.tokens for b in every), "nvfp4_form": weights.form,
+               "activations": weights.activations, "timings_s": {}}
+        try:
+            layers, experts, unrouted, logits = _run(src_runner, nv_runner, quantizer, batches, stores, dev, run,
+                                                     show_progress)
+        finally:
+            for store in stores:
+                store.close()
+    run["seconds"] = time.perf_counter() - start
+    run["peak_rss_mib"] = round(_peak_rss_mib(), 1)
+    return CheckpointDiff(layers, experts, unrouted, logits, run, notes, snr_min, kl_max)
+
+
+def _run(src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores, dev, run: dict,
+         show_progress) -> tuple:
+    from fp4pass.progress import progress
+
+    src_store, nv_store = stores
+    clock = _Clock(dev, run["timings_s"])
+    fetch = LayerPrefetcher(src), LayerPrefetcher(nv)
+    layers, expert_rows, unrouted = [], [], []
+    try:
+        for f in fetch:
+            f.start(0)
+        for b, batch in enumerate(batches):
+            src_store.put(b, src.capture(0, batch.input_ids, batch.attention_mask)[0])
+            nv_store.put(b, nv.capture(0, batch.input_ids, batch.attention_mask)[0])
+        clock.lap("embed")
+        bar = progress(range(src.num_layers * len(batches)), total=src.num_layers * len(batches),
+                       desc="diff (layer x batch)", enabled=show_progress, unit="batch")
+        steps = iter(bar)
+        for i in range(src.num_layers):
+            row, experts, idle = _layer(i, src, nv, quantizer, batches, stores, fetch, clock, steps)
+            layers.append(row)
+            expert_rows += experts
+            unrouted += idle
+        logits = _logit_figures(src, nv, batches, stores)
+        clock.lap("logits")
+    finally:
+        for f in fetch:
+            f.close()
+        run["timings_s"]["load_background"] = fetch[0].busy + fetch[1].busy
+    expert_rows.sort(key=_worst_first)
+    return layers, expert_rows, unrouted, logits
+
+
+def _worst_first(row: dict) -> float:
+    """Sort key: NaN/Inf outputs first, then ascending SNR, identical outputs (None) last."""
+    return math.inf if row["snr_db"] is None else row["snr_db"]
+
+
+def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores, fetch,
+           clock, steps) -> tuple[dict, list[dict], list[dict]]:
+    """Layer ``i`` of both models over every batch: the layer's row, its experts' rows, its unrouted experts."""
+    src_store, nv_store = stores
+    prefix = f"layers.{i}."
+    src_mod, nv_mod = fetch[0].take(i), fetch[1].take(i)
+    clock.lap("load")
+    if i + 1 < src.num_layers:
+        for f in fetch:
+            f.start(i + 1)
+    src_stacks = dict(experts_modules(src_mod))
+    nv_stacks = dict(experts_modules(nv_mod))
+    recorders = {rel: _SourceExperts() for rel in src_stacks if rel in nv_stacks}
+    undo = []
+    for rel, recorder in recorders.items():
+        src_stacks[rel].forward = _routed_forward(src_stacks[rel], rel, recorder)
+        nv_stacks[rel].forward = _routed_forward(nv_stacks[rel], rel, _NVFP4Experts(quantizer, prefix + rel))
+        undo += [src_stacks[rel], nv_stacks[rel]]
+    hooks = quantizer.install(nv_mod, prefix)
+    local, e2e = _Energy(), _Energy()
+    per_expert: dict[tuple, _Energy] = {}
+    tokens: dict[tuple, int] = {}
+    projections = {rel: expert_projection(nv_stacks[rel]) for rel in recorders}
+    try:
+        for b, batch in enumerate(batches):
+            valid = _valid(batch, src.device)
+            for recorder in recorders.values():
+                recorder.valid, recorder.rows, recorder.outputs = valid, {}, {}
+            args_s, kw_s = src.layer_inputs(i, batch.input_ids, batch.attention_mask)
+            args_n, kw_n = nv.layer_inputs(i, batch.input_ids, batch.attention_mask)
+            h_src, h_nv = src_store.get(b), nv_store.get(b)
+            out_src = src.run_layer(src_mod, h_src, args_s, kw_s)
+            out_local = nv.run_layer(nv_mod, h_src, args_n, kw_n)
+            same_input = h_nv is h_src or torch.equal(h_nv, h_src)
+            out_e2e = out_local if same_input else nv.run_layer(nv_mod, h_nv, args_n, kw_n)
+            local.add(_tokens_of(out_src, batch), _tokens_of(out_local, batch))
+            e2e.add(_tokens_of(out_src, batch), _tokens_of(out_e2e, batch))
+            for rel, rec in recorders.items():
+                experts = nv_stacks[rel]
+                with torch.no_grad():
+                    for e, rows in rec.rows.items():
+                        key = (rel, e)
+                        tokens[key] = tokens.get(key, 0) + rows.shape[0]
+                        if not rows.shape[0]:
+                            continue
+                        out = expert_output(experts, e, rows, projections[rel], quantizer.on_input(prefix + rel, e))
+                        per_expert.setdefault(key, _Energy()).add(rec.outputs[e], out)
+            src_store.put(b, out_src)
+            nv_store.put(b, out_e2e)
+            next(steps, None)
+        clock.lap("layers")
+    finally:
+        for module in undo:
+            del module.forward
+        for handle in hooks:
+            handle.remove()
+        for f in fetch:
+            f.release(i)
+        clock.lap("release")
+    counts = {rel: s.num_experts for rel, s in nv_stacks.items() if rel in recorders}
+    return _layer_rows(i, prefix, local, e2e, per_expert, tokens, counts)
+
+
+def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, tokens: dict, counts: dict):
+    keys = sorted(per_expert)
+    flat = local.as_list() + e2e.as_list() + [v for k in keys for v in per_expert[k].as_list()]
+    token_keys = [(rel, e) for rel, n in sorted(counts.items()) for e in range(n)]
+    flat += [float(tokens.get(k, 0)) for k in token_keys]
+    flat, _ = _reduce(flat, [])
+    local.set(flat[0:4])
+    e2e.set(flat[4:8])
+    for j, k in enumerate(keys):
+        per_expert[k].set(flat[8 + 4 * j: 12 + 4 * j])
+    reduced_tokens = dict(zip(token_keys, (int(v) for v in flat[8 + 4 * len(keys):])))
+    row = {"index": i, "snr_db_local": local.snr_db(), "snr_db_end_to_end": e2e.snr_db()}
+    if local.nonfinite or e2e.nonfinite:
+        row["nonfinite_local"], row["nonfinite_end_to_end"] = local.nonfinite, e2e.nonfinite
+    experts, idle = [], []
+    for rel, e in token_keys:
+        count = reduced_tokens.get((rel, e), 0)
+        energy = per_expert.get((rel, e))
+        if not count or energy is None:
+            idle.append({"layer": i, "expert": e, "module": prefix + rel})
+            continue
+        experts.append({"layer": i, "expert": e, "snr_db": energy.snr_db(), "tokens": count,
+                        "module": prefix + rel})
+    return row, experts, idle
+
+
+def _logit_figures(src: LayerRunner, nv: LayerRunner, batches: list[Batch], stores) -> dict:
+    src_store, nv_store = stores
+    heads = src.output_head(), nv.output_head()
+    stats = _LogitStats()
+    vocab = heads[0].weight.shape[0]
+    chunk = max(1, LOGITS_CHUNK_BYTES // (vocab * 4))
+    for b, batch in enumerate(batches):
+        hs = _tokens_of(src.final_hidden(src_store.get(b), batch.input_ids, batch.attention_mask), batch)
+        hn = _tokens_of(nv.final_hidden(nv_store.get(b), batch.input_ids, batch.attention_mask), batch)
+        targets = _tokens_of(_targets(batch, hs.device).unsqueeze(-1), batch).reshape(-1)
+        with torch.no_grad():
+            for s in range(0, hs.shape[0], chunk):
+                stats.add(_logits(heads[0], hs[s:s + chunk]), _logits(heads[1], hn[s:s + chunk]),
+                          targets[s:s + chunk])
+    sums, top = _reduce(stats.as_list(), [stats.kl_max])
+    stats.set(sums, top[0])
+    return stats.to_json()

@@ -1,0 +1,272 @@
+"""An NVFP4 checkpoint's weights, decoded the way an engine reads them, for the model's own forward.
+
+Any writer's form (fp4pass, ModelOpt, llm-compressor), each by its own convention, with ``e2m1`` the packed
+values (even element in the low nibble) and ``s`` the E4M3 block scale of each 16 along the input axis:
+
+- ModelOpt (``M.weight``, ``M.weight_scale``, ``M.weight_scale_2``, ``M.input_scale``): the global scale is a
+  MULTIPLIER, ``W = e2m1 * (s * weight_scale_2)``; activations are quantized with the global scale
+  ``1 / input_scale``;
+- compressed-tensors ``nvfp4-pack-quantized`` (``M.weight_packed``, ``M.weight_scale``,
+  ``M.weight_global_scale``, ``M.input_global_scale``): the global scale is a DIVISOR,
+  ``W = e2m1 * (s / weight_global_scale)`` (compressed-tensors' own ``_dequantize``); activations are
+  quantized with the global scale ``input_global_scale``;
+- ModelOpt's gpt-oss expert stacks (``P`` = ``...experts.gate_up_proj`` or ``...experts.down_proj``): ``P`` U8
+  [E, K/2, N] and ``P_weight_scale`` [E, K/16, N] (the [E, N, .] bytes transposed), ``P_weight_scale_2`` and
+  ``P_input_scale`` F32 [] (all experts) or [E] (one per expert), multipliers.
+
+Activations (W4A4), as the engines compute them (vLLM's ``ref_nvfp4_quant`` emulation, compressed-tensors'
+``fake_quantize`` with its NVFP4 scheme), with ``g`` the activation global scale above and ``a`` a block's
+amax of 16 along the last axis::
+
+    s = e4m3(min(g * (a / 6), 448))      (round to nearest even)
+    y = rne_e2m1(clamp(x / (s / g), -6, 6)) * (s / g)       (a block whose s is 0 gives 0)
+
+A checkpoint is W4A4 where input scales are stored and its config does not say weight-only (ModelOpt's
+``quant_algo: W4A16_NVFP4``, or compressed-tensors groups whose ``input_activations`` are all null).
+Decoded weights are rounded once to the model's dtype (bf16: a relative 2^-9, far below NVFP4's own step).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4pass.checkpoint.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
+from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.formats.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, round_e2m1
+from fp4pass.formats.constants import NV_BLOCK_SIZE
+from fp4pass.formats.packing import unpack_nibbles
+
+__all__ = ["NVLinear", "NVExpertStack", "NVFP4Weights", "find_nvfp4", "decode_nvfp4", "fake_quantize_activation",
+           "MULTIPLIER", "DIVISOR"]
+
+MULTIPLIER, DIVISOR = "multiplier", "divisor"
+_FUSED = re.compile(r"^(?P<p>.+\.experts\.(?:gate_up_proj|down_proj))_(?P<what>weight_scale_2|weight_scale|"
+                    r"input_scale)$")
+_GLOBAL = {"weight_scale_2": MULTIPLIER, "weight_global_scale": DIVISOR}
+_INPUT = {"input_scale": MULTIPLIER, "input_global_scale": DIVISOR}
+
+
+def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
+                 convention: str) -> torch.Tensor:
+    """float32 [..., K] of packed E2M1 codes uint8 [..., K/2], E4M3 block-scale bytes [..., K/16] and a float32
+    global scale broadcastable to [...] (a multiplier or a divisor, as ``convention`` says)."""
+    values = decode_e2m1(unpack_nibbles(codes))
+    s = block_scales.view(torch.float8_e4m3fn).float()
+    g = global_scale.float()
+    scale = s * g if convention == MULTIPLIER else s / g
+    k = values.shape[-1]
+    return (values.reshape(*values.shape[:-1], k // NV_BLOCK_SIZE, NV_BLOCK_SIZE) * scale.unsqueeze(-1)).reshape(
+        values.shape)
+
+
+def fake_quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
+    """``x`` [..., K] (K a multiple of 16) quantized to NVFP4 and back, in ``x``'s dtype (module docstring's
+    formula; ``global_scale`` in compressed-tensors' convention: 1 / ModelOpt's ``input_scale``). NaN stays
+    NaN; values beyond the block's range saturate at 6 x its scale."""
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // NV_BLOCK_SIZE, NV_BLOCK_SIZE)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    s = (g * (amax / E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    step = s / g
+    finite = torch.isfinite(blocks)
+    scaled = torch.where(step > 0, blocks / step, torch.zeros_like(blocks)).clamp(-E2M1_MAX, E2M1_MAX)
+    q = round_e2m1(torch.where(finite, scaled, torch.zeros_like(scaled))) * step
+    q = torch.where(finite, q, blocks)
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def _scalar(read, entry: TensorEntry) -> torch.Tensor:
+    value = read(entry.name).float().reshape(-1)
+    if value.numel() != 1:
+        raise CheckpointError(f"{entry.name}: {list(entry.shape)} holds {value.numel()} values; a per-tensor "
+                              "scale holds one")
+    return value[0]
+
+
+@dataclass
+class NVLinear:
+    """One NVFP4 Linear ``module`` [N, K]: its stored tensors and their convention."""
+
+    module: str
+    codes: TensorEntry
+    block: TensorEntry
+    global_: TensorEntry
+    convention: str
+    input: TensorEntry | None = None
+    input_convention: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.codes.shape[1]) * 2
+
+    @property
+    def consumed(self) -> list[str]:
+        return [e.name for e in (self.codes, self.block, self.global_, self.input) if e is not None]
+
+    def decode(self, read, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        codes = read(self.codes.name).view(torch.uint8).reshape(self.rows, self.cols // 2).to(device)
+        block = read(self.block.name).view(torch.uint8).reshape(self.rows, self.cols // NV_BLOCK_SIZE).to(device)
+        return decode_nvfp4(codes, block, _scalar(read, self.global_).to(device), self.convention).to(dtype)
+
+    def activation_scale(self, read) -> torch.Tensor | None:
+        """The activation global scale ``g`` (compressed-tensors' convention), or None when none is stored."""
+        if self.input is None:
+            return None
+        value = _scalar(read, self.input)
+        return 1.0 / value if self.input_convention == MULTIPLIER else value
+
+
+@dataclass
+class NVExpertStack:
+    """ModelOpt's gpt-oss expert stack ``prefix.proj``: codes [E, K/2, N], block scales [E, K/16, N], global
+    and input scales (multipliers) [] or [E]."""
+
+    prefix: str
+    proj: str
+    codes: TensorEntry
+    block: TensorEntry
+    global_: TensorEntry
+    input: TensorEntry | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefix}.{self.proj}"
+
+    @property
+    def experts(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def rows(self) -> int:
+        return int(self.codes.shape[2])
+
+    @property
+    def cols(self) -> int:
+        return int(self.codes.shape[1]) * 2
+
+    @property
+    def consumed(self) -> list[str]:
+        return [e.name for e in (self.codes, self.block, self.global_, self.input) if e is not None]
+
+    def _per_expert(self, read, entry: TensorEntry) -> torch.Tensor:
+        value = read(entry.name).float().reshape(-1)
+        if value.numel() == 1:
+            return value.expand(self.experts)
+        if value.numel() != self.experts:
+            raise CheckpointError(f"{entry.name}: {list(entry.shape)} is neither one scale nor one per expert "
+                                  f"({self.experts})")
+        return value
+
+    def fill_stack(self, read, out: torch.Tensor, transposed: bool) -> None:
+        """Decode every expert into ``out``: [E, N, K], or [E, K, N] when ``transposed`` (gpt-oss's ``x @ W``)."""
+        e, n, k = self.experts, self.rows, self.cols
+        if tuple(out.shape) != ((e, k, n) if transposed else (e, n, k)):
+            raise CheckpointError(f"{self.codes.name}: experts {[e, n, k]} do not fit the model's {self.name} "
+                                  f"{list(out.shape)}")
+        codes = read(self.codes.name).view(torch.uint8).reshape(e, k // 2, n)
+        block = read(self.block.name).view(torch.uint8).reshape(e, k // NV_BLOCK_SIZE, n)
+        scale = self._per_expert(read, self.global_)
+        for i in range(e):
+            w = decode_nvfp4(codes[i].t().contiguous().to(out.device), block[i].t().contiguous().to(out.device),
+                             scale[i].to(out.device), MULTIPLIER)
+            out[i].copy_(w.t() if transposed else w)
+
+    def activation_scale(self, read) -> torch.Tensor | None:
+        """Per expert [E]: the activation global scale ``g`` (1 / input_scale), or None."""
+        return None if self.input is None else 1.0 / self._per_expert(read, self.input)
+
+
+@dataclass
+class NVFP4Weights:
+    """The NVFP4 modules of a checkpoint folder, shaped as :class:`fp4pass.checkpoint.detect.Detected` is for
+    the layer runner: ``units`` (NVLinear | NVExpertStack), ``consumed`` (their tensor names)."""
+
+    units: list
+    consumed: set[str]
+    form: str  # "modelopt" | "compressed-tensors"
+    weight_only: bool  # the config says W4A16
+    declined: list = field(default_factory=list)
+
+    @property
+    def activations(self) -> str:
+        """"W4A4" when some module's inputs are quantized, else "W4A16"."""
+        quantized = not self.weight_only and any(u.input is not None for u in self.units)
+        return "W4A4" if quantized else "W4A16"
+
+    def modules(self) -> dict[str, object]:
+        return {(u.name if isinstance(u, NVExpertStack) else u.module): u for u in self.units}
+
+
+def _weight_only(catalog: Catalog) -> bool:
+    """Whether the folder's configs say weight-only NVFP4 (module docstring)."""
+    qc = catalog.config.get("quantization_config")
+    qc = qc if isinstance(qc, dict) else {}
+    algos = [qc.get("quant_algo"), qc.get("moe_quant_algo")]
+    path = member_path(catalog.folder, QUANT_CONFIG_NAME, catalog.follow_symlinks)
+    if path.exists():
+        hq = read_json_file(path, QUANT_CONFIG_NAME).get("quantization")
+        algos.append(hq.get("quant_algo") if isinstance(hq, dict) else None)
+    if any(isinstance(a, str) and a.upper() == "W4A16_NVFP4" for a in algos):
+        return True
+    groups = qc.get("config_groups")
+    if qc.get("quant_method") == "compressed-tensors" and isinstance(groups, dict) and groups:
+        return all(isinstance(g, dict) and not g.get("input_activations") for g in groups.values())
+    return False
+
+
+def find_nvfp4(catalog: Catalog) -> NVFP4Weights:
+    """Every NVFP4 module of ``catalog`` (module docstring's forms); a module with packed U8 codes, E4M3 block
+    scales and a global scale. Modules with a missing part are refused, naming the tensor."""
+    tensors = catalog.tensors
+    units: list = []
+    stacks: dict[str, dict] = {}
+    for name in tensors:
+        match = _FUSED.match(name)
+        if match:
+            stacks.setdefault(match["p"], {})[match["what"]] = tensors[name]
+    for p, parts in stacks.items():
+        codes = tensors.get(p)
+        if codes is None or codes.dtype != "U8" or len(codes.shape) != 3:
+            raise CheckpointError(f"{catalog.folder}: {p}_weight_scale has no U8 [E, K/2, N] stack {p}")
+        for need in ("weight_scale", "weight_scale_2"):
+            if need not in parts:
+                raise CheckpointError(f"{catalog.folder}: the NVFP4 expert stack {p} has no {p}_{need}")
+        prefix, _, proj = p.rpartition(".")
+        units.append(NVExpertStack(prefix, proj, codes, parts["weight_scale"], parts["weight_scale_2"],
+                                   parts.get("input_scale")))
+    forms = set()
+    for name, entry in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight_scale" or entry.dtype != "F8_E4M3" or not module:
+            continue
+        codes = tensors.get(f"{module}.weight_packed") or tensors.get(f"{module}.weight")
+        if codes is None or codes.dtype != "U8":
+            continue  # an FP8 block-scaled weight (F8 codes), not NVFP4
+        found = [(tensors[f"{module}.{s}"], c) for s, c in _GLOBAL.items() if f"{module}.{s}" in tensors]
+        if not found:
+            raise CheckpointError(f"{catalog.folder}: the NVFP4 weight {codes.name} has no global scale "
+                                  f"({module}.weight_scale_2 or {module}.weight_global_scale)")
+        (global_, convention), = found[:1]
+        inputs = [(tensors[f"{module}.{s}"], c) for s, c in _INPUT.items() if f"{module}.{s}" in tensors]
+        input_, input_convention = inputs[0] if inputs else (None, None)
+        if len(codes.shape) != 2 or tuple(entry.shape) != (codes.shape[0], codes.shape[1] * 2 // NV_BLOCK_SIZE):
+            raise CheckpointError(f"{codes.name}: codes {list(codes.shape)} do not match block scales "
+                                  f"{entry.name} {list(entry.shape)} (expected [N, K/2] and [N, K/16])")
+        units.append(NVLinear(module, codes, entry, global_, convention, input_, input_convention))
+        forms.add("compressed-tensors" if convention == DIVISOR else "modelopt")
+    if stacks:
+        forms.add("modelopt")
+    if not units:
+        raise CheckpointError(f"{catalog.folder}: no NVFP4 weights found (packed U8 codes with E4M3 block scales "
+                              "and a global scale)")
+    consumed = {n for u in units for n in u.consumed}
+    form = "compressed-tensors" if forms == {"compressed-tensors"} else "modelopt" if forms == {"modelopt"} \
+        else "mixed"
+    return NVFP4Weights(units, consumed, form, _weight_only(catalog))
