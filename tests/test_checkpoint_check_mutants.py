@@ -237,14 +237,23 @@ def _scale_global(out: Path, module: str, fmt: str, factor: float) -> None:
         _edit(out, f"{module}.weight_scale_2", lambda t: (t.double() * factor).float())
 
 
-def _factor_for(x: np.ndarray, codes, e4m3, multiplier: float, target: float) -> float:
-    """A factor on the global multiplier that makes the squared error of the decode ``target`` (bisection; the
+def _pair_sse(src: Path, out: Path, pair, fmt: str, factor: float = 1.0) -> float:
+    """Squared error of the pair's decode (its global multiplier times ``factor``) against its source, summed."""
+    total = 0.0
+    for module in pair:
+        codes, e4m3, multiplier = _out_tensors(out, module, fmt)
+        y = nv_decode(codes, e4m3, float(np.float32(multiplier * factor)))
+        total += float(((y - mx_decode(*source_linear(src, module))) ** 2).sum())
+    return total
+
+
+def _factor_for(src: Path, out: Path, pair, fmt: str, target: float) -> float:
+    """A factor on the pair's global multiplier that makes the pair's squared error ``target`` (bisection; the
     error grows with the factor from 1 on, for these weights)."""
     lo, hi = 1.0, 4.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        sse = float(((nv_decode(codes, e4m3, float(np.float32(multiplier * mid))) - x) ** 2).sum())
-        lo, hi = (mid, hi) if sse < target else (lo, mid)
+        lo, hi = (mid, hi) if _pair_sse(src, out, pair, fmt, mid) < target else (lo, mid)
     return lo
 
 
@@ -253,26 +262,27 @@ CASES = {"float32 range": (None, None), "up to 6 * 2^127": (230, 254), "down to 
 
 @pytest.mark.parametrize("fmt", [CT, "modelopt"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_lossy_expert_half_again_worse_than_plain_requantization_fails(moe, tmp_path, fmt, case):
-    """A lossy expert is held to plain requantization's squared error (the baseline, measured here in float64
-    over the whole range): its output as written passes; the same with every value scaled so that the error is
-    1.5 times the baseline fails, naming it, where compressed-tensors decodes (float32 range) and where the
+def test_a_lossy_pair_half_again_worse_than_plain_requantization_fails(moe, tmp_path, fmt, case):
+    """A lossy w1/w3 pair is held to plain requantization's squared error under one global scale from the pair's
+    joint amax, summed over both (the baseline, measured here in float64 over the whole range): its output as
+    written passes; the same with both halves' global scale times one factor, so that the pair's error is 1.5
+    times the baseline, fails, naming the pair, where compressed-tensors decodes (float32 range) and where the
     check decodes in float64 itself (values past float32's largest or below its normal range)."""
     low, high = CASES[case]
     if low is None:
         src, outs, _ = moe
-        module = expert_modules("w", 2)[1][0]
+        pair = expert_modules("w", 2)[1][:2]
         out = tmp_path / "out"
         shutil.copytree(outs[fmt], out)
     else:
         src = _extreme_source(tmp_path / "src", low, high)
-        module = f"{EXPERTS_PREFIX}.0.w1"
+        pair = (f"{EXPERTS_PREFIX}.0.w1", f"{EXPERTS_PREFIX}.0.w3")
         out = tmp_path / "out"
         fp4pass.checkpoint.convert(src, out, format=fmt)
+    module = pair[0]
     x = mx_decode(*source_linear(src, module))
-    baseline = _requant_sse64(x)
-    codes, e4m3, multiplier = _out_tensors(out, module, fmt)
-    written = float(((nv_decode(codes, e4m3, multiplier) - x) ** 2).sum())
+    baseline = _requant_sse64(np.concatenate([x, mx_decode(*source_linear(src, pair[1]))]))
+    written = _pair_sse(src, out, pair, fmt)
     assert 0 < written <= baseline * 1.01
     good = _check(src, out, fmt)
     assert good["passed"], good["failures"]
@@ -285,11 +295,12 @@ def test_a_lossy_expert_half_again_worse_than_plain_requantization_fails(moe, tm
         held = np.abs(x)[x != 0]
         assert why[module] == (f"source values down to {held.min():.6g} (E8M0 codes near 0): below float32's normal "
                                "range, where compressed-tensors' float32/bf16 loses them")
-    _scale_global(out, module, fmt, _factor_for(x, codes, e4m3, multiplier, 1.5 * baseline))
-    codes, e4m3, multiplier = _out_tensors(out, module, fmt)
-    assert 1.4 < float(((nv_decode(codes, e4m3, multiplier) - x) ** 2).sum()) / baseline < 1.6
+    factor = _factor_for(src, out, pair, fmt, 1.5 * baseline)
+    for m in pair:
+        _scale_global(out, m, fmt, factor)
+    assert 1.4 < _pair_sse(src, out, pair, fmt) / baseline < 1.6
     bad = _check(src, out, fmt)
-    assert [f["expert"] for f in bad["failures"]] == [module]
+    assert [f["expert"] for f in bad["failures"]] == [f"{EXPERTS_PREFIX}.{1 if low is None else 0}.w1+w3"]
     assert "above plain requantization" in bad["failures"][0]["reason"]
 
 
@@ -490,32 +501,37 @@ def _reader_decode(packed: torch.Tensor, scale: torch.Tensor, divisor: torch.Ten
 
 def test_the_bound_is_plain_requantization_as_the_reader_decodes_it(moe, tmp_path):
     """``--method requant`` writes plain requantization itself: its error, as compressed-tensors decodes it (in
-    bf16), is the bound, and the output passes; one value one step off, which puts the reader's error 0.3% to 2%
-    above the bound (past its 0.1% slack), fails. (Plain requantization's error computed in float64 is a few
-    percent larger than the reader's on these weights: a bound computed that way would let it pass.)"""
+    bf16), summed over the w1/w3 pair that shares its global scale, is the bound, and the output passes; one
+    value of w1 one step off, which puts the reader's error of the pair 0.3% to 2% above the bound (past its 0.1%
+    slack), fails. (Plain requantization's error computed in float64 is a few percent larger than the reader's on
+    these weights: a bound computed that way would let it pass.)"""
     src = moe[0]
-    module = expert_modules("w", 2)[1][0]
+    module, up = expert_modules("w", 2)[1][:2]
     out = tmp_path / "out"
     fp4pass.checkpoint.convert(src, out, format=CT, method="requant")
     assert _check(src, out, CT, "requant")["passed"]
-    x = mx_decode(*source_linear(src, module))
     f = Folder(out)
-    packed, scale = f.get(f"{module}.weight_packed"), f.get(f"{module}.weight_scale")
-    divisor = f.get(f"{module}.weight_global_scale")
-    bound = float(((_reader_decode(packed, scale, divisor) - x) ** 2).sum())
+
+    def written(m: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return f.get(f"{m}.weight_packed"), f.get(f"{m}.weight_scale"), f.get(f"{m}.weight_global_scale")
+
+    x = mx_decode(*source_linear(src, module))
+    up_sse = float(((_reader_decode(*written(up)) - mx_decode(*source_linear(src, up))) ** 2).sum())
+    packed, scale, divisor = written(module)
+    bound = float(((_reader_decode(packed, scale, divisor) - x) ** 2).sum()) + up_sse
     for row, col in ((r, c) for r in range(packed.shape[0]) for c in range(0, 2 * packed.shape[1], 2)):
         if packed[row, col // 2] & 0x07 in (0, 7):
             continue
         bumped = packed.clone()
         bumped[row, col // 2] += 1  # the even element one E2M1 magnitude step up
-        ratio = float(((_reader_decode(bumped, scale, divisor) - x) ** 2).sum()) / bound
+        ratio = (float(((_reader_decode(bumped, scale, divisor) - x) ** 2).sum()) + up_sse) / bound
         if 1.003 < ratio < 1.02:
             break
     else:
         raise AssertionError("no element whose step lands between the bounds")
     _bump(out, module, CT, row, col)
     result = _check(src, out, CT, "requant")
-    assert [f["expert"] for f in result["failures"]] == [module]
+    assert [f["expert"] for f in result["failures"]] == [f"{EXPERTS_PREFIX}.1.w1+w3"]
 
 
 def test_check_without_compressed_tensors_is_a_usage_error_naming_the_extra(moe, tmp_path, monkeypatch, capsys):

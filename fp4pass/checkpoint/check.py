@@ -13,11 +13,18 @@ weights (``NVFP4PackedCompressor.decompress``, on CPU):
 
 The source is decoded independently of the conversion (numpy + ml_dtypes: E2M1 nibbles, E8M0 scales viewed as
 bytes). Per expert (per Linear, or per expert of a stack): where the exponent spread of the blocks that hold a
-value is at most 17 over the group that shares the global scale (and the method is not ``requant``), the decoded values must equal the source
-exactly; elsewhere the squared error must be no larger than that of plain NVFP4 requantization of the same
-values (ModelOpt's formulas, decoded by the same reader), with a relative slack of 1e-3 for the reader's bf16
-arithmetic. The result: ``{"passed", "reader", "experts_checked", "experts_identical", "failures": [...],
-"decoded_in_float64": [...]}``.
+value is at most 17 over the group that shares the global scale (and the method is not ``requant``), the
+decoded values must equal the source exactly; elsewhere the squared error must be no larger than that of plain
+NVFP4 requantization of the same values (ModelOpt's formulas, decoded by the same reader), with a relative
+slack of 1e-3 for the reader's bf16 arithmetic.
+
+A w1/w3 (gate/up) pair shares one global scale S (engines load it as one fused weight and keep w1's), so it is
+compared as one group: sum_m ||y_m - x_m||^2 over both halves against plain requantization of both under one
+S = amax(|x_w1|, |x_w3|) / (6 * 448), summed likewise. Each half's own bound would be wrong: under the pair's S
+a w3 whose range lies far below w1's cannot reach the error of its own requantization. A pair written with two
+different global scales fails as such. The result: ``{"passed", "reader", "experts_checked",
+"experts_identical", "failures": [...], "decoded_in_float64": [...]}``; a pair's failure is named
+``<expert>.w1+w3`` (the pair's own projection names) and gives both halves' errors.
 
 Where compressed-tensors cannot hold the values (its decode runs in bf16/float32): an expert whose source
 reaches :data:`F32_HIGH` (E8M0 codes near 254: up to 6 * 2^127, past float32's largest) or holds a non-zero
@@ -93,24 +100,32 @@ def _why_float64(x: np.ndarray, y: np.ndarray) -> str | None:
     return None
 
 
-def _requant_sse_scaled(x: np.ndarray) -> float:
-    """SSE of plain NVFP4 quantization of ``x`` (any float64 range), decoded in float64: the values are scaled by a
-    power of two 2^-p into float32's range, quantized, decoded and scaled back (the error by 4^p)."""
-    from fp4pass.formats import NVFP4Tensor
+def _group_amax(xs: list[np.ndarray]) -> float:
+    """max |x| over every member of a group that shares one global scale: what plain requantization of the group
+    takes that scale from (never empty: a weight with no element is refused before)."""
+    return max(float(np.abs(x).max()) for x in xs)
 
-    top = float(np.abs(x).max())  # never empty: a weight with no element is refused before
+
+def _requant_sse_scaled(xs: list[np.ndarray]) -> float:
+    """:func:`_requant_sse` for values of any float64 range, decoded in float64: the group is scaled by one power
+    of two 2^-p into float32's range, quantized, decoded and scaled back (the error by 4^p)."""
+    from fp4pass.formats import NVFP4Tensor, global_scale_from_amax
+
+    top = _group_amax(xs)
     p = int(np.floor(np.log2(top))) if top > 0 else 0
-    xs = np.ldexp(x, -p)
-    nv = NVFP4Tensor.quantize(torch.from_numpy(xs).float())
+    x = np.ldexp(np.concatenate(xs), -p)
+    nv = NVFP4Tensor.quantize(torch.from_numpy(x).float(), global_scale=global_scale_from_amax(np.ldexp(top, -p)))
     y = decode_nvfp4(nv.codes.numpy(), nv.scales.view(torch.uint8).numpy(), float(nv.global_scale.reshape(())))
-    return float(((y - xs) ** 2).sum()) * 4.0**p
+    return float(((y - x) ** 2).sum()) * 4.0**p
 
 
-def _requant_sse(x: np.ndarray, decode) -> float:
-    """SSE of plain NVFP4 quantization of ``x`` [N, K] (amax/(6*448) global scale), decoded by ``decode``."""
-    from fp4pass.formats import NVFP4Tensor
+def _requant_sse(xs: list[np.ndarray], decode) -> float:
+    """SSE of plain NVFP4 quantization of a group ``xs`` (members [N_m, K]) under one global scale,
+    S = amax over the group / (6 * 448) (ModelOpt's formulas), decoded by ``decode``, summed over the members."""
+    from fp4pass.formats import NVFP4Tensor, global_scale_from_amax
 
-    nv = NVFP4Tensor.quantize(torch.from_numpy(x).float())
+    x = np.concatenate(xs)  # rows of every member: blocks never cross a row, so each member quantizes as alone
+    nv = NVFP4Tensor.quantize(torch.from_numpy(x).float(), global_scale=global_scale_from_amax(_group_amax(xs)))
     g = float(nv.global_scale.reshape(()))
     y = decode(nv.codes, nv.scales.view(torch.float8_e4m3fn), 1.0 / g)
     return float(((y - x) ** 2).sum())
@@ -142,38 +157,73 @@ def _modelopt_linear(f, module: str) -> dict:
     return {k.rpartition(".")[2]: v for k, v in out.items()}
 
 
-def _compare(name: str, x: np.ndarray, y: np.ndarray, spread: int, reader: _Reader, result: dict,
-             own) -> None:
-    """Compare expert ``name``: ``x`` its source values, ``y`` the reader's decode of the output; ``own()`` the
-    float64 decode of the output (:func:`decode_nvfp4`), used where the reader cannot hold the values."""
-    result["experts_checked"] += 1
-    why = _why_float64(x, y)
-    if why is not None:
-        y = own()
-        result["decoded_in_float64"].append({"expert": name, "why": why})
-    if spread <= result["exact_up_to_spread"]:
+def _compare(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray], spread: int, reader: _Reader,
+             result: dict, owns: list) -> None:
+    """Compare one group that shares a global scale: a Linear, or a w1/w3 pair. ``names`` its modules, ``xs``
+    their source values, ``ys`` the reader's decodes of the output, ``owns`` their float64 decodes
+    (:func:`decode_nvfp4`, used where the reader cannot hold the values); ``spread`` the group's exponent spread.
+    Within the lossless spread every member must be exact; beyond it the group is held to :func:`_compare_bound`."""
+    result["experts_checked"] += len(names)
+    if spread > result["exact_up_to_spread"]:
+        _compare_bound(names, xs, ys, reader, result, owns)
+        return
+    for name, x, y, own in zip(names, xs, ys, owns):
+        why = _why_float64(x, y)
+        if why is not None:
+            y = own()
+            result["decoded_in_float64"].append({"expert": name, "why": why})
         if np.array_equal(x, y):
             result["experts_identical"] += 1
-            return
+            continue
         bad = np.argwhere(x != y)[0]
         result["failures"].append({"expert": name, "reason": f"spread {spread} <= 17 but value at {bad.tolist()} is "
                                                              f"{float(y[tuple(bad)])!r}, source "
                                                              f"{float(x[tuple(bad)])!r}"})
-        return
-    sse = float(((y - x) ** 2).sum())
+
+
+def _compare_bound(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray], reader: _Reader, result: dict,
+                   owns: list) -> None:
+    """The group's squared error sum_m ||y_m - x_m||^2 against plain NVFP4 requantization of its members under one
+    global scale taken from the group's joint amax (amax over every member / (6 * 448): the scale requantization
+    would choose for the group), summed over the members likewise. A single Linear is a group of one: its own
+    amax. Where one member cannot be decoded by the reader (:func:`_why_float64`), every member is decoded in
+    float64 and the bound computed there too (only that member is listed in ``decoded_in_float64``)."""
+    whys = [_why_float64(x, y) for x, y in zip(xs, ys)]
+    wide = any(why is not None for why in whys)
+    if wide:
+        ys = [own() for own in owns]
+        result["decoded_in_float64"].extend({"expert": n, "why": w} for n, w in zip(names, whys) if w is not None)
+    errors = [float(((y - x) ** 2).sum()) for x, y in zip(xs, ys)]
+    group = _group_name(names)
     try:
-        baseline = _requant_sse_scaled(x) if why is not None else _requant_sse(x, reader.decode)
+        baseline = _requant_sse_scaled(xs) if wide else _requant_sse(xs, reader.decode)
     except FP4PassError as exc:
-        raise CheckpointError(f"--check: expert {name}: plain requantization of its source (the baseline) "
+        raise CheckpointError(f"--check: expert {group}: plain requantization of its source (the baseline) "
                               f"failed: {exc}") from None
+    sse = sum(errors)
+    result["experts_identical"] += sum(e == 0 for e in errors)
     if not np.isfinite(sse):  # a NaN is above no bound: it would pass the comparison below
-        result["failures"].append({"expert": name, "reason": f"SSE {sse}: the output decodes to values that are not "
-                                                             "finite"})
+        name = next(n for n, e in zip(names, errors) if not np.isfinite(e))
+        result["failures"].append({"expert": name, "reason": f"SSE {errors[names.index(name)]}: the output decodes "
+                                                             "to values that are not finite"})
     elif sse > baseline * (1 + SLACK):
-        result["failures"].append({"expert": name, "reason": f"SSE {sse:.6g} above plain requantization's "
-                                                             f"{baseline:.6g}"})
-    elif sse == 0:
-        result["experts_identical"] += 1
+        result["failures"].append({"expert": group, "reason": _above_bound(names, errors, baseline)})
+
+
+def _group_name(names: list[str]) -> str:
+    """One Linear's module name, or a pair's: ``layers.0.ffn.experts.10.w1+w3``."""
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(names) == 1 or len(parents) != 1:
+        return "+".join(names)
+    return f"{parents.pop()}." + "+".join(n.rpartition(".")[2] for n in names)
+
+
+def _above_bound(names: list[str], errors: list[float], baseline: float) -> str:
+    if len(names) == 1:
+        return f"SSE {errors[0]:.6g} above plain requantization's {baseline:.6g}"
+    parts = ", ".join(f"{n.rpartition('.')[2]} {e:.6g}" for n, e in zip(names, errors))
+    return (f"SSE {sum(errors):.6g} ({parts}) above plain requantization's {baseline:.6g} under the global scale "
+            "the pair shares")
 
 
 def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") -> dict:
@@ -202,16 +252,16 @@ def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") ->
         sources = [(catalog.read(m.codes.name).view(torch.uint8).reshape(m.rows, -1).numpy(),
                     catalog.read(m.scales.name).view(torch.uint8).reshape(m.rows, -1).numpy()) for m in members]
         spread = _held_spread(np.concatenate([c for c, _ in sources]), np.concatenate([s for _, s in sources]))
-        for lin, (codes, scales) in zip(members, sources):
-            f = index[f"{lin.module}.weight" if fmt == MODELOPT else f"{lin.module}.weight_packed"]
-            if fmt == MODELOPT:
-                t = _modelopt_linear(f, lin.module)
-            else:
-                t = {p: f.get_tensor(f"{lin.module}.{p}") for p in ("weight_packed", "weight_scale",
-                                                                     "weight_global_scale")}
-            y = reader.decode(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
-            _compare(lin.module, decode_mxfp4(codes, scales), y, spread, reader, result,
-                     own=_own_linear(f, lin.module, fmt))
+        files = [index[f"{lin.module}.weight" if fmt == MODELOPT else f"{lin.module}.weight_packed"]
+                 for lin in members]
+        unequal = _unequal_global_scales(files, [lin.module for lin in members], fmt)
+        if unequal is not None:
+            result["experts_checked"] += len(members)
+            result["failures"].append({"expert": _group_name([lin.module for lin in members]), "reason": unequal})
+            continue
+        _compare([lin.module for lin in members], [decode_mxfp4(codes, scales) for codes, scales in sources],
+                 [_read_linear(f, lin.module, fmt, reader) for f, lin in zip(files, members)], spread, reader, result,
+                 [_own_linear(f, lin.module, fmt) for f, lin in zip(files, members)])
     result["passed"] = not result["failures"]
     return result
 
@@ -229,8 +279,29 @@ def _check_fused(unit: FusedExperts, catalog, index, reader: _Reader, result: di
     for e in range(unit.experts):
         packed, block = codes_t[e].t().contiguous(), scales_t[e].t().contiguous()
         y = reader.decode(packed, block, divisor)
-        _compare(f"{p}[{e}]", decode_mxfp4(src_codes[e], src_scales[e]), y, spread, reader, result,
-                 own=lambda: decode_nvfp4(packed.numpy(), block.view(torch.uint8).numpy(), multiplier))
+        _compare([f"{p}[{e}]"], [decode_mxfp4(src_codes[e], src_scales[e])], [y], spread, reader, result,
+                 [lambda: decode_nvfp4(packed.numpy(), block.view(torch.uint8).numpy(), multiplier)])
+
+
+def _unequal_global_scales(files: list, modules: list[str], fmt: str) -> str | None:
+    """Why the members of a group do not share one global scale as written, or None. Engines load a w1/w3 pair as
+    one fused weight and keep w1's global scale for both, so a w3 written with another one decodes wrong there."""
+    field = "weight_scale_2" if fmt == MODELOPT else "weight_global_scale"
+    written = [f.get_tensor(f"{m}.{field}").reshape(-1) for f, m in zip(files, modules)]
+    if all(torch.equal(w, written[0]) for w in written[1:]):
+        return None
+    values = ", ".join(f"{m.rpartition('.')[2]} {float(w[0])!r}" for m, w in zip(modules, written))
+    return (f"the pair is written with different {field}s ({values}): engines keep "
+            f"{modules[0].rpartition('.')[2]}'s for both")
+
+
+def _read_linear(f, module: str, fmt: str, reader: _Reader) -> np.ndarray:
+    """The reader's decode of one Linear as written in the output (ModelOpt's through its converter)."""
+    if fmt == MODELOPT:
+        t = _modelopt_linear(f, module)
+    else:
+        t = {p: f.get_tensor(f"{module}.{p}") for p in ("weight_packed", "weight_scale", "weight_global_scale")}
+    return reader.decode(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
 
 
 def _own_linear(f, module: str, fmt: str):
