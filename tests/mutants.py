@@ -175,6 +175,34 @@ MUTANTS = [
            "input_1), so the activation the program names input is not found", [
         ("fp4pass/fx/program.py", "        node.name = name\n", "        pass\n"),
     ], ["tests/test_fx_input_names.py"]),
+    # -- Hugging Face Hub model IDs ---------------------------------------------------------------------------
+    Mutant("hub-id-beats-local-path", "a Hub ID is resolved even where a local folder of that name exists", [
+        ("fp4pass/hub.py", "if parsed is None or os.path.lexists(path_or_id):", "if parsed is None:"),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-revision-ignored", "name@rev resolves to the default branch", [
+        ("fp4pass/hub.py", "snapshot_download(repo_id, revision=revision,", "snapshot_download(repo_id, revision=None,"),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-index-shards-not-checked", "a cached snapshot missing a shard its index names is taken as complete", [
+        ("fp4pass/hub.py", "        missing += [s for s in shards", "        missing + [s for s in shards"),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-subfolders-fetched", "downloads take sub-folders too (gpt-oss's original/ and metal/ weights)", [
+        ("fp4pass/hub.py", 'HUB_IGNORED = ("*/*",)', 'HUB_IGNORED = ()'),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-cache-not-first", "a complete cached snapshot is downloaded again (the Hub asked first)", [
+        ("fp4pass/hub.py", "    if folder is not None and not missing:\n", "    if folder is not None and False:\n"),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-offline-ignored", "HF_HUB_OFFLINE set in the environment after import is not honoured", [
+        ("fp4pass/hub.py", "    return env or bool(constants.HF_HUB_OFFLINE)", "    return bool(constants.HF_HUB_OFFLINE)"),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-cli-convert-unresolved", "fp4pass convert takes a Hub ID for an ONNX file", [
+        ("fp4pass/commands/checkpoint.py", '    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None '
+         'otherwise."""\n    _safety.resolve_hub_model(args)\n',
+         '    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None '
+         'otherwise."""\n'),
+    ], ["tests/test_hub.py"]),
+    Mutant("hub-quiet-bars-shown", "--quiet leaves huggingface_hub's download bars on", [
+        ("fp4pass/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
+    ], ["tests/test_hub.py"]),
     Mutant("emulate-clamp-normal", "the activation quantizer clamps E4M3 block scales at 2^-6 instead of 2^-9", [
         ("fp4pass/onnx/emulate.py", 'f"{p}/e4m3_min_subnormal", E4M3_MIN_SUBNORMAL, f32)',
          'f"{p}/e4m3_min_subnormal", 2.0**-6, f32)'),

@@ -49,6 +49,7 @@ from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
 from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.hub import resolve_checkpoint
 
 __all__ = ["calibrate", "CheckpointScales"]
 
@@ -337,6 +338,7 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
     kept per statistic, and a quantization of it per scale; SCALES.json is the same either way). Returns
     :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as ``scales``.
     """
+    src_dir = resolve_checkpoint(src_dir)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
     start = time.perf_counter()
     method = make_calibrator(calibrator, **calibrator_options)
     dev = default_device(device)

@@ -44,6 +44,7 @@ from fp4pass.choices import Method, values
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS, check_threads
 from fp4pass.errors import UsageError
 from fp4pass.formats.constants import E8M0_BIAS
+from fp4pass.hub import resolve_checkpoint
 from fp4pass.io import atomic_folder
 
 __all__ = ["convert", "inspect", "CheckFailed", "DEFAULT_SHARD_BYTES"]
@@ -336,8 +337,10 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     ``follow_symlinks``: read symlinks of the folder that lead out of it (refused by default:
     :mod:`fp4pass.checkpoint.catalog`). ``before_rename(report)``: called once everything is written (and
     checked), before ``out_dir`` is renamed into place, which is the last step: what it writes (a report
-    beside the folder) is in place first, and when it fails no ``out_dir`` appears.
+    beside the folder) is in place first, and when it fails no ``out_dir`` appears. ``src_dir`` may be a Hugging
+    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`).
     """
+    src_dir = resolve_checkpoint(src_dir)
     fmt = format
     start = time.perf_counter()
     if max_shard_bytes < 1:
@@ -606,8 +609,9 @@ def inspect(src_dir, follow_symlinks: bool = False) -> dict:
     from the scales alone (``forecast_from`` "scales"). Elsewhere auto may still keep experts lossless: blocks
     that hold no value do not count, and its search may pick a global scale 2^m/c (c an E4M3 mantissa) that
     keeps some experts exact; then the unit is converted here, in memory, by the engine convert uses, and the
-    forecast is its verdict per expert (``forecast_from`` "codes").
+    forecast is its verdict per expert (``forecast_from`` "codes"). ``src_dir``: a folder or a Hub model ID.
     """
+    src_dir = resolve_checkpoint(src_dir)
     catalog, found = _open(src_dir, MODELOPT, "auto", follow_symlinks)
     with catalog:
         weights = []

@@ -43,6 +43,7 @@ import torch
 
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
+from fp4pass.hub import resolve_checkpoint
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
 
 __all__ = ["validate", "format_validation", "is_nvfp4_folder", "Problem", "KINDS", "BLOCK_SAMPLE_BYTES"]
@@ -864,6 +865,7 @@ def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -
     """Check the NVFP4 checkpoint folder ``folder``; ``{"form", "quant_algo", "modules", "problems", "engines",
     ...}`` (module docstring). ``engine``: one of vllm, sglang, trtllm: only its verdict and the problems that
     concern it. Raises :class:`CheckpointError` when nothing can be read (no config.json, no shard, no index)."""
+    folder = resolve_checkpoint(folder)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
     names = list(_engines().ENGINES)
     if engine is not None and engine not in names:
         raise CheckpointError(f"unknown engine {engine!r}; choose one of {', '.join(names)}")

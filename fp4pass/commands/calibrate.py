@@ -49,6 +49,7 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
+    _safety.resolve_hub_model(args)
     if os.path.isdir(args.model):
         return _checkpoint_calib.calibrate_folder(args)
     _checkpoint_calib.refuse_for_onnx(args)

@@ -91,7 +91,8 @@ def _is_folder(path) -> bool:
 
 
 def convert_if_folder(args) -> int | None:
-    """Run the checkpoint conversion when ``args.model`` is a folder; None otherwise (an ONNX file)."""
+    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None otherwise."""
+    _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
         for flag in ("format", "input_scale", "max_shard_size", "allow_partial", "follow_symlinks", "engine",
                      *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
@@ -181,7 +182,8 @@ def check_line(check: dict) -> str:
 
 
 def inspect_if_folder(args) -> int | None:
-    """``fp4pass inspect CKPT_DIR [--json]``; None when ``args.model`` is not a folder."""
+    """``fp4pass inspect CKPT_DIR [--json]`` (or a Hub model ID); None when ``args.model`` is not a folder."""
+    _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
         if getattr(args, "follow_symlinks", None):
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
