@@ -20,11 +20,13 @@ why not.
 
 from __future__ import annotations
 
+import operator
 import re
-from fnmatch import fnmatch, fnmatchcase
 
-__all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "is_excluded", "engine_modules", "vllm_module_name",
-           "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
+from fp4pass.checkpoint.patterns import BadPattern, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
+
+__all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions", "exclusions", "is_excluded", "engine_modules",
+           "vllm_module_name", "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
@@ -108,7 +110,7 @@ def _shards_rule(module: str, shards: list[str] | None, match) -> bool:
     return all(hits)
 
 
-def _vllm_modelopt(module: str, exclude: list[str], shards: list[str] | None) -> bool:
+class _VllmModelopt:
     """vLLM 0.33.0 model_executor/layers/quantization/modelopt.py ``ModelOptQuantConfigBase.is_layer_excluded``
     (after ``apply_vllm_mapper`` split the prefix wildcards):
 
@@ -117,17 +119,22 @@ def _vllm_modelopt(module: str, exclude: list[str], shards: list[str] | None) ->
     2. any entry that is a substring of the (fused) name;
     3. any entry that fnmatches the (fused) name. Globs never see the shard names.
     """
-    patterns = _split_prefix_wildcards(exclude)
-    if module in patterns:
-        return True
-    if shards and _shards_rule(module, shards, lambda s: s in patterns):
-        return True
-    if any(p != module and p in module for p in patterns):
-        return True
-    return any(fnmatch(module, p) for p in patterns)
+
+    def __init__(self, exclude: list[str], where: str):
+        patterns = _split_prefix_wildcards(exclude)
+        self.inside = SubstringIndex(patterns)
+        self.exact = self.inside.entries
+        self.globs = GlobIndex(patterns, exact=False)
+
+    def __call__(self, module: str, shards: list[str] | None) -> bool:
+        if module in self.exact:
+            return True
+        if shards and _shards_rule(module, shards, self.exact.__contains__):
+            return True
+        return self.inside.found_in(module) or self.globs.match(module)
 
 
-def _vllm_compressed_tensors(module: str, ignore: list[str], shards: list[str] | None, architecture) -> bool:
+class _VllmCompressedTensors:
     """vLLM 0.33.0 compressed_tensors/compressed_tensors.py ``CompressedTensorsConfig.get_quant_method`` ->
     compressed_tensors/utils.py ``should_ignore_layer`` -> utils/config_utils.py ``find_matching_patterns`` /
     ``is_equal_or_regex_match``: an entry equal to the vLLM name, or a ``re:`` entry whose regex ``re.match``es
@@ -136,84 +143,168 @@ def _vllm_compressed_tensors(module: str, ignore: list[str], shards: list[str] |
     Names are vLLM's (after the model's hf_to_vllm_mapper); ``apply_vllm_mapper`` renames plain entries that
     contain a ``.`` but leaves ``re:`` entries as written.
     """
-    plain = {vllm_module_name(architecture, p) for p in ignore if not p.startswith("re:") and "." in p}
-    plain |= {p for p in ignore if not p.startswith("re:") and "." not in p}
-    regexes = [p[3:] for p in ignore if p.startswith("re:")]
 
-    def match(name: str) -> bool:
-        name = vllm_module_name(architecture, name)
-        return name in plain or any(re.match(r, name) for r in regexes)
+    def __init__(self, ignore: list[str], where: str, architecture):
+        self.architecture = architecture
+        self.plain = {vllm_module_name(architecture, p) for p in ignore if not p.startswith("re:") and "." in p}
+        self.plain |= {p for p in ignore if not p.startswith("re:") and "." not in p}
+        self.regexes = RegexList([p[3:] for p in ignore if p.startswith("re:")], where,
+                                 shown={p[3:]: p for p in ignore if p.startswith("re:")})
 
-    if match(module):
-        return True
-    return bool(shards) and _shards_rule(module, shards, match)
+    def match(self, name: str) -> bool:
+        name = vllm_module_name(self.architecture, name)
+        return name in self.plain or self.regexes.search(name)
 
-
-def _sglang_path_match(ignored: str, prefix: str) -> bool:
-    """SGLang 0.5.23 layers/quantization/utils.py ``_module_path_match``: equal, a dotted ancestor, or a dotted
-    run of components inside the name."""
-    ignored, prefix = ignored.rstrip("."), prefix.rstrip(".")
-    return ignored == prefix or prefix.startswith(ignored + ".") or f".{ignored}." in f".{prefix}."
+    def __call__(self, module: str, shards: list[str] | None) -> bool:
+        if self.match(module):
+            return True
+        return bool(shards) and _shards_rule(module, shards, self.match)
 
 
-def _sglang_modelopt(module: str, exclude: list[str], shards: list[str] | None) -> bool:
+# SGLang's glob-to-regex translation keeps every regex character but ``.`` and ``*``
+_REGEX_SYNTAX = frozenset("\\^$+?{}[]|()")
+_REGEX_SYNTAX_RE = re.compile(r"[\\^$+?{}\[\]|()]")
+_MLA_TAILS = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+
+
+def _sglang_regex(pattern: str) -> str:
+    return pattern.replace(".", r"\.").replace("*", ".*")
+
+
+class _SglangModelopt:
     """SGLang 0.5.23 layers/quantization/modelopt_quant.py ``ModelOptQuantConfig._get_quant_method`` for a
-    Linear: ``is_layer_skipped`` (utils.py: every shard by ``_module_path_match``, a mix raises) or
-    ``is_layer_excluded`` (each entry a glob turned regex, ``.`` literal and ``*`` -> ``.*``, fullmatched
-    against the whole name or any one component; the fused shard tails ``q_a_proj``, ``kv_a_proj_with_mqa``, ...
-    found inside the name's last component)."""
-    if _shards_rule(module, shards, lambda s: any(_sglang_path_match(p, s) for p in exclude)):
-        return True
-    parts = module.split(".")
-    for p in exclude:
-        rx = re.compile(p.replace(".", r"\.").replace("*", ".*"))
-        if rx.fullmatch(module) or any(rx.fullmatch(part) for part in parts):
+    Linear: ``is_layer_skipped`` (utils.py ``_module_path_match``: an entry equal to the name, a dotted
+    ancestor of it, or a dotted run of components inside it: ``".E."`` in ``".name."``; for a fused module
+    every shard, a mix raises) or ``is_layer_excluded`` (each entry a glob turned regex, ``.`` literal and
+    ``*`` -> ``.*``, fullmatched against the whole name or any one component; the fused shard tails
+    ``q_a_proj``, ``kv_a_proj_with_mqa``, ... found inside the name's last component).
+
+    An entry without other regex syntax is matched as a ``*``-only glob (:class:`~fp4pass.checkpoint.patterns.
+    Glob`, no backtracking); the others as SGLang's regex, with a timeout."""
+
+    def __init__(self, exclude: list[str], where: str):
+        self.paths = set(map(operator.methodcaller("rstrip", "."), exclude))
+        self.path_dots = set(map(operator.methodcaller("count", "."), self.paths))
+        if _REGEX_SYNTAX_RE.search("\n".join(exclude)):
+            self.simple = [p for p in exclude if _REGEX_SYNTAX.isdisjoint(p)]
+        else:
+            self.simple = exclude
+        self.globs = GlobIndex(self.simple, classes=False)
+        translated = {_sglang_regex(p): p for p in exclude if not _REGEX_SYNTAX.isdisjoint(p)} if len(
+            self.simple) < len(exclude) else {}
+        self.regexes = RegexList(translated, f"{where} (as SGLang's regexes)", fullmatch=True, shown=translated)
+        self.multiline = None  # the simple globs as regexes, for names with a newline (``.*`` stops there)
+        self.where = where
+        self.tails = {p.rsplit(".", 1)[-1] for p in exclude} & _MLA_TAILS
+
+    def path_match(self, name: str) -> bool:
+        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots))
+
+    def glob_match(self, name: str) -> bool:
+        if "\n" in name and any("*" in p for p in self.simple):
+            if self.multiline is None:
+                self.multiline = RegexList([_sglang_regex(p) for p in self.simple], self.where, fullmatch=True)
+            return self.multiline.search(name) or (bool(self.regexes) and self.regexes.search(name))
+        return self.globs.match(name) or (bool(self.regexes) and self.regexes.search(name))
+
+    def __call__(self, module: str, shards: list[str] | None) -> bool:
+        if _shards_rule(module, shards, self.path_match):
             return True
-        tail = p.rsplit(".", 1)[-1]
-        if tail in {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"} and tail in parts[-1]:
+        parts = module.split(".")
+        if self.glob_match(module) or any(self.glob_match(part) for part in parts):
             return True
-    return False
+        return any(tail in parts[-1] for tail in self.tails)
 
 
-def _sglang_compressed_tensors(module: str, ignore: list[str], shards: list[str] | None) -> bool:
+class _SglangCompressedTensors:
     """SGLang 0.5.23 layers/quantization/compressed_tensors/compressed_tensors.py (adapted from vLLM's
     ``should_ignore_layer``): exact names or ``re:`` regexes (``re.match``), every shard of a fused module."""
-    def match(name: str) -> bool:
-        return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
 
-    return match(module) or (bool(shards) and _shards_rule(module, shards, match))
+    def __init__(self, ignore: list[str], where: str):
+        self.exact = {p for p in ignore if not p.startswith("re:")}
+        self.regexes = RegexList([p[3:] for p in ignore if p.startswith("re:")], where,
+                                 shown={p[3:]: p for p in ignore if p.startswith("re:")})
+
+    def match(self, name: str) -> bool:
+        return name in self.exact or self.regexes.search(name)
+
+    def __call__(self, module: str, shards: list[str] | None) -> bool:
+        return self.match(module) or (bool(shards) and _shards_rule(module, shards, self.match))
 
 
-def _trtllm(module: str, exclude: list[str]) -> bool:
+class _Trtllm:
     """TensorRT-LLM tensorrt_llm/models/modeling_utils.py ``QuantConfig.is_module_excluded_from_quantization``:
     ``fnmatchcase`` of the engine's own module name (the fused ``qkv_proj``, never its shards) against each
     entry; ``re:`` entries are not understood (they match nothing)."""
-    return any(fnmatchcase(module, p) for p in exclude if not p.startswith("re:"))
+
+    def __init__(self, exclude: list[str], where: str):
+        self.globs = GlobIndex(p for p in exclude if not p.startswith("re:"))
+
+    def __call__(self, module: str, shards: list[str] | None) -> bool:
+        return self.globs.match(module)
 
 
-def is_excluded(engine: str, module: str, exclude: list[str], shards: list[str] | None = None, *,
+class Exclusions:
+    """How ``engine`` reads the exclusion list ``exclude``, indexed once for many modules.
+
+    ``form``: "modelopt" (``exclude_modules`` / ``ignore`` globs) or "compressed-tensors" (``ignore``: exact
+    names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). ``where`` names the
+    list's config field in messages. Raises :class:`~fp4pass.checkpoint.patterns.BadPattern` for an entry the
+    engine cannot use (not a string, an invalid regex); :meth:`excluded` raises it for a regex that runs past
+    its time (:mod:`fp4pass.checkpoint.patterns`).
+    """
+
+    def __init__(self, engine: str, exclude, form: str = "modelopt", architecture: str | None = None,
+                 where: str = "the exclusion list"):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+        exclude = entries(exclude, where)
+        if engine == "trtllm":
+            self._rule = _Trtllm(exclude, where)
+        elif form == "compressed-tensors":
+            self._rule = (_VllmCompressedTensors(exclude, where, architecture) if engine == "vllm" else
+                          _SglangCompressedTensors(exclude, where))
+        else:
+            self._rule = _VllmModelopt(exclude, where) if engine == "vllm" else _SglangModelopt(exclude, where)
+
+    def excluded(self, module: str, shards: list[str] | None = None) -> bool:
+        """Whether the engine keeps ``module`` unquantized (see :func:`is_excluded`)."""
+        return self._rule(module, shards)
+
+
+_RECENT: list[tuple[tuple, list, Exclusions]] = []  # the last lists indexed: validate and its verdicts share them
+_RECENT_KEPT = 6
+
+
+def exclusions(engine: str, exclude, form: str = "modelopt", architecture: str | None = None,
+               where: str = "the exclusion list") -> Exclusions:
+    """:class:`Exclusions` for the list object ``exclude``, reusing the index built for that very list (the
+    same object, unchanged in length) by a recent call: a checkpoint's list is read once and judged twice,
+    by the validator's checks and by the engine verdicts, and a 600,000-entry list takes a second to index."""
+    key = (engine, form, architecture, where, id(exclude), len(exclude) if isinstance(exclude, list) else -1)
+    for known, listed, rules in _RECENT:
+        if known == key and listed is exclude:
+            return rules
+    rules = Exclusions(engine, exclude, form, architecture, where)
+    _RECENT.insert(0, (key, exclude, rules))
+    del _RECENT[_RECENT_KEPT:]
+    return rules
+
+
+def is_excluded(engine: str, module: str, exclude, shards: list[str] | None = None, *,
                 form: str = "modelopt", architecture: str | None = None) -> bool:
-    """Whether ``engine`` keeps ``module`` unquantized under the exclusion list ``exclude``.
+    """Whether ``engine`` keeps ``module`` unquantized under the exclusion list ``exclude`` (a list, or the
+    :class:`Exclusions` built from one: build it once to judge many modules).
 
     ``module``: the engine's module name in checkpoint naming (a fused module's engine name with the shards'
     parent, ``model.layers.0.self_attn.qkv_proj``); ``shards``: the checkpoint names of its shards, or None.
     ``form``: "modelopt" (``exclude_modules`` / ``ignore`` globs) or "compressed-tensors" (``ignore``: exact
     names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). Raises
-    :class:`MixedShards` where the engine raises because only some shards are excluded.
+    :class:`MixedShards` where the engine raises because only some shards are excluded, and
+    :class:`~fp4pass.checkpoint.patterns.BadPattern` for an entry the engine cannot use.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if form == "compressed-tensors":
-        if engine == "vllm":
-            return _vllm_compressed_tensors(module, exclude, shards, architecture)
-        if engine == "sglang":
-            return _sglang_compressed_tensors(module, exclude, shards)
-        return _trtllm(module, exclude)
-    if engine == "vllm":
-        return _vllm_modelopt(module, exclude, shards)
-    if engine == "sglang":
-        return _sglang_modelopt(module, exclude, shards)
-    return _trtllm(module, exclude)
+    rules = exclude if isinstance(exclude, Exclusions) else Exclusions(engine, exclude, form, architecture)
+    return rules.excluded(module, shards)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -318,23 +409,27 @@ def _quant_config_for(engine: str, config: dict, hf_quant: dict | None) -> tuple
     return hf_quant, "hf_quant_config.json"
 
 
-def _modelopt_fields(qc: dict) -> tuple[str, list[str], bool]:
-    """(quant_algo, exclusion list, all config_groups' input_activations null) of a ModelOpt description in
-    either layout (nested ``quantization`` of hf_quant_config.json, or flat config.json)."""
+def _modelopt_fields(qc: dict, source: str) -> tuple[str, list[str], bool, str]:
+    """(quant_algo, exclusion list, all config_groups' input_activations null, the list's field) of a ModelOpt
+    description in either layout (nested ``quantization`` of hf_quant_config.json, or flat config.json).
+    :class:`BadPattern` when the list is not a list of strings."""
     if isinstance(qc.get("quantization"), dict):
         q = qc["quantization"]
-        return str(q.get("quant_algo", "")).upper(), list(q.get("exclude_modules") or []), False
+        where = f"{source} quantization.exclude_modules"
+        return str(q.get("quant_algo", "")).upper(), entries(q.get("exclude_modules"), where), False, where
     groups = qc.get("config_groups")
     weight_only = (isinstance(groups, dict) and bool(groups)
                    and all(isinstance(g, dict) and g.get("input_activations") is None for g in groups.values()))
-    return (str(qc.get("quant_algo", "")).upper(), list(qc.get("ignore", qc.get("exclude_modules")) or []),
-            weight_only)
+    key = "ignore" if "ignore" in qc else "exclude_modules"
+    where = f"{source} quantization_config.{key}"
+    return str(qc.get("quant_algo", "")).upper(), entries(qc.get(key), where), weight_only, where
 
 
 def _exclusion_problems(engine: str, architecture, kinds: dict[str, str], exclude: list[str], form: str,
-                        expert_quantized: bool = True) -> list[str]:
+                        expert_quantized: bool = True, where: str = "the exclusion list") -> list[str]:
     """Modules the exclusion list gets wrong for ``engine``: an NVFP4 module it excludes, a bf16 Linear it
     leaves to NVFP4, a fused module whose shards disagree."""
+    rules = exclusions(engine, exclude, form, architecture, where)
     linear = [m for m, k in kinds.items() if not _EXPERT.match(m) and _is_linear(m)]
     if engine == "sglang":
         fused = _SGLANG_FALLBACK_FUSED
@@ -347,7 +442,7 @@ def _exclusion_problems(engine: str, architecture, kinds: dict[str, str], exclud
         members = shards or [name]
         member_kinds = {kinds[m] for m in members}
         try:
-            excluded = is_excluded(engine, name, exclude, shards, form=form, architecture=architecture)
+            excluded = rules.excluded(name, shards)
         except MixedShards as exc:
             problems.append(f"{exc} (the engine refuses the model)")
             continue
@@ -360,7 +455,7 @@ def _exclusion_problems(engine: str, architecture, kinds: dict[str, str], exclud
                             "loaded)")
     if expert_quantized:
         for moe in sorted({_EXPERT.match(m)["moe"] for m, k in kinds.items() if _EXPERT.match(m) and k == "nvfp4"}):
-            if engine != "trtllm" and is_excluded(engine, moe, exclude, None, form=form, architecture=architecture):
+            if engine != "trtllm" and rules.excluded(moe):
                 problems.append(f"{moe}: NVFP4 experts but the MoE layer is excluded")
     return problems
 
@@ -377,7 +472,7 @@ def _first(problems: list[str]) -> str:
 
 
 def _modelopt_verdict(engine: str, qc: dict, source: str, architecture, kinds, names) -> dict:
-    algo, exclude, weight_only_groups = _modelopt_fields(qc)
+    algo, exclude, weight_only_groups, where = _modelopt_fields(qc, source)
     if algo not in {"NVFP4", "W4A16_NVFP4"}:
         return _verdict(False, None, f"{source}: quant_algo {algo!r} is not NVFP4 or W4A16_NVFP4")
     if isinstance(qc.get("quantization"), dict):
@@ -400,7 +495,7 @@ def _modelopt_verdict(engine: str, qc: dict, source: str, architecture, kinds, n
                          "activations; write quant_algo W4A16_NVFP4 for weight-only",
                "trtllm": "TensorRT-LLM's NVFP4 linear and MoE load an input_scale per module"}[engine]
         return _verdict(False, None, f"{lacking[0]}: no input_scale ({len(lacking)} module(s)): {why}")
-    problems = _exclusion_problems(engine, architecture, kinds, exclude, "modelopt")
+    problems = _exclusion_problems(engine, architecture, kinds, exclude, "modelopt", where=where)
     if problems:
         return _verdict(False, None, f"{source} exclusions: {_first(problems)}")
     return _verdict(True, mode, f"{source}: ModelOpt {algo}, exclusions cover every bf16 Linear")
@@ -423,7 +518,9 @@ def _ct_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
         lacking = [m for m in nvfp4 if m not in have]
         return _verdict(False, None, f"{lacking[0]}: no input_global_scale ({len(lacking)} module(s)) while "
                                      "input_activations is set: W4A4 divides by an uninitialised scale")
-    problems = _exclusion_problems(engine, architecture, kinds, list(qc.get("ignore") or []), "compressed-tensors")
+    where = "config.json quantization_config.ignore"
+    problems = _exclusion_problems(engine, architecture, kinds, entries(qc.get("ignore"), where),
+                                   "compressed-tensors", where=where)
     if problems:
         return _verdict(False, None, f"config.json ignore: {_first(problems)}")
     return _verdict(True, mode, "compressed-tensors nvfp4-pack-quantized, ignore covers every bf16 Linear")
@@ -454,7 +551,7 @@ def _deepseek_v4_fp8_verdict(engine: str, qc: dict, architecture, kinds, names) 
         return _verdict(False, None, f"{lacking[0]}: no input_scale ({len(lacking)} expert module(s)); the "
                                      "moe_quant_algo NVFP4 path is W4A4 only (ModelOptNvFp4FusedMoE with quant_algo "
                                      "NVFP4), so give input scales (--input-scale or --scales)")
-    ignored = list(qc.get("ignored_layers") or [])
+    ignored = set(entries(qc.get("ignored_layers"), "config.json quantization_config.ignored_layers"))
     problems = []
     linear = [m for m, k in kinds.items() if k == "plain" and not _EXPERT.match(m) and _is_linear(m)]
     for name, shards in engine_modules(architecture, linear):
@@ -498,18 +595,25 @@ def engine_verdicts(config: dict, hf_quant_config: dict | None, tensor_names: li
         if qc is None:
             out[engine] = _verdict(False, None, f"no quantization config the engine reads ({source})")
             continue
-        method = str(qc.get("quant_method", "")).lower()
-        if architecture == ARCH_DEEPSEEK_V4 and engine != "vllm":
-            out[engine] = _deepseek_v4_other(engine, method)
-        elif architecture == ARCH_DEEPSEEK_V4 and method == "fp8":
-            out[engine] = _deepseek_v4_fp8_verdict(engine, qc, architecture, kinds, names)
-        elif method.startswith("modelopt") or isinstance(qc.get("quantization"), dict):
-            out[engine] = _modelopt_verdict(engine, qc, source, architecture, kinds, names)
-        elif method in {"compressed-tensors", "compressed_tensors"}:
-            out[engine] = _ct_verdict(engine, qc, architecture, kinds, names)
-        else:
-            out[engine] = _verdict(False, None, f"{source}: quant_method {method!r} is not an NVFP4 description")
+        try:
+            out[engine] = _engine_verdict(engine, qc, source, architecture, kinds, names)
+        except BadPattern as exc:  # the engine raises on the entry, or hangs on the regex
+            out[engine] = _verdict(False, None, f"bad_config_value: {exc}")
     return out
+
+
+def _engine_verdict(engine: str, qc: dict, source: str, architecture, kinds, names) -> dict:
+    """One engine's verdict on the quantization description ``qc`` it reads from ``source``."""
+    method = str(qc.get("quant_method", "")).lower()
+    if architecture == ARCH_DEEPSEEK_V4 and engine != "vllm":
+        return _deepseek_v4_other(engine, method)
+    if architecture == ARCH_DEEPSEEK_V4 and method == "fp8":
+        return _deepseek_v4_fp8_verdict(engine, qc, architecture, kinds, names)
+    if method.startswith("modelopt") or isinstance(qc.get("quantization"), dict):
+        return _modelopt_verdict(engine, qc, source, architecture, kinds, names)
+    if method in {"compressed-tensors", "compressed_tensors"}:
+        return _ct_verdict(engine, qc, architecture, kinds, names)
+    return _verdict(False, None, f"{source}: quant_method {method!r} is not an NVFP4 description")
 
 
 def verdict_line(verdicts: dict[str, dict]) -> str:

@@ -43,7 +43,6 @@ import torch
 
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
-from fp4pass.hub import resolve_checkpoint
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
 
 __all__ = ["validate", "format_validation", "is_nvfp4_folder", "Problem", "KINDS", "BLOCK_SAMPLE_BYTES"]
@@ -251,7 +250,8 @@ class _Configs:
     qc: dict | None  # config.json quantization_config
     hq: dict | None  # hf_quant_config.json "quantization"
     input_needed: dict[str, bool]  # per engine: W4A4 (input scales loaded) or W4A16
-    exclude: dict[str, list[str]]  # per engine: the exclusion list it reads
+    exclude: dict[str, list[str] | None]  # per engine: the exclusion list it reads (None: not a list of strings)
+    exclude_field: dict[str, str] = field(default_factory=dict)  # per engine: that list's file and field
 
 
 def _groups(qc: dict | None) -> dict:
@@ -298,15 +298,42 @@ def _read_configs(config: dict, quant_file: dict | None, problems: list[Problem]
         input_needed = {name: w4a4 for name in ENGINE_NAMES}
     elif form == "deepseek-fp8-moe-nvfp4":
         input_needed = {name: algo == "NVFP4" for name in ENGINE_NAMES}
-    qc_exclude = None
+    exclude, where = _exclusion_lists(qc, hq, problems)
+    return _Configs(form, algo, qc, hq, input_needed, exclude, where)
+
+
+def _exclusion_lists(qc: dict | None, hq: dict | None, problems: list[Problem]
+                     ) -> tuple[dict[str, list[str] | None], dict[str, str]]:
+    """Per engine, the exclusion list it reads and that list's field, from the file the engine reads
+    (:func:`fp4pass.checkpoint.engines._quant_config_for`): vLLM and SGLang config.json's quantization_config
+    (``ignore``, else ``exclude_modules``) when there is one, else hf_quant_config.json's
+    ``quantization.exclude_modules``; TensorRT-LLM hf_quant_config.json when there is one, else config.json.
+    A list that is not a list of strings is a ``bad_config_value`` (the engine raises on it) and None."""
+    from fp4pass.checkpoint.patterns import BadPattern, entries
+
+    from_qc = from_hq = None
     if qc is not None:
-        qc_exclude = qc.get("ignore", qc.get("exclude_modules"))
-    hq_exclude = (hq or {}).get("exclude_modules")
-    first = qc_exclude if qc_exclude is not None else hq_exclude
-    exclude = {"vllm": first, "sglang": first,
-               "trtllm": hq_exclude if hq_exclude is not None else qc_exclude}
-    exclude = {k: [str(p) for p in v] if isinstance(v, list) else [] for k, v in exclude.items()}
-    return _Configs(form, algo, qc, hq, input_needed, exclude)
+        key = "ignore" if "ignore" in qc else "exclude_modules"
+        from_qc = (qc.get(key), f"{CONFIG_NAME} quantization_config.{key}")
+    if hq is not None:
+        from_hq = (hq.get("exclude_modules"), f"{QUANT_CONFIG_NAME} quantization.exclude_modules")
+    chosen = {"vllm": from_qc or from_hq, "sglang": from_qc or from_hq, "trtllm": from_hq or from_qc}
+    lists: dict[str, list[str] | None] = {}
+    where: dict[str, str] = {}
+    bad: dict[str, Problem] = {}
+    for engine, (value, name) in ((e, c or (None, "no exclusion list")) for e, c in chosen.items()):
+        where[engine] = name
+        try:
+            lists[engine] = entries(value, name)
+        except BadPattern as exc:
+            lists[engine] = None
+            if name not in bad:
+                bad[name] = Problem("bad_config_value", f"{exc}; the engine raises on it when it builds the "
+                                    "model; fix: a list of module names (strings)",
+                                    tensor=name.split(" ")[0], engines=[])
+                problems.append(bad[name])
+            bad[name].engines.append(engine)
+    return lists, where
 
 
 def _check_configs(cfg: _Configs, problems: list[Problem]) -> None:
@@ -781,6 +808,22 @@ def _fused_map(eng, engine: str, architecture: str | None) -> dict:
     return eng.FUSED_SHARDS.get(architecture or "", {})
 
 
+def _judged_layers(eng, engine: str, architecture, kept: list[str], cfg: _Configs, why: dict[str, str]
+                   ) -> list[tuple[str, list[str] | None, bool]]:
+    """(engine layer, its shards or None, excluded) for the Linears ``kept``, under the exclusion list
+    ``engine`` reads, indexed once (:class:`fp4pass.checkpoint.engines.Exclusions`); a fused module whose
+    shards disagree is not excluded, and ``why`` says so. Raises the engines' ``BadPattern``."""
+    rules = eng.exclusions(engine, cfg.exclude[engine], cfg.form, architecture, cfg.exclude_field[engine])
+    out = []
+    for layer, shards in eng.engine_modules(architecture, kept, _fused_map(eng, engine, architecture)):
+        try:
+            excluded = rules.excluded(layer, shards)
+        except eng.MixedShards as exc:
+            excluded, why[layer] = False, f"{exc}: the engine refuses the model"
+        out.append((layer, shards, excluded))
+    return out
+
+
 def _check_exclusions(folder: _Folder, modules: dict[str, Module], cfg: _Configs, engines: list[str],
                       problems: list[Problem]) -> None:
     """bf16/f16/f32 Linears (2-D ``.weight``) that an engine would quantize because its exclusions miss them,
@@ -800,13 +843,22 @@ def _check_exclusions(folder: _Folder, modules: dict[str, Module], cfg: _Configs
         kept.append(module)
     misses: dict[str, list[str]] = {}
     why: dict[str, str] = {}
+    unusable: dict[str, Problem] = {}
     for engine in engines:
-        for layer, shards in eng.engine_modules(architecture, kept, _fused_map(eng, engine, architecture)):
-            try:
-                excluded = eng.is_excluded(engine, layer, cfg.exclude[engine], shards, form=cfg.form,
-                                           architecture=architecture)
-            except eng.MixedShards as exc:
-                excluded, why[layer] = False, f"{exc}: the engine refuses the model"
+        if cfg.exclude.get(engine) is None:
+            continue  # not a list of strings: a bad_config_value already
+        try:
+            layers = _judged_layers(eng, engine, architecture, kept, cfg, why)
+        except eng.BadPattern as exc:  # an invalid regex or glob, or one that runs too long: the engine fails
+            message = (f"{exc}; the engine fails on it when it builds the model (or hangs matching it); fix: "
+                       "exact module names, or simple prefix wildcards")
+            if message not in unusable:
+                unusable[message] = Problem("bad_config_value", message, tensor=cfg.exclude_field[engine].split()[0],
+                                            engines=[])
+                problems.append(unusable[message])
+            unusable[message].engines.append(engine)
+            continue
+        for layer, shards, excluded in layers:
             if not excluded:
                 for module in shards or [layer]:
                     misses.setdefault(module, []).append(engine)
@@ -865,7 +917,6 @@ def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -
     """Check the NVFP4 checkpoint folder ``folder``; ``{"form", "quant_algo", "modules", "problems", "engines",
     ...}`` (module docstring). ``engine``: one of vllm, sglang, trtllm: only its verdict and the problems that
     concern it. Raises :class:`CheckpointError` when nothing can be read (no config.json, no shard, no index)."""
-    folder = resolve_checkpoint(folder)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
     names = list(_engines().ENGINES)
     if engine is not None and engine not in names:
         raise CheckpointError(f"unknown engine {engine!r}; choose one of {', '.join(names)}")
@@ -923,16 +974,26 @@ def _check_values_scalars_only(mod: Module, problems: list[Problem]) -> None:
             _value_problems(mod, entry, values, role, problems)
 
 
+def _config_if_present(folder: Path, name: str, follow_symlinks: bool) -> dict:
+    """The JSON object ``folder / name`` under the folder's rule on symlinks, {} when there is no such entry;
+    :class:`CheckpointError` (exit 2) when it is there but cannot be read: a link out of the folder, not a
+    regular file, too large, not JSON, nested too deep. Never taken for an absent file: a folder whose
+    quantization config cannot be read is not judged as an unquantized one."""
+    path = _member(folder, name, follow_symlinks)
+    if not os.path.lexists(path):
+        return {}
+    return read_json_file(path, name)
+
+
 def is_nvfp4_folder(folder, follow_symlinks: bool = False) -> bool:
     """Whether ``folder`` holds an NVFP4 checkpoint (a config that says so, or NVFP4 scale tensor names), from
-    config.json, hf_quant_config.json and the shards' headers only; False for MXFP4 and unquantized folders."""
+    config.json, hf_quant_config.json and the shards' headers only; False for MXFP4 and unquantized folders.
+    Raises :class:`CheckpointError` when config.json or hf_quant_config.json is there but unreadable."""
     folder = Path(folder)
-    try:
-        config = read_json_file(folder / CONFIG_NAME, CONFIG_NAME) if (folder / CONFIG_NAME).is_file() else {}
-        quant = (read_json_file(folder / QUANT_CONFIG_NAME, QUANT_CONFIG_NAME)
-                 if (folder / QUANT_CONFIG_NAME).is_file() else {})
-    except CheckpointError:
+    if not folder.is_dir():
         return False
+    config = _config_if_present(folder, CONFIG_NAME, follow_symlinks)
+    quant = _config_if_present(folder, QUANT_CONFIG_NAME, follow_symlinks)
     algo = quant.get("quantization", {}).get("quant_algo") if isinstance(quant.get("quantization"), dict) else None
     if "NVFP4" in str(algo or "").upper():  # NVFP4, W4A16_NVFP4, W4A8_NVFP4_FP8
         return True
