@@ -6,6 +6,7 @@
     info = fp4pass.checkpoint.inspect("Kimi-K3")
     result = fp4pass.checkpoint.validate("Kimi-K3-NVFP4", engine="vllm")  # problems and engine verdicts
     scales = fp4pass.checkpoint.calibrate("gpt-oss-20b", "calib.npz")   # then convert(..., scales=scales)
+    result = fp4pass.checkpoint.diff("gpt-oss-20b", "gpt-oss-20b-nvfp4", "calib.jsonl")  # what NVFP4 costs
 
 Modules: ``safetensors_io`` (the file format, read and written streaming), ``catalog`` (a checkpoint folder),
 ``detect`` (the three MXFP4 input forms and the w1/w3 pairs), ``input_scales`` (activation scales onto module
@@ -13,14 +14,17 @@ names), ``engine`` (one unit through ``fp4pass.convert``), ``output_forms`` (Mod
 names, dtypes, shapes and configs), ``run`` (convert and inspect), ``check`` (the result read back by
 compressed-tensors), ``validate`` (any NVFP4 checkpoint against the engines' rules), ``calibration``
 (activation scales from the model's own forward, with ``calib_data`` for the data and ``layerwise`` for the
-layer-by-layer run). docs/checkpoint.md describes the formats for users.
+layer-by-layer run), ``numerics`` (an NVFP4 checkpoint against its source, layer by layer, expert by expert and
+at the logits, with ``nvfp4_weights`` decoding any writer's NVFP4 form). docs/checkpoint.md describes the
+formats for users.
 """
 
 from fp4pass.checkpoint.calibration import CheckpointScales, calibrate
+from fp4pass.checkpoint.numerics import CheckpointDiff, diff
 from fp4pass.checkpoint.run import CheckFailed, convert, format_inspection, format_report, inspect, summary_line
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.checkpoint.validate import format_validation, validate
 
-__all__ = ["convert", "inspect", "calibrate", "validate", "CheckFailed", "CheckpointError", "format_inspection",
-           "format_report", "format_validation", "summary_line", "CheckpointScales"]
+__all__ = ["convert", "inspect", "calibrate", "validate", "diff", "CheckpointDiff", "CheckFailed", "CheckpointError",
+           "format_inspection", "format_report", "format_validation", "summary_line", "CheckpointScales"]
 

@@ -1,12 +1,16 @@
 """``fp4pass diff A.onnx B.onnx``: run both under onnxruntime on the same inputs and report how far B is from A.
+``fp4pass diff SRC_DIR NVFP4_DIR --data DATA``: two checkpoint folders, layer by layer through transformers
+(:mod:`fp4pass.checkpoint.numerics`).
 
-Exit codes: 0 passed, 1 an output under ``--snr-min`` (or with NaN/Inf that A does not have), 2 bad input.
+Exit codes: 0 passed, 1 an output under ``--snr-min`` (or with NaN/Inf that A does not have; for folders a
+layer under ``--snr-min`` or a mean KL over ``--kl-max``), 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +37,17 @@ max/mean/p99 of |a-b|; nan/inf count the values in B. Outputs decide pass/fail; 
 every tensor both graphs produce under the same name and names the first divergent node (the first under
 --snr-min; without it, the first that differs at all). Tensors an alpha-form model holds without its global
 scale are not compared with the other model's (a note names them): they differ by that scale by design.
+
+checkpoint folders (A: the MXFP4 or bf16 source, B: any NVFP4 checkpoint of that model, whoever wrote it):
+  fp4pass diff models/checkpoints/kimi kimi-nvfp4 --data models/checkpoints/calib_tokens.npz
+  fp4pass diff gpt-oss-20b gpt-oss-20b-nvfp4 --data calib.jsonl --seq-len 512 --num-samples 64 --json d.json
+  fp4pass diff deepseek-v4 deepseek-v4-nvfp4 --data calib.npz --snr-min 15 --kl-max 0.05 --plot layers.png
+Both run through transformers' own modeling code, one decoder layer at a time; the NVFP4 side decodes its
+weights by its form's convention and, where input scales are stored (W4A4), quantizes every quantized
+module's input to NVFP4 as the engines do. Figures: per layer the SNR of its output fed the source's input
+(local) and fed its own previous output (end-to-end); per routed expert the SNR of its output on the tokens
+the source routed to it (the worst listed); at the logits KL(source || nvfp4), top-1 agreement and both
+perplexities. --data takes what calibrate takes (.npz of input_ids, a folder of them, .jsonl/.txt text).
 """
 
 
@@ -76,10 +91,11 @@ def add_input_arguments(p, what: str) -> None:
 
 
 def register(sub, common) -> None:
-    p = sub.add_parser("diff", parents=[common], help="compare two models numerically under onnxruntime",
+    p = sub.add_parser("diff", parents=[common], help="compare two models numerically (ONNX files under "
+                                                       "onnxruntime, or checkpoint folders through transformers)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("original", metavar="A.onnx", help="the reference model")
-    p.add_argument("rewritten", metavar="B.onnx", help="the model to check against A")
+    p.add_argument("original", metavar="A", help="the reference: A.onnx, or the source checkpoint folder SRC_DIR")
+    p.add_argument("rewritten", metavar="B", help="the model to check against A: B.onnx, or NVFP4_DIR")
     add_input_arguments(p, "both models")
     p.add_argument("--seed", type=_safety.seed, default=0, help="seed of the random inputs (default 0, >= 0)")
     _safety.add_provider_arguments(p, reference=True)
@@ -88,8 +104,63 @@ def register(sub, common) -> None:
     p.add_argument("--json", metavar="REPORT.json", help="write the result as JSON")
     p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB", help="fail (exit 1) when an output's SNR is below DB")
     p.add_argument("--plot", metavar="OUT.png", type=_safety.plot_path,
-                   help="per-tensor SNR and the worst output's error histogram (.png, or .pdf/.svg/...)")
+                   help="per-tensor SNR and the worst output's error histogram; for folders, each layer's "
+                        "SNR and its experts' spread (.png, or .pdf/.svg/...)")
+    g = p.add_argument_group("checkpoint folders (A and B are folders)")
+    g.add_argument("--data", metavar="DATA", help="token ids or text to run: what calibrate --data takes")
+    g.add_argument("--seq-len", type=_safety.positive_int, metavar="T",
+                   help="tokens per sequence (text is cut into sequences of T; default 512)")
+    g.add_argument("--num-samples", type=_safety.positive_int, metavar="N", help="at most N sequences")
+    g.add_argument("--batch-size", type=_safety.positive_int, metavar="B", help="sequences per batch (default 8)")
+    g.add_argument("--kl-max", type=_safety.finite_float, metavar="X",
+                   help="fail (exit 1) when the mean KL(source || nvfp4) of the logits is above X (nats)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="where each layer runs (auto: CUDA when torch has a GPU)")
+    g.add_argument("--follow-symlinks", action="store_true", default=None,
+                   help="read symlinks of the folders that lead out of them")
     p.set_defaults(run=run)
+
+
+#: flags only ONNX files take, with the value each has when not given
+_ONNX_ONLY = {"inputs": None, "shape": [], "past_length": 0, "seed": 0, "provider": "auto", "strict": False,
+              "allow_invalid": False, "intermediates": False}
+#: flags only checkpoint folders take (None when not given)
+_FOLDER_ONLY = ("data", "seq_len", "num_samples", "batch_size", "kl_max", "device", "follow_symlinks")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _run_folders(args) -> int:
+    """``fp4pass diff SRC_DIR NVFP4_DIR --data DATA``."""
+    from fp4pass.checkpoint.numerics import diff as checkpoint_diff, plot_checkpoint_diff
+
+    for name, default in _ONNX_ONLY.items():
+        if getattr(args, name, default) != default:
+            raise UsageError(f"{_flag(name)} applies to ONNX models; {args.original} is a checkpoint folder "
+                             "(give --data)")
+    if not os.path.isdir(args.rewritten):
+        raise UsageError(f"{args.rewritten}: not a folder; SRC_DIR {args.original} is one, so B must be the NVFP4 "
+                         "checkpoint folder to compare with it")
+    if args.data is None:
+        raise UsageError("checkpoint folders need --data: the token ids or text to run (what calibrate --data "
+                         "takes, e.g. models/checkpoints/calib_tokens.npz)")
+    _safety.check_files({"--json": args.json, "--plot": args.plot},
+                        {"SRC_DIR": args.original, "NVFP4_DIR": args.rewritten, "--data": args.data})
+    if args.plot:
+        require("matplotlib", "plot", "--plot")
+    result = checkpoint_diff(args.original, args.rewritten, args.data, seq_len=args.seq_len,
+                             num_samples=args.num_samples, batch_size=args.batch_size, device=args.device or "auto",
+                             snr_min=args.snr_min, kl_max=args.kl_max, follow_symlinks=bool(args.follow_symlinks),
+                             show_progress=False if args.quiet else None)
+    print(result.format_table())
+    if args.json:
+        write_json(args.json, result.to_json())
+    if args.plot:
+        with atomic_output(args.plot, suffix=Path(args.plot).suffix, kind=REPORT) as tmp:
+            plot_checkpoint_diff(result, tmp)
+    return 0 if result.passed else 1
 
 
 def print_notes(command: str, notes, args, provider_notes=()) -> None:
@@ -104,6 +175,14 @@ def print_notes(command: str, notes, args, provider_notes=()) -> None:
 
 
 def run(args) -> int:
+    if os.path.isdir(args.original):
+        return _run_folders(args)
+    for name in _FOLDER_ONLY:
+        if getattr(args, name) is not None:
+            raise UsageError(f"{_flag(name)} applies to checkpoint folders; {args.original} is not one")
+    if os.path.isdir(args.rewritten):
+        raise UsageError(f"{args.rewritten}: a folder, but A ({args.original}) is not: give two ONNX files, or the "
+                         "source checkpoint folder and the NVFP4 checkpoint folder")
     from fp4pass.onnx.numerics import diff, plot_diff
 
     shapes = dict(parse_shape(s) for s in args.shape)

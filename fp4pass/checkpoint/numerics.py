@@ -608,3 +608,53 @@ def _logit_figures(src: LayerRunner, nv: LayerRunner, batches: list[Batch], stor
     sums, top = _reduce(stats.as_list(), [stats.kl_max])
     stats.set(sums, top[0])
     return stats.to_json()
+
+
+#: SNR drawn for identical outputs and capped values in the plot (dB)
+PLOT_SNR_CAP = 80.0
+
+
+def plot_checkpoint_diff(result: CheckpointDiff, path) -> None:
+    """Figure: each layer's local and end-to-end SNR (dB, capped at :data:`PLOT_SNR_CAP`; identical drawn at the
+    cap, NaN/Inf at the bottom), and the spread of its routed experts' SNR (one dot per expert, the worst
+    ringed); ``--snr-min`` as a dashed line."""
+    import logging as _logging
+
+    from fp4pass.extras import require
+
+    matplotlib = require("matplotlib", "plot", "plotting a diff")
+    matplotlib.use("Agg")
+    _logging.getLogger("matplotlib").setLevel(_logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    values = [v for r in result.layers for v in (r["snr_db_local"], r["snr_db_end_to_end"])]
+    values += [r["snr_db"] for r in result.experts]
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    floor = min(finite + [0.0]) - 5
+
+    def drawn(value):
+        if value is None:
+            return PLOT_SNR_CAP
+        return floor if not math.isfinite(value) else min(value, PLOT_SNR_CAP)
+
+    xs = [r["index"] for r in result.layers]
+    fig, ax = plt.subplots(figsize=(max(8, min(30, 0.4 * len(xs))), 5))
+    ax.plot(xs, [drawn(r["snr_db_local"]) for r in result.layers], "o-", label="layer, local (source's input)")
+    ax.plot(xs, [drawn(r["snr_db_end_to_end"]) for r in result.layers], "s--",
+            label="layer, end to end (own input)")
+    if result.experts:
+        ax.scatter([r["layer"] for r in result.experts], [drawn(r["snr_db"]) for r in result.experts], s=10,
+                   color="0.5", alpha=0.6, label="routed experts")
+        worst = result.worst_experts()
+        ax.scatter([r["layer"] for r in worst], [drawn(r["snr_db"]) for r in worst], s=40, facecolors="none",
+                   edgecolors="red", label=f"{len(worst)} worst experts")
+    if result.snr_min is not None:
+        ax.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8, label=f"--snr-min {result.snr_min:g}")
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel(f"SNR (dB; identical drawn at {PLOT_SNR_CAP:g}, NaN/Inf at the bottom)")
+    ax.set_title(f"{result.run['model_type']}: NVFP4 ({result.run['nvfp4_form']}, {result.run['activations']}) "
+                 "against its source")
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, format=os.path.splitext(os.fspath(path))[1].lstrip(".") or "png")
+    plt.close(fig)

@@ -1,0 +1,347 @@
+"""``fp4pass diff SRC_DIR NVFP4_DIR``: every figure against an independent whole-model forward (tests/diff_oracle.py),
+for the three bundled families in both of fp4pass's forms (W4A4 and W4A16) and for the committed third-party
+NVFP4 checkpoints (ModelOpt 0.47, llm-compressor 0.14); the activation fake-quant against compressed-tensors'
+own; the command line's exit codes and files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cli_helpers import cli, one_line
+from diff_oracle import ROOT, THIRD_PARTY, bf16_source, ct_fake_quant, figures, third_party_source
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+TOKENS = ROOT / "calib_tokens.npz"
+BATCH = 4
+#: bundled family -> (transformers model type, {checkpoint dense module: model module} where they differ)
+FAMILIES = {"gpt_oss": ("gpt_oss", {}), "kimi": ("deepseek_v3", {}),
+            "deepseek": ("deepseek_v4", {f"layers.{i}.attn.wo_b": f"model.layers.{i}.self_attn.o_b_proj"
+                                         for i in range(2)})}
+#: (family, --format, calibrated input scales: W4A4)
+CASES = [("gpt_oss", "modelopt", True), ("gpt_oss", "modelopt", False), ("kimi", "compressed-tensors", True),
+         ("kimi", "modelopt", False),
+         ("deepseek", "compressed-tensors", True), ("deepseek", "modelopt", True)]
+
+
+def _convert(tmp: Path, name: str, fmt: str, calibrated: bool, method: str = "auto") -> Path:
+    import fp4pass.checkpoint
+
+    out = tmp / f"{name}-{fmt}-{'w4a4' if calibrated else 'w4a16'}-{method}"
+    scales = fp4pass.checkpoint.calibrate(ROOT / name, TOKENS, batch_size=BATCH, device="cpu") if calibrated else None
+    fp4pass.checkpoint.convert(ROOT / name, out, format=fmt, scales=scales, method=method)
+    return out
+
+
+def _ids(path: Path = TOKENS) -> torch.Tensor:
+    return torch.from_numpy(np.load(path)["input_ids"]).long()
+
+
+def _close(ours: float | None, oracle: float | None, tolerance: float) -> None:
+    """Both None (identical outputs), or both numbers within ``tolerance`` dB."""
+    assert (ours is None) == (oracle is None), (ours, oracle)
+    assert ours is None or abs(ours - oracle) < tolerance, (ours, oracle)
+
+
+def _agree(ours, oracle: dict) -> None:
+    """The figures within 0.5 dB (local, experts), 1 dB (end to end), 10% (KL mean); the same experts routed."""
+    assert len(ours.layers) == len(oracle["layers"])
+    for row, (local, e2e) in zip(ours.layers, oracle["layers"]):
+        _close(row["snr_db_local"], local, 0.5)
+        _close(row["snr_db_end_to_end"], e2e, 1.0)
+    got = {(r["layer"], r["expert"]): (r["snr_db"], r["tokens"]) for r in ours.experts}
+    assert set(got) == set(oracle["experts"])
+    for key, (db, tokens) in oracle["experts"].items():
+        assert got[key][1] == tokens, key
+        _close(got[key][0], db, 0.5)
+    lg, want = ours.logits, oracle["logits"]
+    assert abs(lg["kl_mean"] - want["kl_mean"]) <= 0.1 * want["kl_mean"], (lg, want)
+    assert abs(lg["top1_agreement"] - want["top1_agreement"]) <= 0.03, (lg, want)
+    for key in ("ppl_source", "ppl_nvfp4"):
+        assert lg[key] == pytest.approx(want[key], rel=0.01), key
+
+
+@pytest.mark.parametrize("name,fmt,calibrated", CASES)
+def test_figures_match_an_independent_forward(tmp_path, name, fmt, calibrated):
+    import fp4pass.checkpoint
+
+    # weight-only: the lossless conversion of Kimi, plain requantization (lossy) of gpt-oss
+    nvfp4 = _convert(tmp_path, name, fmt, calibrated, "requant" if (name, calibrated) == ("gpt_oss", False)
+                     else "auto")
+    ours = fp4pass.checkpoint.diff(ROOT / name, nvfp4, TOKENS, batch_size=BATCH, device="cpu")
+    assert ours.run["activations"] == ("W4A4" if calibrated else "W4A16")
+    assert ours.run["nvfp4_form"] == fmt
+    model_type, dense = FAMILIES[name]
+    oracle = figures(bf16_source(name, tmp_path), nvfp4, model_type, _ids(), BATCH, tmp_path, dense)
+    _agree(ours, oracle)
+    if (name, calibrated) == ("kimi", False):  # every Kimi expert converts losslessly: W4A16 changes nothing
+        assert all(r["snr_db_local"] is None for r in ours.layers) and ours.logits["kl_mean"] == 0.0
+    else:
+        assert all(r["snr_db_local"] is not None for r in ours.layers)
+
+
+@pytest.mark.parametrize("fixture,which,form", [("modelopt_gpt_oss", "gpt_oss", "modelopt"),
+                                                ("modelopt_qwen3_moe", "qwen3_moe", "modelopt"),
+                                                ("llmcompressor_qwen3_moe", "qwen3_moe", "compressed-tensors")])
+def test_third_party_checkpoints_match_an_independent_forward(tmp_path, fixture, which, form):
+    import fp4pass.checkpoint
+
+    source = third_party_source(which, tmp_path)
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 128, (8, 24))).long()
+    data = tmp_path / "ids.npz"
+    np.savez(data, input_ids=ids.numpy())
+    ours = fp4pass.checkpoint.diff(source, THIRD_PARTY / fixture, data, batch_size=BATCH, device="cpu")
+    assert (ours.run["nvfp4_form"], ours.run["activations"]) == (form, "W4A4")
+    oracle = figures(source, THIRD_PARTY / fixture, which, ids, BATCH, tmp_path)
+    _agree(ours, oracle)
+    # the bf16 source really is the model these were quantized from: every layer within NVFP4's reach
+    assert all(r["snr_db_local"] > 10 for r in ours.layers)
+
+
+# -- the activation fake-quant against compressed-tensors' own -----------------------------------------------------
+
+def _activations(seed: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 64, generator=g) * torch.exp(torch.randn(48, 1, generator=g) * 3)
+    x[0, :16] = 0.0  # an all-zero block
+    x[1, :16] *= 1e-7  # a block whose scale rounds to 0 in E4M3
+    x[2, 16:32] *= 1e4  # blocks that saturate at 448
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_activation_fake_quant_equals_compressed_tensors(seed, dtype):
+    from fp4pass.checkpoint.nvfp4_weights import fake_quantize_activation
+
+    x = _activations(seed, dtype)
+    amax = float(x.float().abs().max())
+    for g in (2688.0 / amax, 2688.0 / amax * 3.7, 2688.0 / amax / 1000.0):
+        ours = fake_quantize_activation(x, g)
+        assert ours.dtype == dtype
+        assert torch.equal(ours, ct_fake_quant(x, g)), g  # compressed-tensors on the float32 input
+
+
+def test_activation_fake_quant_keeps_nan_and_zero_blocks():
+    from fp4pass.checkpoint.nvfp4_weights import fake_quantize_activation
+
+    x = torch.ones(2, 32)
+    x[0, 3] = float("nan")
+    x[1, 16:] = 0.0
+    y = fake_quantize_activation(x, 6.0)  # block scale e4m3(6 * 1/6) = 1: ones stay ones
+    assert torch.isnan(y[0, 3]) and torch.isfinite(y[0, 16:]).all()
+    assert torch.equal(y[1, 16:], torch.zeros(16)) and torch.equal(y[1, :16], torch.ones(16))
+    z = fake_quantize_activation(x[1:], 100.0)  # e4m3(100/6) = 16: a step of 0.16, so 1 saturates at 6 steps
+    assert torch.equal(z[0, :16], torch.full((16,), 0.96))
+
+
+# -- planted defects, each named at its layer and expert -----------------------------------------------------------
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit(folder: Path, edit) -> None:
+    """Rewrite ``folder``'s single shard with ``edit(tensors)`` applied (the safetensors package)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """Correct outputs and their diffs, each made once: {name: (folder, CheckpointDiff)}."""
+    import fp4pass.checkpoint
+
+    tmp = tmp_path_factory.mktemp("clean")
+    cache = {}
+
+    def get(name: str, fmt: str):
+        if (name, fmt) not in cache:
+            folder = _convert(tmp, name, fmt, True)
+            cache[(name, fmt)] = folder, fp4pass.checkpoint.diff(ROOT / name, folder, TOKENS, batch_size=BATCH,
+                                                                  device="cpu")
+        return cache[(name, fmt)]
+    return get
+
+
+def _planted(clean, tmp_path, name, fmt, edit):
+    import fp4pass.checkpoint
+
+    folder, before = clean(name, fmt)
+    bad = _copy(folder, tmp_path / "planted")
+    _edit(bad, edit)
+    return before, fp4pass.checkpoint.diff(ROOT / name, bad, TOKENS, batch_size=BATCH, device="cpu")
+
+
+def _named(before, after, layer: int, expert: int, drop: float = 3.0) -> None:
+    """The defect is found at ``layer`` and ``expert``: the layers upstream are unchanged to the bit, ``layer``'s
+    local SNR is lower than before, and ``expert`` is now the worst of all, ``drop`` dB or more under every expert
+    of the correct checkpoint."""
+    for b, a in zip(before.layers[:layer], after.layers[:layer]):
+        assert a == b
+    assert after.layers[layer]["snr_db_local"] < before.layers[layer]["snr_db_local"]
+    worst = after.experts[0]
+    assert (worst["layer"], worst["expert"]) == (layer, expert), after.experts[:3]
+    assert worst["snr_db"] < before.experts[0]["snr_db"] - drop, (worst, before.experts[0])
+
+
+@pytest.mark.parametrize("layer,expert,factor", [(1, 2, 4.0), (0, 1, 0.125), (1, 0, 16.0)])
+def test_one_expert_global_scale_off(clean, tmp_path, layer, expert, factor):
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+
+    def edit(t):
+        for proj in ("w1", "w2", "w3"):
+            t[f"{prefix}.{proj}.weight_global_scale"] = t[f"{prefix}.{proj}.weight_global_scale"] * factor
+    before, after = _planted(clean, tmp_path, "kimi", "compressed-tensors", edit)
+    _named(before, after, layer, expert)
+
+
+@pytest.mark.parametrize("layer,expert", [(1, 2), (0, 0)])
+def test_gate_up_halves_of_one_gpt_oss_expert_swapped(clean, tmp_path, layer, expert):
+    name = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+
+    def edit(t):
+        for key in (name, name + "_weight_scale"):  # [E, ., 2I], gate/up interleaved along the last axis
+            w = t[key].clone()
+            w[expert, :, 0::2], w[expert, :, 1::2] = t[key][expert, :, 1::2], t[key][expert, :, 0::2]
+            t[key] = w
+    before, after = _planted(clean, tmp_path, "gpt_oss", "modelopt", edit)
+    _named(before, after, layer, expert)
+
+
+@pytest.mark.parametrize("layer,expert", [(1, 1), (0, 2)])
+def test_one_expert_block_scales_one_e4m3_step_up(clean, tmp_path, layer, expert):
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}.w2"
+
+    def edit(t):
+        codes = t[f"{prefix}.weight_scale"].view(torch.uint8)
+        t[f"{prefix}.weight_scale"] = torch.where(codes == 0, codes, codes + 1).view(torch.float8_e4m3fn)
+    before, after = _planted(clean, tmp_path, "kimi", "compressed-tensors", edit)
+    _named(before, after, layer, expert, drop=1.0)
+
+
+def test_global_scales_stored_as_reciprocals_fail_at_the_first_layer(clean, tmp_path):
+    def edit(t):
+        for key in [k for k in t if k.endswith(".weight_global_scale")]:
+            t[key] = 1.0 / t[key]
+    before, after = _planted(clean, tmp_path, "kimi", "compressed-tensors", edit)
+    after.snr_min = 0.0
+    assert after.first_below == 0
+    assert not after.passed
+
+
+@pytest.mark.parametrize("fmt,key,factor,visible", [
+    # compressed-tensors stores the activation global scale g: x1000 saturates every block at 448 (E4M3's top)
+    ("compressed-tensors", "input_global_scale", 1000.0, True),
+    # x2 on g: the largest blocks (calibrated to land at 448) now saturate
+    ("compressed-tensors", "input_global_scale", 2.0, True),
+    # ModelOpt stores input_scale = 1/g: x2 halves g, so every block scale halves exactly (a power of two in
+    # E4M3's range) and x / (s / g) is unchanged: invisible while no block falls below E4M3's normals
+    ("modelopt", "input_scale", 2.0, False),
+    ("modelopt", "input_scale", 1e-3, True),
+])
+def test_an_input_scale_far_off_in_each_convention(clean, tmp_path, fmt, key, factor, visible):
+    layer, expert = 1, 0
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+
+    def edit(t):
+        for proj in ("w1", "w3"):
+            t[f"{prefix}.{proj}.{key}"] = t[f"{prefix}.{proj}.{key}"] * factor
+    before, after = _planted(clean, tmp_path, "kimi", fmt, edit)
+    if visible:
+        _named(before, after, layer, expert, drop=1.0)
+    else:
+        assert after.layers == before.layers and after.experts == before.experts
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+def test_cli_writes_strict_json_and_a_plot_and_exits_1_under_the_limits(clean, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder, before = clean("kimi", "compressed-tensors")
+    report, plot = tmp_path / "d.json", tmp_path / "d.png"
+    code, err = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--batch-size", BATCH,
+                    "--json", report, "--plot", plot, "--quiet")
+    assert code == 0, err
+    data = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
+    assert [r["index"] for r in data["layers"]] == [0, 1]
+    assert data["layers"][0]["snr_db_local"] == round(before.layers[0]["snr_db_local"], 4)
+    assert {"kl_mean", "kl_max", "top1_agreement", "ppl_source", "ppl_nvfp4"} <= set(data["logits"])
+    assert data["first_below"] is None and data["passed"] is True
+    assert plot.stat().st_size > 1000
+    worst = min(r["snr_db_local"] for r in before.layers)
+    code, _ = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--snr-min", worst + 0.5)
+    assert code == 1
+    code, _ = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--kl-max", before.logits["kl_mean"] / 2)
+    assert code == 1
+    code, _ = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--kl-max", before.logits["kl_mean"] * 2,
+                  "--snr-min", worst - 0.5)
+    assert code == 0
+
+
+def test_cli_refuses_unrelated_models_bad_data_and_wrong_flags(clean, tmp_path, capsys):
+    folder, _ = clean("kimi", "compressed-tensors")
+    gpt, _ = clean("gpt_oss", "modelopt")
+    report = tmp_path / "r.json"
+    fewer = _copy(folder, tmp_path / "fewer")
+    config = json.loads((fewer / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (fewer / "config.json").write_text(json.dumps(config))
+    big = tmp_path / "big.npz"
+    np.savez(big, input_ids=np.full((2, 8), 32, dtype=np.int64))  # the vocabulary is [0, 32)
+    cases = [((ROOT / "kimi", gpt, "--data", TOKENS), "not the same architecture"),
+             ((ROOT / "kimi", fewer, "--data", TOKENS), "layer counts"),
+             ((ROOT / "kimi", folder, "--data", big), "outside the vocabulary"),
+             ((ROOT / "kimi", tmp_path / "missing", "--data", TOKENS), "missing"),
+             ((ROOT / "kimi", folder), "--data"),
+             ((folder, ROOT / "kimi", "--data", TOKENS), "give the MXFP4 (or bf16) source first"),
+             ((ROOT / "kimi", folder, "--data", TOKENS, "--intermediates"), "--intermediates applies to ONNX"),
+             ((ROOT.parent / "moe.onnx", ROOT.parent / "moe.onnx", "--data", TOKENS), "--data applies to checkpoint")]
+    for argv, words in cases:
+        code, err = cli(capsys, "diff", *argv, "--json", report)
+        assert code == 2, (argv, err)
+        assert words in one_line(err), (argv, err)
+        assert not report.exists()
+
+
+def test_right_padding_is_not_compared(clean, tmp_path):
+    """Rows padded at the right, two batches of one shape with different masks, give the figures of the same
+    rows run alone at their own lengths (causal attention: padding after a token never reaches it)."""
+    import fp4pass.checkpoint
+
+    folder, _ = clean("kimi", "compressed-tensors")
+    ids = np.load(TOKENS)["input_ids"][:4].astype(np.int64)  # [4, 32]
+    lengths = [32, 20, 27, 12]
+    mask = (np.arange(32)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    junk = np.where(mask == 1, ids, (ids * 7 + 3) % 32)  # padding holds other tokens than the real ones
+    np.savez(tmp_path / "padded.npz", input_ids=junk, attention_mask=mask)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for i, n in enumerate(lengths):
+        np.savez(alone / f"row{i}.npz", input_ids=ids[i:i + 1, :n])
+    padded = fp4pass.checkpoint.diff(ROOT / "kimi", folder, tmp_path / "padded.npz", batch_size=2, device="cpu")
+    single = fp4pass.checkpoint.diff(ROOT / "kimi", folder, alone, batch_size=1, device="cpu")
+    assert padded.run["tokens"] == single.run["tokens"] == sum(lengths)
+    for a, b in zip(padded.layers, single.layers):
+        assert a["snr_db_local"] == pytest.approx(b["snr_db_local"], abs=0.02)
+        assert a["snr_db_end_to_end"] == pytest.approx(b["snr_db_end_to_end"], abs=0.02)
+    tokens = {(r["layer"], r["expert"]): r["tokens"] for r in padded.experts}
+    assert tokens == {(r["layer"], r["expert"]): r["tokens"] for r in single.experts}
+    assert sum(tokens.values()) == 2 * 2 * sum(lengths)  # 2 layers, top-2 routing of the real tokens
+    assert padded.logits["kl_mean"] == pytest.approx(single.logits["kl_mean"], rel=1e-3)
+    assert padded.logits["scored_next_tokens"] == single.logits["scored_next_tokens"] == sum(lengths) - 4
