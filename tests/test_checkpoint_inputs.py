@@ -183,14 +183,14 @@ def test_a_stack_reports_its_worst_expert(tmp_path):
 
 
 def test_check_fails_a_lossy_expert_worse_than_requantization(tmp_path, monkeypatch):
-    """A lossy gate whose written codes lose a whole row (more error than plain requantization of its values,
-    which the test measures with its own oracle) fails --check, naming that expert and nothing else; the same
-    input converted as fp4pass converts it passes."""
+    """A lossy gate whose written codes lose its first 8 rows (more error than plain requantization of the gate/up
+    pair under the one global scale they share, which the test measures with its own oracle) fails --check,
+    naming that pair and nothing else; the same input converted as fp4pass converts it passes."""
     pytest.importorskip("compressed_tensors")
     from fp4pass.checkpoint import engine
 
     src = moe_checkpoint(tmp_path / "src", "deepseek", "hf", experts=2, lossy={(1, "gate"): 1})
-    gate = expert_modules("hf", 2)[1][0]
+    gate, up, _ = expert_modules("hf", 2)[1]
     assert fp4pass.checkpoint.convert(src, tmp_path / "good", check=True)["check"]["passed"]
     real = engine.convert_linears
     seen = {}
@@ -198,10 +198,11 @@ def test_check_fails_a_lossy_expert_worse_than_requantization(tmp_path, monkeypa
     def damaged(catalog, linears, method, **options):
         conv = real(catalog, linears, method, **options)
         if linears[0].module == gate:
-            conv.codes[0, 5] = 0  # the gate's row 5: every element 0
-            x = mx_decode(*source_linear(src, gate))
-            y = nv_decode(conv.codes[0].numpy(), as_bytes(conv.scales[0]), conv.global_scale)
-            seen["sse"], seen["requant"] = float(((y - x) ** 2).sum()), requant_sse(x)
+            conv.codes[0, :8] = 0  # the gate's rows 0-7: every element 0
+            xs = [mx_decode(*source_linear(src, m)) for m in (gate, up)]
+            ys = [nv_decode(conv.codes[i].numpy(), as_bytes(conv.scales[i]), conv.global_scale) for i in (0, 1)]
+            seen["sse"] = sum(float(((y - x) ** 2).sum()) for x, y in zip(xs, ys))
+            seen["requant"] = requant_sse(np.concatenate(xs))  # the pair's, under one scale from its joint amax
         return conv
 
     monkeypatch.setattr(engine, "convert_linears", damaged)
@@ -209,7 +210,7 @@ def test_check_fails_a_lossy_expert_worse_than_requantization(tmp_path, monkeypa
         fp4pass.checkpoint.convert(src, tmp_path / "out", check=True)
     assert seen["sse"] > 2 * seen["requant"] > 0  # truly worse than requantization
     failures = failed.value.report["check"]["failures"]
-    assert [f["expert"] for f in failures] == [gate]
+    assert [f["expert"] for f in failures] == [f"{gate}+up_proj"]
     assert "above plain requantization" in failures[0]["reason"]
     nothing_left(tmp_path / "out")
 
