@@ -24,6 +24,7 @@ import importlib
 import io as _stdio
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -35,6 +36,8 @@ from fp4pass.errors import CheckError, FP4PassError
 
 COMMANDS = ("convert", "inspect", "calibrate", "diff", "study", "bench", "clean")
 EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 130, 143
+QUIET_HELP = ("warnings and errors only, on every command: no progress bar, note, table or summary (the exit code, "
+              "the files written and inspect --json still give the result)")
 
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
@@ -47,10 +50,50 @@ exit codes: 0 done, 1 a numeric check failed, 2 bad input or usage, 3 a bug (ple
 """
 
 
+#: flags every subcommand takes (after its name: ``fp4pass convert --quiet``, not ``fp4pass --quiet convert``)
+COMMON_FLAGS = ("--debug", "--quiet", "-v", "--verbose")
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def _choice_hint(message: str) -> str:
+    """`` (did you mean X?)`` for argparse's "invalid choice" message when one choice is close to the value
+    given (``compressed_tensors`` for ``compressed-tensors``: ``_`` and ``-`` alike, case ignored)."""
+    found = _INVALID_CHOICE.search(message)
+    if found is None:
+        return ""
+    choices = [c.strip().strip("'\"") for c in found["choices"].split(",")]
+    given = found["given"].lower().replace("_", "-")
+    close = [c for c in choices if c.lower() == given] or difflib.get_close_matches(given, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # usage errors: one line, exit 2 (argparse's own convention)
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message: str):  # usage errors: one line of usage, the error line, exit 2 (argparse's code)
+        self.exit(2, f"{self.short_usage()}\n{self.prog}: error: {message}{_choice_hint(message)}\n")
+
+    def short_usage(self) -> str:
+        """One line: the positionals and the required flags, then where the rest is listed."""
+        parts = []
+        for action in self._actions:
+            if action.option_strings and action.required:
+                parts.append(f"{action.option_strings[0]} {action.metavar or action.dest.upper()}")
+            elif not action.option_strings and action.help is not argparse.SUPPRESS:
+                parts.append(str(action.metavar or action.dest))
+        return f"usage: {self.prog} {' '.join(parts)} [options]  ({self.prog} -h lists them)"
+
+
+class _TopParser(_Parser):
+    """``fp4pass``'s own parser: a subcommand's flag given before the subcommand is named as such."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        given = sys.argv[1:] if args is None else list(args)
+        for i, arg in enumerate(given):
+            if arg in COMMANDS:
+                early = [a for a in given[:i] if a.split("=", 1)[0] in COMMON_FLAGS]
+                if early:
+                    self.error(f"{early[0]} belongs after the subcommand: fp4pass {arg} {early[0]} ...")
+                break
+        return super().parse_known_args(args, namespace)
 
 
 class _CommandParser(_Parser):
@@ -74,7 +117,7 @@ class _CommandParser(_Parser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = _TopParser(
         prog="fp4pass",
         description="Rewrite MXFP4 models into NVFP4, calibrate NVFP4 activations, and prove the result.",
         epilog=EPILOG,
@@ -83,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fp4pass {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
-    common.add_argument("--quiet", action="store_true", help="no progress bar, no notes, warnings only")
+    common.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     common.add_argument("-v", "--verbose", action="store_true",
                         help="also show the log lines of the libraries fp4pass runs (onnx_ir, onnxruntime)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
@@ -193,6 +236,37 @@ class _QuietPipe:
         return getattr(self._stream, name)
 
 
+class _WarningsOnly:
+    """A stream that, under ``--quiet``, passes on only the lines that are warnings or errors (:data:`LOUD`):
+    the same rule for every command, whatever it prints. Partial lines (progress bars) wait for their end."""
+
+    LOUD = re.compile(r"\b(error|warning|FAILED|interrupted|terminated)\b", re.IGNORECASE)
+
+    def __init__(self, stream, keep_all: bool = False):
+        self._stream = stream
+        self._keep_all = keep_all
+        self._pending = ""
+
+    def write(self, text):
+        if self._keep_all:
+            return self._stream.write(text)
+        lines = (self._pending + text).split("\n")
+        self._pending = lines.pop()
+        for line in lines:
+            if self.LOUD.search(line):
+                self._stream.write(line + "\n")
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
@@ -284,8 +358,11 @@ def _main(parser, args) -> int:
     logging.basicConfig(level=libraries, format="fp4pass: %(message)s", stream=sys.stderr)
     logging.getLogger().setLevel(libraries)
     logging.getLogger("fp4pass").setLevel(own)
-    stdout = sys.stdout
-    sys.stdout = guard = _QuietPipe(stdout)
+    stdout, stderr = sys.stdout, sys.stderr
+    if args.quiet:  # after logging took its stream: fp4pass's logger is at WARNING already
+        sys.stderr = _WarningsOnly(stderr)
+    shown = _WarningsOnly(stdout, keep_all=getattr(args, "json", None) is True) if args.quiet else stdout
+    sys.stdout = guard = _QuietPipe(shown)
     try:
         with _sigterm_handled(), fio.output_session() as session:
             try:
@@ -302,7 +379,7 @@ def _main(parser, args) -> int:
             guard.flush()
             return code
     finally:
-        sys.stdout = stdout
+        sys.stdout, sys.stderr = stdout, stderr
 
 
 def entry() -> int:

@@ -46,9 +46,9 @@ def test_external_data_resolves_against_the_models_folder(tmp_path, capsys, monk
     m, calib = model_dir / "m.onnx", MODELS / "calib.npz"
     assert cli(capsys, "diff", m, MODELS / f"{name}.onnx", "--quiet")[0] == 0
     assert cli(capsys, "calibrate", m, "--data", calib, "-o", "s.json", "--quiet")[0] == 0
-    code, err = cli(capsys, "convert", m, "-o", "o.onnx", "--check", "--quiet")
+    code, err = cli(capsys, "convert", m, "-o", "o.onnx", "--check")
     assert code == 0 and "check passed" in err
-    code, err = cli(capsys, "convert", m, "-o", "c.onnx", "--calib", calib, "--check", "--quiet")
+    code, err = cli(capsys, "convert", m, "-o", "c.onnx", "--calib", calib, "--check")
     assert code == 0 and "check passed" in err
     assert cli(capsys, "diff", m, "o.onnx", "--quiet")[0] == 0
 

@@ -167,6 +167,9 @@ def iter_feeds(data, inputs: dict[str, ir.Value], batch_size: int | None = None)
             _check_layout(dims, dtype, inputs[name], str(path), name)
 
         feed, extra = read_npz(path, error=CalibrationDataError, names=set(inputs), check=check)
+        if extra and not feed:  # nothing to feed: name what the file has and what the model wants
+            raise CalibrationDataError(f"{path}: none of its arrays ({', '.join(sorted(extra))}) names a graph "
+                                       f"input; the model's inputs are {', '.join(map(repr, inputs))}")
         if extra:
             log.warning("%s: arrays %s are not graph inputs; ignored", path, ", ".join(sorted(extra)))
         yield from split(str(path), feed)

@@ -21,6 +21,7 @@ Rules that hold for every module when input scales are asked for:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
@@ -65,6 +66,21 @@ def _check(value: float, where: str) -> float:
     return float(value)
 
 
+#: key forms of the SCALES.json files fp4pass writes, and whose they are
+_FAMILIES = ((re.compile(r"\.experts\.(gate_up_proj|down_proj)$"), "gpt-oss's (fused expert stacks)"),
+             (re.compile(r"(^|\.)ffn\.experts\.\d+\.w[123]$"), "DeepSeek-V4's (layers.N.ffn.experts.E.w1)"),
+             (re.compile(r"\.experts\.\d+\.[^.]+$"), "another MoE checkpoint's (model.layers.N.mlp.experts.E.w1)"),
+             (re.compile(r"^[^.]+$"), "an ONNX model's activations (fp4pass calibrate on an ONNX file)"))
+
+
+def _whose(keys: list[str]) -> str:
+    """``; they look like gpt-oss's ...`` for keys of a form fp4pass knows, else nothing."""
+    for pattern, family in _FAMILIES:
+        if all(pattern.search(key) for key in keys):
+            return f"; they look like {family}"
+    return f" (first {keys[0]!r})"
+
+
 def resolve_input_scales(units, constant: float | None = None, scales=None, scales_path: str = "SCALES.json"
                          ) -> InputScales:
     """The input_scale of every module of ``units`` (empty when neither ``constant`` nor ``scales`` is given).
@@ -97,6 +113,11 @@ def resolve_input_scales(units, constant: float | None = None, scales=None, scal
             continue
         value = _check(entry.input_scale, f"{scales_path}: tensor {key!r}")
         found[module] = max(found.get(module, 0.0), value)
+    if not found and result.unmatched:  # a SCALES.json of another model: say whose it looks like
+        raise CheckpointError(f"{scales_path}: none of its {len(result.unmatched)} keys match this checkpoint"
+                              f"{_whose(result.unmatched)}, this checkpoint's modules are named like "
+                              f"{_name(items[0])}; calibrate this checkpoint (fp4pass calibrate CKPT_DIR) or give "
+                              "--input-scale")
     # gate and up of one pair share the larger value
     for unit in units:
         if isinstance(unit, tuple):

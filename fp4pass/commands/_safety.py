@@ -96,14 +96,45 @@ def check_provider(args) -> None:
         return
     if args.strict:
         raise UsageError(f"--provider cuda --strict: {why}")
-    print(f"fp4pass {args.command}: note: --provider cuda: {why}; falling back to CPU (--strict to refuse)",
+    print(f"fp4pass {args.command}: warning: --provider cuda: {why}; falling back to CPU (--strict to refuse)",
           file=sys.stderr)
 
 
+#: files of a safetensors checkpoint, which is read as a whole folder
+CHECKPOINT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
+#: text calibration data: tokenized with a checkpoint folder's tokenizer, never fed to an ONNX graph
+TEXT_DATA_SUFFIXES = (".jsonl", ".txt")
+
+
+def refuse_checkpoint_file(path: str | os.PathLike | None) -> None:
+    """A shard (or the index) of a safetensors checkpoint given where its folder is wanted: name the folder."""
+    if path is None or os.path.isdir(path):
+        return
+    name = os.path.basename(os.fspath(path))
+    if name.endswith(CHECKPOINT_FILE_SUFFIXES):
+        folder = os.path.dirname(os.fspath(path)) or "."
+        raise UsageError(f"{path}: one file of a safetensors checkpoint; give the checkpoint folder that holds "
+                         f"it and its config.json ({folder})")
+
+
+def refuse_text_data(flag: str, path: str | os.PathLike | None, model: str | os.PathLike) -> None:
+    """Text data (.jsonl, .txt) given to an ONNX model: it takes arrays named after its graph inputs."""
+    if path is None or not os.fspath(path).endswith(TEXT_DATA_SUFFIXES):
+        return
+    from fp4pass.onnx.loading import load
+
+    inputs = ", ".join(v.name for v in load(model).model.graph.inputs) or "none"
+    raise UsageError(f"{flag} {path}: text is calibration data for checkpoint folders (tokenized with their "
+                     f"tokenizer.json); an ONNX model takes an .npz with one array per graph input ({inputs}), or "
+                     "a folder of them")
+
+
 def model_inputs(label: str, path: str | os.PathLike | None) -> dict[str, str]:
-    """A model file and the external data files it names, labelled for :func:`fp4pass.io.check_outputs`."""
+    """A model file and the external data files it names, labelled for :func:`fp4pass.io.check_outputs`; a
+    checkpoint's shard given for the model is refused (:func:`refuse_checkpoint_file`)."""
     if path is None:
         return {}
+    refuse_checkpoint_file(path)
     from fp4pass.onnx.loading import external_data_paths
 
     found = {label: os.fspath(path)}

@@ -7,7 +7,7 @@ import os
 import sys
 
 from fp4pass.commands import _checkpoint_calib, _safety
-from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
+from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
 from fp4pass.io import RESULT, write_json
 
 EPILOG = """examples:
@@ -49,6 +49,7 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
+    check_calibrator_flags(args, "--data", data_given=True)
     _safety.resolve_hub_model(args)
     if os.path.isdir(args.model):
         return _checkpoint_calib.calibrate_folder(args)
@@ -59,6 +60,7 @@ def run(args) -> int:
     inputs = {**_safety.model_inputs("the input model", args.model), "--data": args.data}
     _safety.check_files({"-o": args.output, "--report": args.report}, inputs)
     _safety.check_model(args, args.model)
+    _safety.refuse_text_data("--data", args.data, args.model)
     _safety.check_provider(args)
     options = calibrator_options(args)
     model = load(args.model).model

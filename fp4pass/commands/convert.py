@@ -7,7 +7,7 @@ import sys
 
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
 from fp4pass.commands import _safety, checkpoint
-from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options
+from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
 from fp4pass.commands.diff import add_input_arguments, parse_shape, print_notes
 from fp4pass.errors import UsageError
 
@@ -89,12 +89,35 @@ def _check_before_work(args) -> float | None:
         if given and not args.check:
             raise UsageError(f"{flag} applies to --check; add --check")
     _safety.check_model(args, args.model)
+    _safety.refuse_text_data("--calib", args.calib, args.model)
+    _safety.refuse_text_data("--inputs", args.inputs, args.model)
+    _refuse_nvfp4_model(args)
     _safety.check_provider(args)
     if args.scales:
         _check_scales(args.scales, args.model)
     if args.snr_min is not None:
         return args.snr_min
     return SNR_MIN_WITH_ACTIVATIONS if (args.calib or args.scales) else SNR_MIN_WEIGHT_ONLY
+
+
+def _refuse_nvfp4_model(args) -> None:
+    """A model fp4pass already converted (NVFP4 weights, no MXFP4 one left): exit 2 pointing at ``inspect``,
+    unless it holds weights only and ``--calib``/``--scales`` asks for its activation quantizers."""
+    from fp4pass.onnx.loading import load
+    from fp4pass.onnx.nvfp4_forms import find_nvfp4, scheme
+    from fp4pass.onnx.sharing import find_weights
+
+    loaded = load(args.model)
+    mxfp4, declined = find_weights(loaded.model, loaded.path.parent)
+    weights, quantizers = find_nvfp4(loaded.model)
+    if mxfp4 or declined or not (weights or quantizers):
+        return
+    if (args.calib or args.scales) and not quantizers:
+        return  # activation quantizers added to an NVFP4 weight-only model
+    forms = ", ".join(sorted({w.form for w in weights})) or "activations"
+    again = "; its activations are quantized already" if quantizers and (args.calib or args.scales) else ""
+    raise UsageError(f"{args.model}: already NVFP4 ({forms} form, {scheme(quantizers)}){again}; nothing to "
+                     f"convert; check it with `fp4pass inspect {args.model}`")
 
 
 def _check_scales(path: str, model_path: str) -> None:
@@ -132,6 +155,7 @@ def run(args) -> int:
     code = checkpoint.convert_if_folder(args)
     if code is not None:
         return code
+    check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
     snr_min = _check_before_work(args)
     from fp4pass.io import write_json
     from fp4pass.pipeline import convert

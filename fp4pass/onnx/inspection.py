@@ -24,9 +24,11 @@ not a power of two) has no exponents: it is listed as lossy, with the reason.
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from fp4pass.formats.constants import LOSSLESS_SPREAD
 from fp4pass.onnx import loading
+from fp4pass.onnx.nvfp4_forms import find_nvfp4, nvfp4_problems, scheme
 from fp4pass.onnx.patterns import declined_line, node_label
 from fp4pass.onnx.report import group_stats, jsonable, layout_entry
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
@@ -35,7 +37,7 @@ from fp4pass.onnx.tables import aligned
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_quark import activation_declines
 
-__all__ = ["inspect", "LOSSLESS_SPREAD", "format_inspection"]
+__all__ = ["inspect", "inspect_nvfp4", "LOSSLESS_SPREAD", "format_inspection"]
 
 
 def _range(k: np.ndarray, holds: np.ndarray) -> tuple[int | None, int | None]:
@@ -126,17 +128,72 @@ def inspect(model_or_path, *, measure: bool = True, base_dir=None) -> dict:
                 p.update(error)
         tensors.append(entry)
     experts = [p for t in tensors for p in t["per_expert"]]
-    return {
+    info = {
         "model": str(loaded.path) if loaded.path else f"<{loaded.kind}>",
         "tensors": tensors,
         "declined": [d.to_json() for d in declined],
         "summary": {"tensors": len(tensors), "lossless": sum(t["lossless"] for t in tensors),
                     "experts": len(experts), "experts_lossless": sum(p["lossless"] for p in experts)},
     }
+    nvfp4 = inspect_nvfp4(loaded.model)
+    if nvfp4["weights"] or nvfp4["activations"]:
+        info["nvfp4"] = nvfp4
+    return info
+
+
+def inspect_nvfp4(model: ir.Model) -> dict:
+    """The NVFP4 weights and activation quantizers fp4pass wrote into ``model`` and the problems of their scales
+    (:mod:`fp4pass.onnx.nvfp4_forms`): ``{"forms", "scheme", "weights": [{"name", "node", "form", "shape",
+    "experts", "global_scale", "global_scale_is"}], "activations": [{"activation", "node", "form",
+    "input_scale"}], "problems": [{"kind", "tensor", "message"}]}``."""
+    weights, quantizers = find_nvfp4(model)
+    return {"forms": sorted({w.form for w in weights}), "scheme": scheme(quantizers),
+            "weights": [w.to_json() for w in weights], "activations": [q.to_json() for q in quantizers],
+            "problems": nvfp4_problems(weights, quantizers)}
+
+
+def _scales_text(values) -> str:
+    if values is None:
+        return "-"
+    if isinstance(values, float):
+        return f"{values:.6g}"
+    shown = ", ".join(f"{v:.4g}" for v in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}]" if len(values) > 1 else f"{values[0]:.6g}"
+
+
+def format_nvfp4(info: dict) -> list[str]:
+    """The lines of the NVFP4 part of :func:`inspect`'s result."""
+    nv = info["nvfp4"]
+    lines = [f"{info['model']}: NVFP4 ({', '.join(nv['forms']) or 'activations only'}, {nv['scheme']}): "
+             f"{len(nv['weights'])} weights, {len(nv['activations'])} activation quantizers"]
+    rows: list = [("weight", "form", "shape", "experts", "global scale")]
+    for w in nv["weights"]:
+        label = "alpha " if w["global_scale_is"] == "alpha" else ""
+        rows.append((w["name"], w["form"], str(w["shape"]), w["experts"] or "-", label + _scales_text(w["global_scale"])))
+    lines += aligned(rows, right=set())
+    if nv["activations"]:
+        rows = [("activation", "form", "input_scale")]
+        rows += [(q["activation"], q["form"], _scales_text(q["input_scale"])) for q in nv["activations"]]
+        lines += aligned(rows, right=set())
+    if nv["problems"]:
+        lines.append(f"{len(nv['problems'])} problem(s):")
+        lines += [f"  {p['kind']}: {p['message']}" for p in nv["problems"]]
+    else:
+        lines.append("no problem found in the NVFP4 scales")
+    return lines
 
 
 def format_inspection(info: dict) -> str:
-    """A human-readable table of :func:`inspect`'s result."""
+    """A human-readable table of :func:`inspect`'s result (the NVFP4 part alone when no MXFP4 tensor is left)."""
+    if info.get("nvfp4") and not info["tensors"] and not info["declined"]:
+        return "\n".join(format_nvfp4(info))
+    lines = _format_mxfp4(info)
+    if info.get("nvfp4"):
+        lines += format_nvfp4(info)
+    return "\n".join(lines)
+
+
+def _format_mxfp4(info: dict) -> list[str]:
     summary = info["summary"]
     experts = f", {summary['experts_lossless']}/{summary['experts']} experts" if summary["experts"] else ""
     lines = [f"{info['model']}: {summary['tensors']} MXFP4 tensors, {summary['lossless']} forecast lossless"
@@ -176,4 +233,4 @@ def format_inspection(info: dict) -> str:
     lines += aligned(rows, right={4})
     for d in info["declined"]:
         lines.append(declined_line(d))
-    return "\n".join(lines)
+    return lines
