@@ -313,7 +313,8 @@ def _refuse_empty(found) -> None:
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
             effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
-            follow_symlinks: bool = False, before_rename=None, engine: str | None = None) -> dict:
+            follow_symlinks: bool = False, before_rename=None, engine: str | None = None,
+            overwrite: bool = False) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``engine``: "vllm", "sglang" or "trtllm": refuse (before anything is written) an output that engine's
@@ -338,7 +339,9 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     :mod:`fp4pass.checkpoint.catalog`). ``before_rename(report)``: called once everything is written (and
     checked), before ``out_dir`` is renamed into place, which is the last step: what it writes (a report
     beside the folder) is in place first, and when it fails no ``out_dir`` appears. ``src_dir`` may be a Hugging
-    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`).
+    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`). ``overwrite``: an
+    existing ``out_dir`` that fp4pass wrote (it holds :data:`fp4pass.io.OUTPUT_MARKER`) is replaced by that
+    rename, and only then removed; any other non-empty ``out_dir`` is refused.
     """
     src_dir = resolve_checkpoint(src_dir)
     fmt = format
@@ -372,7 +375,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             verdicts = _engine_verdicts(catalog, plan, fmt, exclude, with_input, engine)
             entries: list[dict] = []
             try:
-                with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
+                with atomic_folder(out_dir, inputs=(src_dir,), overwrite=overwrite) as tmp:
                     weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
                                                {"effort": effort, "threads": threads})
                     _no_undeclined_mxfp4(tmp, plan, found)

@@ -43,9 +43,11 @@ import torch
 
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
+from fp4pass.hub import resolve_checkpoint
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
 
-__all__ = ["validate", "format_validation", "is_nvfp4_folder", "Problem", "KINDS", "BLOCK_SAMPLE_BYTES"]
+__all__ = ["validate", "format_validation", "exit_status", "is_nvfp4_folder", "Problem", "KINDS", "OUTCOMES",
+           "BLOCK_SAMPLE_BYTES"]
 
 #: problem kinds, each with what it does to a deployment
 KINDS = {
@@ -70,6 +72,16 @@ KINDS = {
     "engine_cannot_load": "the engine's loader cannot load this form",
     "no_quantized_modules": "no NVFP4 module found",
 }
+
+#: what an engine does with the checkpoint, worst first: the engine table's words for a problem's outcome
+OUTCOMES = {"refuses": "refuses at load", "unsupported": "does not load this form", "nan": "loads, computes NaN",
+            "garbage": "loads, computes garbage", "wrong_w3": "loads, w3 dequantized with w1's scale",
+            "inconsistent": "loads, not what the others serve", "accuracy": "loads, loses accuracy", "loads": "loads"}
+#: the outcome of each kind that does not stop the load (the others: "refuses")
+_KIND_OUTCOMES = {"zero_scale": "garbage", "negative_scale": "garbage", "nonfinite_scale": "nan",
+                  "scale_convention": "garbage", "missing_scale": "garbage", "scale_missing_some_experts": "nan",
+                  "w1_w3_mismatch": {"vllm": "wrong_w3", "sglang": "wrong_w3", "trtllm": "refuses"},
+                  "folded_global_scale": "accuracy", "config_disagreement": "inconsistent"}
 
 BLOCK_SAMPLE_BYTES = 16384  # per block-scale tensor: 4 evenly spread pieces of 4 KiB (all of a smaller one)
 _PIECES = 4
@@ -113,14 +125,28 @@ class Problem:
     module: str | None = None
     tensor: str | None = None
     engines: list[str] | None = None  # None: every engine
-    #: a judgement from magnitudes alone (a weight amax outside 2^-14..2^10, a global scale of 1), which a
-    #: legitimately large or all-zero weight can also give
+    #: a judgement from magnitudes alone (a weight amax outside 2^-14..2^10 but inside 2^-24..2^20), which a
+    #: legitimately large or small weight can also give: always a warning
     guess: bool = False
-    #: for a weight's scale_convention guess: the weight amax its global scale gives as stored
+    #: for a weight's scale_convention finding: the weight amax its global scale gives as stored
     amax_as_stored: float | None = None
+    #: a finding that does not fail ``inspect`` unless ``--strict``: a guess, or an engine that does not load a
+    #: form that is correct (its loader's gap, not the checkpoint's defect)
+    warning: bool = False
+    #: what an engine does because of it (an :data:`OUTCOMES` key), one for every engine or per engine; by
+    #: default its kind's (:data:`_KIND_OUTCOMES`)
+    outcome: str | dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        self.warning = self.warning or self.guess
+        if self.outcome is None:
+            self.outcome = _KIND_OUTCOMES.get(self.kind, "refuses")
+
+    def outcome_for(self, engine: str) -> str:
+        return self.outcome.get(engine, "refuses") if isinstance(self.outcome, dict) else self.outcome
 
     def to_json(self) -> dict:
-        out = {"kind": self.kind, "message": self.message}
+        out = {"kind": self.kind, "severity": "warning" if self.warning else "error", "message": self.message}
         for key in ("module", "tensor", "engines", "amax_as_stored"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -491,6 +517,17 @@ def _decode_scalar(raw: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=_SCALAR_DTYPES[dtype]).astype(np.float64)
 
 
+def _sample_pieces(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of the block-scale bytes sampled from a tensor of ``nbytes``: all of it up to
+    :data:`BLOCK_SAMPLE_BYTES`, else :data:`_PIECES` pieces evenly spread from its first byte to its last (the
+    last piece ends at the tensor's end: its last rows are always read)."""
+    if nbytes <= BLOCK_SAMPLE_BYTES:
+        return [(0, nbytes)]
+    piece = BLOCK_SAMPLE_BYTES // _PIECES
+    last = nbytes - piece
+    return [(k * last // (_PIECES - 1), piece) for k in range(_PIECES)]
+
+
 def _read_scales(folder: _Folder, modules: dict[str, Module]) -> None:
     """Every module's global and input scales (decoded to float64) and a sample of its E4M3 block scales (at most
     :data:`BLOCK_SAMPLE_BYTES`, in evenly spread pieces), shard by shard with one descriptor each and scalars that
@@ -519,12 +556,8 @@ def _read_scales(folder: _Folder, modules: dict[str, Module]) -> None:
                 i = j
             for mod in blocks:
                 entry = mod.block
-                if entry.nbytes <= BLOCK_SAMPLE_BYTES:
-                    raw = _pread(fd, entry.nbytes, entry.begin, shard_name)
-                else:
-                    piece = BLOCK_SAMPLE_BYTES // _PIECES
-                    step = (entry.nbytes - piece) // (_PIECES - 1)
-                    raw = b"".join(_pread(fd, piece, entry.begin + k * step, shard_name) for k in range(_PIECES))
+                raw = b"".join(_pread(fd, size, entry.begin + offset, shard_name)
+                               for offset, size in _sample_pieces(entry.nbytes))
                 # on the bytes: E4M3FN 0x7F/0xFF are NaN, bit 7 the sign, and positive codes 0x00..0x7E are
                 # ordered as their values, so the largest such code is the largest block scale
                 codes = np.frombuffer(raw, dtype=np.uint8)
@@ -534,6 +567,86 @@ def _read_scales(folder: _Folder, modules: dict[str, Module]) -> None:
                 positive = codes[codes < _E4M3_NAN]
                 mod.extra["block_sample"] = (codes.size, nan, negative,
                                              float(_E4M3_TABLE[positive.max()]) if positive.size else None)
+                mod.block_max = mod.extra["block_sample"][3]
+
+
+_EXACT_CHUNK = 1 << 24  # bytes of block scales read at a time where a whole tensor is read
+#: E4M3 subnormal codes that are not powers of two (3, 5, 6, 7 x 2^-9): a block scale rounded onto them is up to
+#: 25% off, where 2^-9, 2^-8 and 2^-7 (codes 1, 2, 4, which a lossless conversion writes) are exact
+_LOSSY_SUBNORMALS = np.array([3, 5, 6, 7], dtype=np.uint8)
+
+
+def _read_exact_blocks(folder: _Folder, modules: dict[str, Module]) -> None:
+    """Every block scale of each module whose magnitudes its sample would call wrong (and of its w1/w3 partner,
+    which shares its global scale): the largest block scale per expert and the lossy subnormals per expert, so
+    that a magnitude finding rests on the whole tensor, never on a sample. Other modules keep their sample."""
+    suspects = {name for name, mod in modules.items() if _magnitude_suspect(mod)}
+    suspects |= {partner for name in suspects if (partner := _partner_name(name)) in modules}
+    by_shard: dict[str, list[Module]] = {}
+    for name in sorted(suspects):
+        mod = modules[name]
+        if mod.block is not None and mod.block.dtype == "F8_E4M3" and mod.block.nbytes and "block_sample" in mod.extra:
+            by_shard.setdefault(mod.block.shard, []).append(mod)
+    for shard_name, mods in by_shard.items():
+        with folder.shards[shard_name].opened() as fd:
+            for mod in mods:
+                _read_block_census(fd, mod, shard_name)
+
+
+def _usable_multipliers(mod: Module) -> np.ndarray | None:
+    """The module's global scale(s) read as multipliers, or None when one is not a finite positive number."""
+    values = mod.global_value
+    if values is None or not values.size or not (np.isfinite(values).all() and (values > 0).all()):
+        return None
+    values = values.reshape(-1)
+    return values if mod.convention == "multiplier" else 1.0 / values
+
+
+def _magnitude_suspect(mod: Module) -> bool:
+    """Whether the sample's largest block scale, under any of the module's global scales, gives a folded scale
+    (a multiplier of 1 over block scales at most :data:`FOLDED_BLOCK_MAX`) or a weight amax outside
+    :data:`WEIGHT_AMAX_RANGE`."""
+    multipliers = _usable_multipliers(mod)
+    sample = mod.extra.get("block_sample")
+    if multipliers is None or sample is None or not sample[3]:
+        return False
+    amax = E2M1_MAX * sample[3] * multipliers
+    folded = (multipliers == 1.0) & (sample[3] <= FOLDED_BLOCK_MAX)
+    return bool(folded.any() or ((amax < WEIGHT_AMAX_RANGE[0]) | (amax > WEIGHT_AMAX_RANGE[1])).any())
+
+
+def _partner_name(name: str) -> str | None:
+    """w3's name for w1's (gate_proj's for up_proj's, and the reverse), None for a module of no pair."""
+    match = _EXPERT.match(name)
+    if not match or match["proj"] not in _GATE + _UP:
+        return None
+    i = (_GATE + _UP).index(match["proj"])
+    other = (_UP + _GATE)[i]
+    return f"{match['layer']}.{match['e']}.{other}"
+
+
+def _read_block_census(fd: int, mod: Module, shard: str) -> None:
+    """Read all of ``mod``'s E4M3 block scales, expert by expert where each expert has its own global scale (a
+    stack [E, K/16, N] holds expert e's in its e-th contiguous slice): ``extra["expert_max"]`` the largest
+    positive block scale of each (0 where none), ``extra["lossy_subnormals"]`` how many are lossy subnormals."""
+    entry = mod.block
+    experts = mod.global_value.size if mod.layout == "fused-experts" and mod.global_value is not None else 1
+    experts = experts if experts > 1 and entry.nbytes % experts == 0 else 1
+    size = entry.nbytes // experts
+    maxima, lossy = np.zeros(experts), np.zeros(experts, dtype=np.int64)
+    for e in range(experts):
+        top = 0
+        for start in range(0, size, _EXACT_CHUNK):
+            codes = np.frombuffer(_pread(fd, min(_EXACT_CHUNK, size - start), entry.begin + e * size + start, shard),
+                                  dtype=np.uint8)
+            positive = codes[codes < _E4M3_NAN]
+            top = max(top, int(positive.max()) if positive.size else 0)
+            lossy[e] += int(np.isin(positive, _LOSSY_SUBNORMALS).sum())
+        maxima[e] = _E4M3_TABLE[top]
+    mod.extra["expert_max"], mod.extra["lossy_subnormals"] = maxima, lossy
+    size_read, nan, negative, _ = mod.extra["block_sample"]
+    mod.extra["block_sample"] = (size_read, nan, negative, float(maxima.max()))
+    mod.block_max = float(maxima.max())
 
 
 def _check_shapes(mod: Module, problems: list[Problem]) -> bool:
@@ -609,18 +722,28 @@ def _value_problems(mod: Module, entry: TensorEntry, values: np.ndarray, role: s
     if conv == "divisor":
         fix = "the reciprocal of " + fix
     good = True
-    for kind, mask, adjective in (("nonfinite_scale", ~np.isfinite(values), "NaN or infinite"),
-                                  ("zero_scale", values == 0, "zero"),
-                                  ("negative_scale", np.isfinite(values) & (values < 0), "negative")):
+    # a zero the engine inverts (an input multiplier, any divisor) is inf, and inf x 0 is NaN
+    zero_outcome = "nan" if role == "input" or conv == "divisor" else "garbage"
+    for kind, mask, adjective, outcome in (
+            ("nonfinite_scale", ~np.isfinite(values), "NaN or infinite", "nan"),
+            ("zero_scale", values == 0, "zero", zero_outcome),
+            ("negative_scale", np.isfinite(values) & (values < 0), "negative", "garbage")):
         if mask.any():
             good = False
             problems.append(Problem(kind, f"{entry.name}: {what} ({conv}) is {adjective} "
-                                    f"({values[mask][0]!r}); {effect}; fix: {fix}", module=mod.name, tensor=entry.name))
+                                    f"({_number(values[mask][0])}); {effect}; fix: {fix}", module=mod.name,
+                                    tensor=entry.name, outcome=outcome))
     return good
 
 
-def _check_values(mod: Module, problems: list[Problem]) -> None:
-    """The scales :func:`_read_scales` read: their values, then the magnitudes they decode to."""
+def _number(value) -> str:
+    """A number as a message shows it: ``0``, ``-0.5``, ``nan``, ``inf`` (never a numpy repr)."""
+    return f"{float(value):.6g}"
+
+
+def _check_values(mod: Module, problems: list[Problem], partner: Module | None = None) -> None:
+    """The scales :func:`_read_scales` read: their values, then the magnitudes they decode to (with the w1/w3
+    ``partner`` that shares the global scale)."""
     sample = mod.extra.pop("block_sample", None)
     if sample is not None:
         size, nan, neg, mod.block_max = sample
@@ -639,7 +762,7 @@ def _check_values(mod: Module, problems: list[Problem]) -> None:
     if mod.input_value is not None and mod.input_value.size:
         input_ok = _value_problems(mod, mod.input, mod.input_value, "input", problems)
     if global_ok and mod.block_max:
-        _check_weight_magnitude(mod, problems)
+        _check_weight_magnitude(mod, problems, partner)
     if input_ok:
         _check_input_magnitude(mod, problems)
 
@@ -648,29 +771,57 @@ def _inside(value: float, bounds: tuple[float, float]) -> bool:
     return bounds[0] <= value <= bounds[1]
 
 
-def _check_weight_magnitude(mod: Module, problems: list[Problem]) -> None:
-    stored = float(mod.global_value.max())
-    multiplier = stored if mod.convention == "multiplier" else 1.0 / stored
-    if multiplier == 1.0:
-        if mod.block_max <= FOLDED_BLOCK_MAX:
-            problems.append(Problem(
-                "folded_global_scale", f"{mod.global_.name}: global scale 1 and the block scales at most "
-                f"{mod.block_max:g} (E4M3 reaches 448): the per-tensor scale was folded into the E4M3 block scales, "
-                "so small blocks fall into E4M3's subnormals (steps of 2^-9) and lose up to 25% of their value; "
-                "fix: requantize with a float32 global scale = amax/2688 and block scales up to 448",
-                module=mod.name, tensor=mod.global_.name, guess=True))
-        return
-    as_stored = E2M1_MAX * mod.block_max * multiplier
-    other = E2M1_MAX * mod.block_max / multiplier
-    if not _inside(as_stored, WEIGHT_AMAX_RANGE) and _inside(other, WEIGHT_AMAX_RANGE):
-        expected, wrote = (("a multiplier (weight_scale_2)", "a divisor") if mod.convention == "multiplier" else
-                           ("a divisor (weight_global_scale)", "a multiplier"))
+def _check_weight_magnitude(mod: Module, problems: list[Problem], partner: Module | None = None) -> None:
+    """The weight amax ``6 x s_max x g`` each global scale decodes to (per expert where each has its own), from
+    every block scale where :func:`_read_exact_blocks` read them all. A w1/w3 ``partner`` that shares the global
+    scale is judged with it: the scale was made from the pair's amax, and w3 alone may sit far below w1.
+
+    - folded_global_scale (exact): a multiplier of 1, block scales at most :data:`FOLDED_BLOCK_MAX`, and block
+      scales on E4M3's lossy subnormals (3, 5, 6, 7 x 2^-9) that a global scale would have kept normal;
+    - scale_convention: the amax as stored is outside :data:`WEIGHT_AMAX_RANGE` while the reciprocal reading is
+      inside it; outside :data:`OWN_WEIGHT_AMAX_RANGE` too (no trained weight has such an amax) it is an error,
+      else a guess (a warning: a weight with amax above 2^10 exists)."""
+    multipliers = _usable_multipliers(mod)
+    maxima = mod.extra.get("expert_max")
+    if maxima is None or maxima.size != multipliers.size:
+        maxima = np.full(multipliers.size, mod.block_max)
+    lossy = mod.extra.get("lossy_subnormals", np.zeros(maxima.size, dtype=np.int64))
+    if partner is not None and "expert_max" in partner.extra and partner.global_value is not None and \
+            np.array_equal(partner.global_value, mod.global_value):
+        maxima = np.maximum(maxima, partner.extra["expert_max"].max())
+    folded = (multipliers == 1.0) & (maxima > 0) & (maxima <= FOLDED_BLOCK_MAX) & (lossy > 0)
+    if folded.any():
+        e = int(np.argmax(folded))
         problems.append(Problem(
-            "scale_convention", f"{mod.global_.name}: {stored:.6g} decodes the weights to an amax of {as_stored:.3g} "
-            f"(6 x block max {mod.block_max:g} x scale), but to {other:.3g} read the other way: {wrote} was stored "
-            f"where the form keeps {expected}; the engine scales the weights by {as_stored / other:.3g}x; fix: "
-            f"store its reciprocal {1.0 / stored:.6g}", module=mod.name, tensor=mod.global_.name, guess=True,
-            amax_as_stored=as_stored))
+            "folded_global_scale", f"{mod.global_.name}: global scale 1 and the block scales at most "
+            f"{maxima[e]:g} (E4M3 reaches 448), {int(lossy[e])} of them on E4M3's subnormals (steps of 2^-9): "
+            "the per-tensor scale was folded into the E4M3 block scales, and those blocks lose up to 25% of their "
+            "value; fix: requantize with a float32 global scale = amax/2688 and block scales up to 448",
+            module=mod.name, tensor=mod.global_.name))
+        return
+    live = maxima > 0
+    as_stored = E2M1_MAX * maxima * multipliers
+    other = E2M1_MAX * maxima / multipliers
+    swapped = live & ~_within(as_stored, WEIGHT_AMAX_RANGE) & _within(other, WEIGHT_AMAX_RANGE)
+    if not swapped.any():
+        return
+    certain = swapped & ~_within(as_stored, OWN_WEIGHT_AMAX_RANGE)
+    e = int(np.argmax(certain)) if certain.any() else int(np.argmax(swapped))
+    stored = float(mod.global_value.reshape(-1)[e])
+    expected, wrote = (("a multiplier (weight_scale_2)", "a divisor") if mod.convention == "multiplier" else
+                       ("a divisor (weight_global_scale)", "a multiplier"))
+    which = f" (expert {e} of {multipliers.size})" if multipliers.size > 1 else ""
+    problems.append(Problem(
+        "scale_convention", f"{mod.global_.name}{which}: {stored:.6g} decodes the weights to an amax of "
+        f"{as_stored[e]:.3g} (6 x block max {maxima[e]:g} x scale), but to {other[e]:.3g} read the other way: "
+        f"{wrote} was stored where the form keeps {expected}; the engine scales the weights by "
+        f"{as_stored[e] / other[e]:.3g}x; fix: store its reciprocal {1.0 / stored:.6g}"
+        + ("" if certain.any() else " (a guess: a weight of that amax is possible; then nothing is wrong)"),
+        module=mod.name, tensor=mod.global_.name, guess=not certain.any(), amax_as_stored=float(as_stored[e])))
+
+
+def _within(values: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:
+    return (values >= bounds[0]) & (values <= bounds[1])
 
 
 def _check_input_magnitude(mod: Module, problems: list[Problem]) -> None:
@@ -913,10 +1064,49 @@ def _verdicts(folder: _Folder, problems: list[Problem]) -> dict:
     return out
 
 
+def _settle_verdicts(verdicts: dict, problems: list[Problem]) -> None:
+    """Each engine's verdict agrees with the problems that concern it: ``outcome`` is the worst of what they make
+    the engine do (:data:`OUTCOMES`; "does not load this form" where the engine rules say it cannot), ``loads``
+    stays true only when that is "loads" (no error concerns it), and ``warnings`` lists the warnings' kinds."""
+    order = list(OUTCOMES)
+    for name, verdict in verdicts.items():
+        mine = [p for p in problems if p.engines is None or name in p.engines]
+        verdict["problems"] = sorted({p.kind for p in mine})
+        errors = [p for p in mine if not p.warning and p.kind != "engine_cannot_load"]
+        seen = [p.outcome_for(name) for p in errors] + ([] if verdict.get("loads") else ["unsupported"])
+        worst = min(seen, key=order.index, default="loads")
+        verdict["outcome"] = OUTCOMES[worst]
+        if worst in ("refuses", "unsupported"):
+            verdict["mode"] = None
+        if worst != "loads" and verdict.get("loads"):
+            verdict["loads"] = False
+            verdict["why"] = f"problems found: {', '.join(sorted({p.kind for p in errors}))}" + (
+                f"; {verdict['why']}" if verdict.get("why") else "")
+        warnings = sorted({p.kind for p in mine if p.warning})
+        if warnings:
+            verdict["warnings"] = warnings
+
+
+def _cannot_load_fix(engine: str, cfg: _Configs, config: dict, modules: dict[str, Module]) -> str:
+    """What makes ``engine`` load a checkpoint whose form its loader does not take."""
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture == getattr(_engines(), "ARCH_DEEPSEEK_V4", None):
+        return ("write DeepSeek-V4 in the compressed-tensors form (fp4pass convert SRC -o OUT --format "
+                "compressed-tensors), which vLLM loads; its FP8 form takes NVFP4 routed experts only, W4A4")
+    if any(m.layout == "fused-experts" for m in modules.values()):
+        return ("none in the checkpoint: the engine's gpt-oss loader has to learn the fused NVFP4 expert scale "
+                "keys (for vLLM: PR #46645); until then serve the MXFP4 source")
+    if cfg.form == "compressed-tensors" and engine == "trtllm":
+        return "for TensorRT-LLM write the modelopt form (fp4pass convert SRC -o OUT --format modelopt)"
+    return ("write the form this engine loads (fp4pass convert --format modelopt or compressed-tensors), or serve "
+            "it with an engine the table says loads it")
+
+
 def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -> dict:
     """Check the NVFP4 checkpoint folder ``folder``; ``{"form", "quant_algo", "modules", "problems", "engines",
     ...}`` (module docstring). ``engine``: one of vllm, sglang, trtllm: only its verdict and the problems that
     concern it. Raises :class:`CheckpointError` when nothing can be read (no config.json, no shard, no index)."""
+    folder = resolve_checkpoint(folder)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
     names = list(_engines().ENGINES)
     if engine is not None and engine not in names:
         raise CheckpointError(f"unknown engine {engine!r}; choose one of {', '.join(names)}")
@@ -928,9 +1118,10 @@ def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -
         modules = _find_modules(data.tensors)
         targets = _targets(cfg, data.config, engine)
         _read_scales(data, modules)
+        _read_exact_blocks(data, modules)
         for mod in modules.values():
             if _check_shapes(mod, problems):
-                _check_values(mod, problems)
+                _check_values(mod, problems, modules.get(_partner_name(mod.name) or ""))
             else:
                 _check_values_scalars_only(mod, problems)
         _check_presence(modules, cfg, problems)
@@ -947,14 +1138,15 @@ def validate(folder, engine: str | None = None, follow_symlinks: bool = False) -
             if name in targets and not verdict.get("loads") and not any(
                     p.kind in _FAILS_LOAD and (p.engines is None or name in p.engines) for p in problems):
                 problems.append(Problem("engine_cannot_load", f"{name}: "
-                                        f"{verdict.get('why') or 'cannot load this form'}", engines=[name]))
+                                        f"{verdict.get('why') or 'cannot load this form'}; fix: "
+                                        f"{_cannot_load_fix(name, cfg, data.config, modules)}", engines=[name],
+                                        warning=engine is None))
                 verdict["problems"] = sorted(set(verdict["problems"]) | {"engine_cannot_load"})
         for p in problems:  # an engine outside the form's targets: its verdict says it, not a problem
             if p.engines is not None:
                 p.engines = [e for e in p.engines if e in targets]
         problems = [p for p in problems if p.engines is None or p.engines]
-        for name, verdict in verdicts.items():
-            verdict["problems"] = sorted({p.kind for p in problems if p.engines is None or name in p.engines})
+        _settle_verdicts(verdicts, problems)
         if engine is not None:  # its problems are the targets' above
             verdicts = {engine: verdicts[engine]} if engine in verdicts else {}
         layouts = sorted({m.layout for m in modules.values()})
@@ -1018,34 +1210,62 @@ def is_nvfp4_folder(folder, follow_symlinks: bool = False) -> bool:
 
 
 def format_validation(info: dict) -> str:
-    """A readable report of :func:`validate`'s result."""
+    """A readable report of :func:`validate`'s result: the engine table (what each engine would do), the modules
+    with their global and input scales and the convention they are stored in (a multiplier: W = e2m1 x
+    block x g; a divisor: W = e2m1 x block / g), then the problems (errors) and the warnings."""
     lines = [f"{info['source']}: form {info['form']}" + (f" ({info['quant_algo']})" if info.get("quant_algo") else "")
              + f", {len(info['modules'])} quantized module(s) in {len(info['shards'])} shard(s), "
-             f"layouts {', '.join(info['layouts']) or 'none'}, input scales {info['input_scales']}"]
-    lines.append("")
-    lines.append(f"{'engine':<8} {'loads':<6} {'mode':<8} why")
+             f"layouts {', '.join(info['layouts']) or 'none'}, input scales {info['input_scales']}", ""]
+    lines.append(f"{'engine':<8} {'outcome':<38} {'mode':<6} why")
     for name, v in info["engines"].items():
-        lines.append(f"{name:<8} {'yes' if v.get('loads') else 'NO':<6} {str(v.get('mode') or '-'):<8} "
-                     f"{v.get('why') or ''}")
+        outcome = v.get("outcome") or ("loads" if v.get("loads") else "does not load")
+        lines.append(f"{name:<8} {outcome:<38} {str(v.get('mode') or '-'):<6} {v.get('why') or ''}")
     lines.append("")
-    shown = info["modules"][:20]
-    if shown:
-        lines.append(f"{'module':<60} {'layout':<14} {'global scale':>14} {'input scale':>14}")
-        for m in shown:
-            g, i = m.get("global_scale"), m.get("input_scale")
-            fmt = lambda v: "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else f"[{len(v)}]")  # noqa: E731
-            lines.append(f"{m['module']:<60} {m['layout']:<14} {fmt(g):>14} {fmt(i):>14}")
-        if len(info["modules"]) > len(shown):
-            lines.append(f"... {len(info['modules']) - len(shown)} more (--json lists all)")
-        lines.append("")
-    if not info["problems"]:
+    lines.extend(_module_lines(info["modules"]))
+    errors = [p for p in info["problems"] if p.get("severity") != "warning"]
+    warnings = [p for p in info["problems"] if p.get("severity") == "warning"]
+    if not errors:
         lines.append("no problem found")
     else:
-        lines.append(f"{len(info['problems'])} problem(s):")
-        for p in info["problems"]:
-            who = f" [{', '.join(p['engines'])}]" if p.get("engines") else ""
-            lines.append(f"  {p['kind']}{who}: {p['message']}")
+        lines.append(f"{len(errors)} problem(s):")
+        lines.extend(_problem_line(p) for p in errors)
+    if warnings:
+        lines.append(f"{len(warnings)} warning(s) (exit 0 unless --strict):")
+        lines.extend(_problem_line(p) for p in warnings)
     return "\n".join(lines)
+
+
+def _module_lines(modules: list[dict], shown: int = 20) -> list[str]:
+    """The first ``shown`` modules: layout, and global and input scales as stored, with their convention."""
+    if not modules:
+        return []
+
+    def scale(m: dict, key: str) -> str:
+        value = m.get(key)
+        if value is None:
+            return "-"
+        number = f"{value:.6g}" if isinstance(value, float) else f"[{len(value)}]"
+        return f"{number} {m.get('convention', '')}".rstrip()
+
+    lines = [f"{'module':<60} {'layout':<14} {'global scale':>24} {'input scale':>24}"]
+    for m in modules[:shown]:
+        lines.append(f"{m['module']:<60} {m['layout']:<14} {scale(m, 'global_scale'):>24} "
+                     f"{scale(m, 'input_scale'):>24}")
+    if len(modules) > shown:
+        lines.append(f"... {len(modules) - shown} more (--json lists all)")
+    lines.append("")
+    return lines
+
+
+def _problem_line(p: dict) -> str:
+    who = f" [{', '.join(p['engines'])}]" if p.get("engines") else ""
+    return f"  {p['kind']}{' (guess)' if p.get('guess') else ''}{who}: {p['message']}"
+
+
+def exit_status(info: dict, strict: bool = False) -> int:
+    """``fp4pass inspect``'s exit status for :func:`validate`'s result: 1 when a problem is an error (with
+    ``strict``, a warning too), else 0."""
+    return 1 if any(strict or p.get("severity") != "warning" for p in info["problems"]) else 0
 
 
 #: kinds that, in a folder fp4pass itself wrote, can only come from a broken writer (exit 3); the others
@@ -1062,16 +1282,14 @@ def validate_own_output(folder) -> dict:
     "engines"}`` for the report; raises :class:`~fp4pass.errors.InvalidOutputError` (exit 3: a bug in fp4pass)
     when a problem of :data:`WRITER_BUGS` is found (a per-module missing global scale too).
 
-    The weights' magnitude guesses (``guess``) are judged by what fp4pass writes: each global scale comes from
-    the weight's own amax, so a weight amax above 2^10 (E8M0 codes up to 137 reach 6144) or an all-zero
-    expert's global scale of 1 is the weight's, not a swapped or folded scale. A scale_convention guess stays
-    a writer bug when the amax as stored is outside :data:`OWN_WEIGHT_AMAX_RANGE` (what a swapped scale gives
-    for ordinary weights); the other guesses are left out."""
+    The weights' magnitude guesses (``guess``) are left out: each global scale fp4pass writes comes from the
+    weight's own amax, so a weight amax above 2^10 (E8M0 codes up to 137 reach 6144) is the weight's, not a
+    swapped scale. A scale_convention finding outside :data:`OWN_WEIGHT_AMAX_RANGE` is no guess (what a swapped
+    scale gives for ordinary weights) and stays a writer bug."""
     from fp4pass.errors import InvalidOutputError
 
     result = validate(folder)
-    result["problems"] = [p for p in result["problems"] if not p.get("guess") or (
-        p["kind"] == "scale_convention" and not _inside(p.get("amax_as_stored", 1.0), OWN_WEIGHT_AMAX_RANGE))]
+    result["problems"] = [p for p in result["problems"] if not p.get("guess")]
     bugs = [p for p in result["problems"] if p["kind"] in WRITER_BUGS
             or (p["kind"] == "missing_scale" and p.get("engines") is None)]
     if bugs:
