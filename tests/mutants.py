@@ -48,6 +48,8 @@ CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpo
                     "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
 CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
 CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
+ORT_CUDA_TESTS = ["tests/test_ort_placement.py"]
+GPU_CHECK_TESTS = ["tests/test_gpu_check.py"]
 CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
@@ -480,6 +482,49 @@ MUTANTS = [
         ("fp4pass/checkpoint/layerwise.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
          "        self.drop_cached(index)\n"),
     ], CKPT_CALIBRATE_TESTS),
+    # -- the CUDA checks' CPU parts: onnxruntime sessions, node placement, the GPU script ----------------------
+    Mutant("ort-cuda-tf32-on", "CUDA sessions leave TF32 on (float32 MatMuls in 10-bit mantissas)", [
+        ("fp4pass/onnx/runtime.py", 'CUDA_OPTIONS = {"use_tf32": "0"}', 'CUDA_OPTIONS = {"use_tf32": "1"}'),
+    ], ORT_CUDA_TESTS),
+    Mutant("ort-cuda-options-not-passed", "the CUDA EP gets no provider options", [
+        ("fp4pass/onnx/runtime.py", "return [(_CUDA_EP, dict(CUDA_OPTIONS)), _CPU_EP]", "return [_CUDA_EP, _CPU_EP]"),
+    ], ORT_CUDA_TESTS),
+    Mutant("placement-memcpy-counted", "onnxruntime's own Memcpy nodes count as model nodes", [
+        ("fp4pass/onnx/runtime.py", 'if node in seen or op_type.startswith("Memcpy"):', "if node in seen:"),
+    ], ORT_CUDA_TESTS),
+    Mutant("placement-prefix-match", "a node counts as a weight node when its name starts like one", [
+        ("fp4pass/onnx/runtime.py", "reads_weights = node in weights or",
+         "reads_weights = any(node.startswith(w) for w in weights) or"),
+    ], ORT_CUDA_TESTS),
+    Mutant("placement-any-cpu-node", "any node on the CPU (shape arithmetic too) makes the label 'cuda (N on cpu)'", [
+        ("fp4pass/onnx/runtime.py", "        if not self.weight_nodes_on_cpu:\n            return \"cuda\"",
+         "        if not self.on_cpu:\n            return \"cuda\""),
+    ], ORT_CUDA_TESTS),
+    Mutant("placement-fusions-ignored", "a node onnxruntime fused under a new name never counts as a weight node", [
+        ("fp4pass/onnx/runtime.py", "(node not in names and op_type in _WEIGHT_OPS)", "False"),
+    ], ORT_CUDA_TESTS),
+    Mutant("diff-notes-not-in-json", "diff --json drops the notes", [
+        ("fp4pass/onnx/numerics.py", '"notes": list(self.notes),', '"notes": [],'),
+    ], ORT_CUDA_TESTS),
+    Mutant("diff-notes-not-in-table", "format_table leaves the notes out", [
+        ("fp4pass/onnx/numerics.py", 'lines.extend(f"note: {note}" for note in self.notes)', "lines.extend([])"),
+    ], ORT_CUDA_TESTS),
+    Mutant("gpu-check-checksum-skipped", "the joined onnxruntime-gpu wheel is installed unchecked", [
+        ("tests/gpu_check.sh", 'if ! (cd "$PARTS" && sha256sum --check --status SHA256SUMS); then', "if false; then"),
+    ], GPU_CHECK_TESTS),
+    Mutant("gpu-check-site-not-on-path", "the carried onnxruntime-gpu is installed but not put on PYTHONPATH (the "
+           "CPU build runs)", [
+        ("tests/gpu_check.sh", 'export PYTHONPATH="$SITE:$PYTHONPATH"', "true"),
+    ], GPU_CHECK_TESTS),
+    Mutant("bench-gpu-floor-scales-not-copied", "the GPU floor copies the MXFP4 codes but not their scales", [
+        ("fp4pass/bench/calibrate_checkpoint.py", 'name.endswith(("_blocks", "_scales"))', 'name.endswith("_blocks")'),
+    ], ["tests/test_bench_calibrate_gpu.py"]),
+    Mutant("bench-gpu-floor-smaller-binds", "the GPU floor takes the smaller of the copy and the matmuls", [
+        ("fp4pass/bench/calibrate_checkpoint.py", "    if h2d_s >= bf16_matmul_s:", "    if h2d_s <= bf16_matmul_s:"),
+    ], ["tests/test_bench_calibrate_gpu.py"]),
+    Mutant("qmoe-check-schema-not-repacked", "the QMoE check hands the kernel a schema-layout weight as it is", [
+        ("tests/qmoe_cuda_check.py", "            packed = qmoe_layout.schema_to_kernel(packed, rows, k)\n", ""),
+    ], ["tests/test_qmoe_cuda.py"]),
 ]
 
 

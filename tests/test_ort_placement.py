@@ -82,6 +82,35 @@ def test_cuda_sessions_are_built_with_tf32_off(monkeypatch):
     assert _FakeSession.made[-1].providers == [CPU]
 
 
+def test_the_cuda_probe_preloads_the_cuda_libraries_first(monkeypatch):
+    """onnxruntime-gpu finds the nvidia-* packages' CUDA libraries only after preload_dlls() (or torch's own
+    loading): the probe calls it before its first CUDA session."""
+    calls = []
+
+    class FakeOrt:
+        def get_available_providers(self):
+            return [CUDA, CPU]
+
+        def preload_dlls(self):
+            calls.append("preload")
+
+        def SessionOptions(self):  # noqa: N802 - onnxruntime's name
+            return SimpleNamespace(log_severity_level=0)
+
+        def set_default_logger_severity(self, level):
+            calls.append(f"severity {level}")
+
+        def InferenceSession(self, source, options, providers):  # noqa: N802
+            calls.append("session")
+            raise RuntimeError("no GPU")
+
+    monkeypatch.setattr(runtime, "ort", FakeOrt())
+    monkeypatch.setattr(runtime, "_warn_if_both_installed", lambda: None)
+    ok, why = runtime.cuda_available.__wrapped__()
+    assert not ok and "failed to start (no GPU)" in why
+    assert calls.index("preload") < calls.index("session")
+
+
 def test_provider_options_of_a_cpu_session_are_empty():
     session, used, _ = runtime.make_session(_weighted_model(), "cpu")
     assert used == "cpu" and runtime.provider_options(session) == {}
@@ -121,13 +150,14 @@ def test_a_weight_node_on_the_cpu_names_every_cpu_node_in_the_label():
 
 
 def test_weight_nodes_are_matched_by_whole_name():
-    """'layers.1/mm' reads the weight; 'layers.10/mm' is not a node of the graph and not a weight op: a node
-    whose name only starts like a weight node's is not one."""
-    model = _model_ir(_weighted_model(name="layers.1/mm"))
-    placement = node_placement([_event("layers.10/mm", "Relu", CPU), _event("layers.1/mm", "MatMul", CUDA)], model)
+    """'layers.1' reads the weight; 'layers.10' (an elementwise node onnxruntime added) does not: a node whose
+    name only starts like a weight node's is not one."""
+    model = _model_ir(_weighted_model(name="layers.1"))
+    placement = node_placement([_event("layers.10", "Relu", CPU), _event("layers.1", "MatMul", CUDA)], model)
     assert placement.weight_nodes == 1 and placement.weight_nodes_on_cpu == []
-    placement = node_placement([_event("layers.1/mm", "MatMul", CPU)], model)
-    assert placement.weight_nodes_on_cpu == ["layers.1/mm"]
+    assert placement.provider_label() == "cuda"
+    placement = node_placement([_event("layers.1", "MatMul", CPU)], model)
+    assert placement.weight_nodes_on_cpu == ["layers.1"]
 
 
 def test_nodes_onnxruntime_fused_count_as_weight_nodes_by_op_type():

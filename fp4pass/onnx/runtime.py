@@ -87,12 +87,27 @@ def _no_cuda_ep_reason() -> str:
     return f"this onnxruntime build{build} has no CUDA execution provider{hint}"
 
 
+def _preload_cuda_libraries() -> None:
+    """onnxruntime-gpu's ``preload_dlls()`` (1.21 and later): load the CUDA and cuDNN libraries of the
+    ``nvidia-*`` pip packages (torch's among them), which the CUDA EP does not find on its own unless torch
+    loaded them first or they are on the library path. Where they are not installed it does nothing useful,
+    and the probe below says why the CUDA EP did not start."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    try:
+        preload()
+    except Exception as exc:  # noqa: BLE001 - best effort: the probe reports what matters
+        logger.debug("onnxruntime.preload_dlls() failed: %s", exc)
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_available() -> tuple[bool, str | None]:
     """(True, None) when the CUDA EP really runs here; else (False, why). Probed once with a 1-node model."""
     _warn_if_both_installed()
     if _CUDA_EP not in ort.get_available_providers():
         return False, _no_cuda_ep_reason()
+    _preload_cuda_libraries()
     probe = onnx.helper.make_model(
         onnx.helper.make_graph(
             [onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
