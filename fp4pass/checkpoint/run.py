@@ -313,8 +313,7 @@ def _refuse_empty(found) -> None:
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
             effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
-            follow_symlinks: bool = False, before_rename=None, engine: str | None = None,
-            overwrite: bool = False) -> dict:
+            follow_symlinks: bool = False, before_rename=None, engine: str | None = None) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``engine``: "vllm", "sglang" or "trtllm": refuse (before anything is written) an output that engine's
@@ -339,9 +338,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     :mod:`fp4pass.checkpoint.catalog`). ``before_rename(report)``: called once everything is written (and
     checked), before ``out_dir`` is renamed into place, which is the last step: what it writes (a report
     beside the folder) is in place first, and when it fails no ``out_dir`` appears. ``src_dir`` may be a Hugging
-    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`). ``overwrite``: an
-    existing ``out_dir`` that fp4pass wrote (it holds :data:`fp4pass.io.OUTPUT_MARKER`) is replaced by that
-    rename, and only then removed; any other non-empty ``out_dir`` is refused.
+    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`).
     """
     src_dir = resolve_checkpoint(src_dir)
     fmt = format
@@ -375,7 +372,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             verdicts = _engine_verdicts(catalog, plan, fmt, exclude, with_input, engine)
             entries: list[dict] = []
             try:
-                with atomic_folder(out_dir, inputs=(src_dir,), overwrite=overwrite) as tmp:
+                with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
                     weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
                                                {"effort": effort, "threads": threads})
                     _no_undeclined_mxfp4(tmp, plan, found)
@@ -602,7 +599,10 @@ def _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, excl
 
 
 def inspect(src_dir, follow_symlinks: bool = False) -> dict:
-    """What ``src_dir`` holds: input forms, every MXFP4 weight with its shape and exponent spread, the tensors
+    """An NVFP4 checkpoint folder (ModelOpt's, compressed-tensors', fp4pass's): its validation, as ``fp4pass
+    inspect`` prints it (:func:`fp4pass.checkpoint.validate.validate`: problems and engine verdicts).
+
+    An MXFP4 folder: what ``src_dir`` holds: input forms, every MXFP4 weight with its shape and exponent spread, the tensors
     that would be copied, the files around them, and per expert whether ``convert`` (method ``auto``, its
     default effort) keeps it lossless.
 
@@ -615,6 +615,10 @@ def inspect(src_dir, follow_symlinks: bool = False) -> dict:
     forecast is its verdict per expert (``forecast_from`` "codes"). ``src_dir``: a folder or a Hub model ID.
     """
     src_dir = resolve_checkpoint(src_dir)
+    from fp4pass.checkpoint.validate import is_nvfp4_folder, validate
+
+    if is_nvfp4_folder(src_dir, follow_symlinks=follow_symlinks):
+        return validate(src_dir, follow_symlinks=follow_symlinks)
     catalog, found = _open(src_dir, MODELOPT, "auto", follow_symlinks)
     with catalog:
         weights = []
@@ -684,7 +688,12 @@ def _inspect_group(catalog: Catalog, unit) -> list[dict]:
 
 def format_inspection(info: dict) -> str:
     """A table of ``inspect``'s result for the terminal: each weight's own exponent spread, the spread its gate/up
-    pair shares (which sets their one global scale), the lossless forecast and where it comes from."""
+    pair shares (which sets their one global scale), the lossless forecast and where it comes from; an NVFP4
+    folder's validation as :func:`fp4pass.checkpoint.validate.format_validation` prints it."""
+    if "engines" in info:
+        from fp4pass.checkpoint.validate import format_validation
+
+        return format_validation(info)
     lines = [f"{info['source']}: input forms {', '.join(info['input_forms']) or 'none'}; "
              f"{len(info['shards'])} shard(s); {len(info['copied'])} tensors copied as they are"]
     lines.append(f"{'weight':<60} {'form':<18} {'shape':<20} {'spread':>6} {'pair':>4}  lossless  forecast from")

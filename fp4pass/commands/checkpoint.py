@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fp4pass.commands import _checkpoint_calib, _safety
+from fp4pass.commands._calibrator_flags import check_calibrator_flags
 from fp4pass.errors import UsageError
 
 FORMATS = ("modelopt", "compressed-tensors")
@@ -103,6 +104,7 @@ def convert_if_folder(args) -> int | None:
 
 
 def _check_flags(args) -> None:
+    check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
     for flag, default in _ONNX_ONLY.items():
         if getattr(args, flag, default) != default:
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
@@ -127,7 +129,24 @@ def _check_flags(args) -> None:
     _safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
 
 
+def refuse_nvfp4_folder(folder, follow_symlinks: bool = False) -> None:
+    """An NVFP4 checkpoint given to ``convert``: say so, with its form and scheme, and point at ``inspect``."""
+    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.checkpoint.validate import is_nvfp4_folder, validate
+
+    if not is_nvfp4_folder(folder, follow_symlinks=follow_symlinks):
+        return
+    try:
+        found = validate(folder, follow_symlinks=follow_symlinks)
+        scheme = "W4A4" if found["input_scales"] == "needed" else "W4A16"
+        what = f" ({found['form']}, {scheme})"
+    except CheckpointError:
+        what = ""
+    raise UsageError(f"{folder}: already NVFP4{what}; nothing to convert; check it with `fp4pass inspect {folder}`")
+
+
 def _convert(args) -> int:
+    refuse_nvfp4_folder(args.model, follow_symlinks=bool(args.follow_symlinks))
     _check_flags(args)
     from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
     from fp4pass.checkpoint.run import DEFAULT_SHARD_BYTES
@@ -185,6 +204,7 @@ def inspect_if_folder(args) -> int | None:
     """``fp4pass inspect CKPT_DIR [--json]`` (or a Hub model ID); None when ``args.model`` is not a folder."""
     _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
+        _safety.refuse_checkpoint_file(args.model)
         if getattr(args, "follow_symlinks", None):
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None
