@@ -6,14 +6,13 @@ None for an ONNX file, which then goes on as before.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from fp4pass.commands import _checkpoint_calib, _safety
-from fp4pass.commands._calibrator_flags import check_calibrator_flags
 from fp4pass.errors import UsageError
+from fp4pass.io import json_text
 
 FORMATS = ("modelopt", "compressed-tensors")
 
@@ -104,7 +103,6 @@ def convert_if_folder(args) -> int | None:
 
 
 def _check_flags(args) -> None:
-    check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
     for flag, default in _ONNX_ONLY.items():
         if getattr(args, flag, default) != default:
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
@@ -129,24 +127,7 @@ def _check_flags(args) -> None:
     _safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
 
 
-def refuse_nvfp4_folder(folder, follow_symlinks: bool = False) -> None:
-    """An NVFP4 checkpoint given to ``convert``: say so, with its form and scheme, and point at ``inspect``."""
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
-    from fp4pass.checkpoint.validate import is_nvfp4_folder, validate
-
-    if not is_nvfp4_folder(folder, follow_symlinks=follow_symlinks):
-        return
-    try:
-        found = validate(folder, follow_symlinks=follow_symlinks)
-        scheme = "W4A4" if found["input_scales"] == "needed" else "W4A16"
-        what = f" ({found['form']}, {scheme})"
-    except CheckpointError:
-        what = ""
-    raise UsageError(f"{folder}: already NVFP4{what}; nothing to convert; check it with `fp4pass inspect {folder}`")
-
-
 def _convert(args) -> int:
-    refuse_nvfp4_folder(args.model, follow_symlinks=bool(args.follow_symlinks))
     _check_flags(args)
     from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
     from fp4pass.checkpoint.run import DEFAULT_SHARD_BYTES
@@ -204,21 +185,19 @@ def inspect_if_folder(args) -> int | None:
     """``fp4pass inspect CKPT_DIR [--json]`` (or a Hub model ID); None when ``args.model`` is not a folder."""
     _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
-        _safety.refuse_checkpoint_file(args.model)
         if getattr(args, "follow_symlinks", None):
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None
     from fp4pass.checkpoint import format_inspection, inspect
-    from fp4pass.checkpoint.validate import exit_status, format_validation, is_nvfp4_folder, validate
+    from fp4pass.checkpoint.validate import format_validation, is_nvfp4_folder, validate
 
     follow = bool(getattr(args, "follow_symlinks", False))
     if is_nvfp4_folder(args.model, follow_symlinks=follow):  # an NVFP4 checkpoint: check it against the engines
         result = validate(args.model, engine=getattr(args, "engine", None), follow_symlinks=follow)
-        print(json.dumps(result, indent=2) if args.json else format_validation(result))
-        return exit_status(result, strict=bool(getattr(args, "strict", False)))
-    for flag in ("engine", "strict"):
-        if getattr(args, flag, None):
-            raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not one")
+        print(json_text(result) if args.json else format_validation(result))
+        return 1 if result["problems"] else 0
+    if getattr(args, "engine", None):
+        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not one")
     info = inspect(args.model, follow_symlinks=follow)
-    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    print(json_text(info) if args.json else format_inspection(info))
     return 0

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from fp4pass.commands import _safety, checkpoint
 from fp4pass.errors import UsageError
+from fp4pass.io import json_text
 
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
@@ -22,11 +22,7 @@ def register(sub, common) -> None:
     _safety.add_allow_invalid(p)
     checkpoint.add_folder_arguments(p)  # IN a checkpoint folder
     p.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
-                   help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it "
-                        "(that it cannot load the form is then a problem, not a warning)")
-    p.add_argument("--strict", action="store_true",
-                   help="an NVFP4 checkpoint folder: exit 1 on warnings too (magnitude guesses, an engine that does "
-                        "not load the form)")
+                   help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it")
     p.set_defaults(run=run)
 
 
@@ -34,12 +30,11 @@ def run(args) -> int:
     code = checkpoint.inspect_if_folder(args)  # a safetensors checkpoint folder
     if code is not None:
         return code
-    for flag in ("engine", "strict"):
-        if getattr(args, flag):
-            raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not a folder")
+    if args.engine:
+        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not a folder")
     from fp4pass.onnx.inspection import format_inspection, inspect
 
     _safety.check_model(args, args.model)
     info = inspect(args.model)
-    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
-    return 1 if info.get("nvfp4", {}).get("problems") else 0  # NVFP4 scales that break the validator's rules
+    print(json_text(info) if args.json else format_inspection(info))
+    return 0
