@@ -7,18 +7,23 @@ Forms:
   one file read at a time);
 - ``.jsonl`` (one ``{"text": ...}`` object per line) or ``.txt`` (the whole file is text): tokenized with the
   checkpoint's own ``tokenizer.json`` (the ``tokenizers`` package), records joined, cut into ``num_samples``
-  sequences of ``seq_len`` tokens.
+  sequences of ``seq_len`` tokens. Rows are read one at a time and only as far as those tokens need: a row
+  longer than the tokens still wanted can cover is cut, with a note (:func:`_tokenize`).
 
 ``seq_len`` also cuts longer ``.npz`` rows; ``num_samples`` caps the rows taken (all when None). Refused
 (:class:`~fp4pass.calib.runner.CalibrationDataError`, exit 2), naming the file and the row: a token id outside
 [0, vocab_size), a float array, an empty array, no ``input_ids``, a mask of another shape or with values other
-than 0/1, a row whose mask is all 0, text without a tokenizer, a line that is not a JSON object with ``text``.
+than 0/1, a row whose mask is all 0, text without a tokenizer, a line that is not a JSON object with ``text``
+or whose text holds a lone surrogate (``"\\ud800"``: no UTF-8 text, no tokenizer can take it).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +31,8 @@ import numpy as np
 import torch
 
 from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.checkpoint.safetensors_io import strict_json
+from fp4pass.io import open_regular
 from fp4pass.npz import npz_files, read_npz
 
 __all__ = ["Batch", "load_batches", "DEFAULT_SEQ_LEN", "DEFAULT_BATCH_SIZE", "TEXT_SUFFIXES"]
@@ -33,7 +40,10 @@ __all__ = ["Batch", "load_batches", "DEFAULT_SEQ_LEN", "DEFAULT_BATCH_SIZE", "TE
 DEFAULT_SEQ_LEN = 512
 DEFAULT_BATCH_SIZE = 8
 TEXT_SUFFIXES = (".jsonl", ".txt")
-TEXT_LIMIT = 1 << 30
+#: characters read past what the wanted tokens can cover, so that a cut row's changed last tokens are not taken
+CUT_SLACK = 1024
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,32 +105,73 @@ def _npz_rows(path: Path, vocab_size: int, seq_len: int | None):
     return ids.astype(np.int64), (None if mask is None or mask.all() else mask.astype(np.int64))
 
 
-def _text(path: Path) -> list[tuple[int, str]]:
-    """(line number, text) records of a .jsonl, or [(1, whole text)] of a .txt."""
-    from fp4pass.io import read_regular_file
+def _jsonl_rows(path: Path, chars: Callable[[], int | None]) -> Iterator[tuple[int, str]]:
+    """(row number, text) of each non-blank line of a .jsonl, read one line at a time; ``chars()``: how many
+    characters of the next row can be needed (None: all), asked before each row."""
+    fd, info = open_regular(path, CalibrationDataError)
+    offset = 0
+    with os.fdopen(fd, "rb") as stream:
+        for number, raw in enumerate(stream, 1):
+            offset += len(raw)
+            if offset > info.st_size:
+                raise CalibrationDataError(f"{path}: holds more than the {info.st_size} bytes its size says (it "
+                                           "changed while read)")
+            if not raw.strip():
+                continue
+            try:
+                item = strict_json(raw)
+            except UnicodeDecodeError as exc:
+                raise CalibrationDataError(f"{path}: not UTF-8 text (byte {offset - len(raw) + exc.start}) in row "
+                                           f"{number}") from None
+            except json.JSONDecodeError as exc:
+                raise CalibrationDataError(f"{path}: row {number}: not JSON ({exc})") from None
+            except RecursionError:
+                raise CalibrationDataError(f"{path}: row {number}: not JSON (nested too deep)") from None
+            except ValueError as exc:  # a lone surrogate (strict_json): no tokenizer can take it
+                raise CalibrationDataError(f"{path}: row {number}: {exc}") from None
+            if not isinstance(item, dict) or not isinstance(item.get("text"), str):
+                raise CalibrationDataError(f"{path}: row {number}: expected an object with a string \"text\"")
+            yield number, _cut(path, number, item["text"], chars())
 
-    raw = read_regular_file(path, TEXT_LIMIT, CalibrationDataError)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CalibrationDataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    if path.suffix == ".txt":
-        return [(1, text)]
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+
+def _txt_row(path: Path, chars: int | None) -> tuple[int, str]:
+    """(1, the text of a .txt), at most ``chars`` characters of it read (None: all)."""
+    fd, _ = open_regular(path, CalibrationDataError)
+    with os.fdopen(fd, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as stream:
         try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise CalibrationDataError(f"{path}: row {number}: not JSON ({exc})") from None
-        if not isinstance(item, dict) or not isinstance(item.get("text"), str):
-            raise CalibrationDataError(f"{path}: row {number}: expected an object with a string \"text\"")
-        records.append((number, item["text"]))
-    return records
+            text = stream.read(-1 if chars is None else chars)
+            more = chars is not None and bool(stream.read(1))
+        except UnicodeDecodeError as exc:
+            raise CalibrationDataError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    if more:
+        _note_cut(path, 1, chars)
+    return 1, text
+
+
+def _cut(path: Path, number: int, text: str, chars: int | None) -> str:
+    if chars is None or len(text) <= chars:
+        return text
+    _note_cut(path, number, chars, len(text))
+    return text[:chars]
+
+
+def _note_cut(path: Path, number: int, chars: int, total: int | None = None) -> None:
+    of = "" if total is None else f" of its {total}"
+    log.info(f"note: {path}: row {number}: only its first {chars}{of} characters are tokenized (all that the "
+             "--num-samples x --seq-len tokens still wanted can need); the rest is left out")
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` can stand for: its longest vocabulary entry (a byte-level
+    entry of n symbols is n bytes, at most n characters)."""
+    return max((len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
 
 def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_samples: int | None) -> np.ndarray:
+    """Token ids [rows, seq_len] of a .jsonl / .txt: its rows tokenized in order and joined, read and tokenized
+    only as far as ``num_samples * seq_len`` tokens need. A row is cut after ``wanted * L + CUT_SLACK``
+    characters (``wanted``: the tokens still missing; ``L``: :func:`max_token_chars`; a token covers at most L
+    characters, and the slack keeps the cut's last, changed tokens out of the ones taken), with a note."""
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise CalibrationDataError(f"{path}: text needs the checkpoint's tokenizer, and {folder} has no "
@@ -131,23 +182,32 @@ def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_sampl
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as exc:  # noqa: BLE001 - the tokenizers package raises its own Exception type
         raise CalibrationDataError(f"{tokenizer_file}: the tokenizers package cannot read it ({exc})") from None
-    stream: list[int] = []
     wanted = None if num_samples is None else num_samples * seq_len
-    for number, text in _text(path):
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise CalibrationDataError(f"{path}: row {number}: token id {bad[0]} from {tokenizer_file.name} is "
-                                       f"outside the model's vocabulary [0, {vocab_size})")
-        stream.extend(ids)
-        if wanted is not None and len(stream) >= wanted:
+    per_token = max_token_chars(tokenizer)
+    parts: list[np.ndarray] = []
+    count = 0
+
+    def chars() -> int | None:
+        return None if wanted is None else (wanted - count) * per_token + CUT_SLACK
+
+    rows = [_txt_row(path, chars())] if path.suffix == ".txt" else _jsonl_rows(path, chars)
+    for number, text in rows:
+        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise CalibrationDataError(f"{path}: row {number}: token id {int(bad[0])} from {tokenizer_file.name} "
+                                       f"is outside the model's vocabulary [0, {vocab_size})")
+        parts.append(ids if wanted is None else ids[: wanted - count])
+        count += parts[-1].size
+        if wanted is not None and count >= wanted:
             break
-    rows = len(stream) // seq_len
-    if rows == 0:
-        raise CalibrationDataError(f"{path}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    rows_made = stream.size // seq_len
+    if rows_made == 0:
+        raise CalibrationDataError(f"{path}: {stream.size} tokens, fewer than one sequence of --seq-len {seq_len}")
     if num_samples is not None:
-        rows = min(rows, num_samples)
-    return np.asarray(stream[: rows * seq_len], dtype=np.int64).reshape(rows, seq_len)
+        rows_made = min(rows_made, num_samples)
+    return stream[: rows_made * seq_len].reshape(rows_made, seq_len)
 
 
 def load_batches(data, folder, vocab_size: int, *, seq_len: int | None = None, num_samples: int | None = None,
