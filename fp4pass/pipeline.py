@@ -110,8 +110,8 @@ def convert(
     """Rewrite every MXFP4 weight of a model into NVFP4 (module docstring); returns ``(model, report)``.
 
     ``model_or_path``: a path, ``onnx.ModelProto``, ``onnx_ir.Model`` (rewritten in place) or
-    onnx-graphsurgeon ``Graph``; the model comes back as the same kind (an ``onnx_ir.Model`` for a path, or the
-    output path when ``output`` is given). ``output``: write the model there (atomically; streamed with
+    onnx-graphsurgeon ``Graph``; the model comes back as the kind given, except a path: an ``onnx_ir.Model``, or
+    ``Path(output)`` when ``output`` is given. ``output``: write the model there (atomically; streamed with
     external data per ``external_data`` = auto | always | never). ``calib``: an .npz file or a folder of them
     to calibrate activation scales with ``calibrator``; ``scales``: a SCALES.json path or dict to reuse.
     ``check``: run ``fp4pass.onnx.diff`` between input and output and store its result under "check"

@@ -205,6 +205,12 @@ MUTANTS = [
     Mutant("hub-quiet-bars-shown", "--quiet leaves huggingface_hub's download bars on", [
         ("fp4pass/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
     ], ["tests/test_hub.py"]),
+    Mutant("checkpoint-counts-call-weights-experts", "inspect's and convert's summaries call every MXFP4 weight an "
+           "expert (the Kimi-shaped example's attention o_proj too)", [
+        ("fp4pass/checkpoint/run.py", "/{s['experts_total']} forecast lossless\"",
+         "/{s['experts_total']} experts forecast lossless\""),
+        ("fp4pass/checkpoint/run.py", "/{s['experts_total']} lossless, ", "/{s['experts_total']} experts lossless, "),
+    ], ["tests/test_docs_examples.py"]),
     Mutant("emulate-clamp-normal", "the activation quantizer clamps E4M3 block scales at 2^-6 instead of 2^-9", [
         ("fp4pass/onnx/emulate.py", 'f"{p}/e4m3_min_subnormal", E4M3_MIN_SUBNORMAL, f32)',
          'f"{p}/e4m3_min_subnormal", 2.0**-6, f32)'),

@@ -264,7 +264,7 @@ def test_outputs_named_by_the_examples_are_ignored(tmp_path):
     texts += [p.format_help() for p in _subparsers().values()]
     lines = [line.strip().removeprefix(INSTALL) for text in texts for line in text.splitlines()]
     outputs = sorted({o for line in lines for o in _outputs_of(line)})
-    assert {"r.json", "kimi-nvfp4/", "report.json", "moe.nvfp4.onnx", "bench.json"} <= set(outputs)
+    assert {"kimi-report.json", "kimi-nvfp4/", "report.json", "moe.nvfp4.onnx", "bench.json"} <= set(outputs)
     assert _untracked(outputs, tmp_path / "oracle") == []
 
 

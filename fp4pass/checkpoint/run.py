@@ -708,10 +708,16 @@ def format_inspection(info: dict) -> str:
     if info["not_copied"]:
         lines.append(f"not copied: {', '.join(info['not_copied'])}")
     s = info["summary"]
-    lines.append(f"{s['weights']} MXFP4 weights, {s['experts_lossless_forecast']}/{s['experts_total']} experts "
-                 "forecast lossless" + ("" if info["compressed_tensors_possible"] else
-                                        "; gpt-oss fused experts: --format modelopt only"))
+    lines.append(f"{s['weights']} MXFP4 weights{_matrices(s['experts_total'], s['weights'])}, "
+                 f"{s['experts_lossless_forecast']}/{s['experts_total']} forecast lossless"
+                 + ("" if info["compressed_tensors_possible"] else "; gpt-oss fused experts: --format modelopt only"))
     return "\n".join(lines)
+
+
+def _matrices(matrices: int, weights: int) -> str:
+    """How the lossless counts count: one per weight (a Linear, an expert's w1 or a dense o_proj alike), and
+    each expert of a stacked weight (gpt-oss's [E, N, K]) apart: said when that makes more than the weights."""
+    return "" if matrices == weights else f" ({matrices} matrices: a stacked weight counts each expert)"
 
 
 def format_report(report: dict) -> str:
@@ -730,8 +736,9 @@ def format_report(report: dict) -> str:
 
 def summary_line(report: dict) -> str:
     s = report["summary"]
-    return (f"{s['tensors_converted']} weights converted ({s['experts_lossless']}/{s['experts_total']} experts "
-            f"lossless), {s['tensors_copied']} tensors copied, {len(report['shards'])} shard(s), "
+    return (f"{s['tensors_converted']} weights converted{_matrices(s['experts_total'], s['tensors_converted'])}, "
+            f"{s['experts_lossless']}/{s['experts_total']} lossless, {s['tensors_copied']} tensors copied, "
+            f"{len(report['shards'])} shard(s), "
             f"{s['bytes_written'] / 1e6:.1f} MB, format {report['format']}" +
             (f"; {len(report['declined'])} MXFP4 weight(s) declined (--allow-partial), left in MXFP4 form"
              if report.get("declined") else ""))
