@@ -32,7 +32,8 @@ def register(sub, common) -> None:
     p = sub.add_parser("calibrate", parents=[common], help="calibrate NVFP4 activation scales (SCALES.json)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="IN", help="the model to calibrate: an ONNX file, or a checkpoint folder "
-                                                "(config.json + *.safetensors)")
+                                                "(config.json + *.safetensors) or Hugging Face Hub model ID "
+                                                "(org/name[@revision])")
     p.add_argument("--data", required=True, metavar="DATA.npz|DIR", help="calibration inputs")
     p.add_argument("-o", "--output", required=True, metavar="SCALES.json",
                    help="where the activation scales go (the file convert --scales reads)")

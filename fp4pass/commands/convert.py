@@ -36,7 +36,8 @@ def register(sub, common) -> None:
     p = sub.add_parser("convert", parents=[common], help="rewrite MXFP4 weights into NVFP4",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="IN", help="the MXFP4 model: an ONNX file, or a checkpoint folder "
-                                                "(config.json + *.safetensors)")
+                                                "(config.json + *.safetensors) or Hugging Face Hub model ID "
+                                                "(org/name[@revision])")
     p.add_argument("-o", "--output", metavar="OUT", required=True,
                    help="the NVFP4 result: an ONNX file for an ONNX IN, a new or empty folder for a checkpoint")
     p.add_argument("--method", choices=values(Method), default=Method.AUTO.value,

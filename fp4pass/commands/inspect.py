@@ -17,7 +17,8 @@ EPILOG = """examples:
 def register(sub, common) -> None:
     p = sub.add_parser("inspect", parents=[common], help="list FP4 weights, exponent spread, lossless forecast",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="IN", help="an ONNX file, or a checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("model", metavar="IN", help="an ONNX file, or a checkpoint folder (config.json + *.safetensors) "
+                                                "or Hugging Face Hub model ID (org/name[@revision])")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _safety.add_allow_invalid(p)
     checkpoint.add_folder_arguments(p)  # IN a checkpoint folder
