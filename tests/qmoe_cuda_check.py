@@ -169,8 +169,11 @@ def cuda_run(model16: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> np.ndar
     """``model16`` as it is (QMoE, not lowered) on onnxruntime's CUDA EP alone (no CPU fallback to hide in)."""
     import onnxruntime as ort
 
-    from fp4pass.onnx.runtime import CUDA_OPTIONS
+    from fp4pass.onnx.runtime import CUDA_OPTIONS, cuda_available
 
+    ok, why = cuda_available()
+    if not ok:
+        raise RuntimeError(f"no CUDA EP here: {why}")
     session = ort.InferenceSession(model16.SerializeToString(),
                                    providers=[("CUDAExecutionProvider", dict(CUDA_OPTIONS))])
     if session.get_providers()[0] != "CUDAExecutionProvider":
