@@ -495,6 +495,10 @@ MUTANTS = [
     Mutant("ort-cuda-options-not-passed", "the CUDA EP gets no provider options", [
         ("fp4pass/onnx/runtime.py", "return [(_CUDA_EP, dict(CUDA_OPTIONS)), _CPU_EP]", "return [_CUDA_EP, _CPU_EP]"),
     ], ORT_CUDA_TESTS),
+    Mutant("ort-preload-chatter-shown", "what onnxruntime's preload_dlls prints reaches the user's terminal", [
+        ("fp4pass/onnx/runtime.py", "        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):\n",
+         "        if True:\n"),
+    ], ORT_CUDA_TESTS),
     Mutant("placement-memcpy-counted", "onnxruntime's own Memcpy nodes count as model nodes", [
         ("fp4pass/onnx/runtime.py", 'if node in seen or op_type.startswith("Memcpy"):', "if node in seen:"),
     ], ORT_CUDA_TESTS),

@@ -9,6 +9,7 @@ as onnxruntime writes them for a CUDA session (``"<node>_kernel_time"`` events o
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,9 +83,10 @@ def test_cuda_sessions_are_built_with_tf32_off(monkeypatch):
     assert _FakeSession.made[-1].providers == [CPU]
 
 
-def test_the_cuda_probe_preloads_the_cuda_libraries_first(monkeypatch):
+def test_the_cuda_probe_preloads_the_cuda_libraries_first_and_quietly(monkeypatch, capsys):
     """onnxruntime-gpu finds the nvidia-* packages' CUDA libraries only after preload_dlls() (or torch's own
-    loading): the probe calls it before its first CUDA session."""
+    loading): the probe calls it before its first CUDA session. What preload_dlls prints (the libraries it
+    could not load, a link) stays off the user's terminal: the probe's reason says it once."""
     calls = []
 
     class FakeOrt:
@@ -93,6 +95,8 @@ def test_the_cuda_probe_preloads_the_cuda_libraries_first(monkeypatch):
 
         def preload_dlls(self):
             calls.append("preload")
+            print("Failed to load libcublasLt.so.13: cannot open shared object file")
+            print("Please follow https://onnxruntime.ai/docs/install/#cuda-and-cudnn", file=sys.stderr)
 
         def SessionOptions(self):  # noqa: N802 - onnxruntime's name
             return SimpleNamespace(log_severity_level=0)
@@ -109,6 +113,7 @@ def test_the_cuda_probe_preloads_the_cuda_libraries_first(monkeypatch):
     ok, why = runtime.cuda_available.__wrapped__()
     assert not ok and "failed to start (no GPU)" in why
     assert calls.index("preload") < calls.index("session")
+    assert capsys.readouterr() == ("", "")
 
 
 def test_provider_options_of_a_cpu_session_are_empty():

@@ -24,8 +24,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
+import io
 import json
 import logging
 import os
@@ -95,10 +97,14 @@ def _preload_cuda_libraries() -> None:
     preload = getattr(ort, "preload_dlls", None)
     if preload is None:
         return
+    said = io.StringIO()  # it prints what it could not load, and hints: the probe says it once, in our words
     try:
-        preload()
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            preload()
     except Exception as exc:  # noqa: BLE001 - best effort: the probe reports what matters
         logger.debug("onnxruntime.preload_dlls() failed: %s", exc)
+    if said.getvalue().strip():
+        logger.debug("onnxruntime.preload_dlls(): %s", said.getvalue().strip())
 
 
 @functools.lru_cache(maxsize=1)
