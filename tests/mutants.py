@@ -48,8 +48,12 @@ CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpo
                     "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
 CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
 CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
+DIFF_TESTS = ["tests/test_checkpoint_diff.py"]
+DIFF_ORACLE_TESTS = ["tests/test_checkpoint_diff_oracle.py"]
 ORT_CUDA_TESTS = ["tests/test_ort_placement.py"]
 GPU_CHECK_TESTS = ["tests/test_gpu_check.py"]
+VALIDATE_TRUST_TESTS = ["tests/test_validate_trust.py"]
+HOSTILE_RULES_TESTS = ["tests/test_exclusion_patterns.py", "tests/test_validate_hostile.py"]
 CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
@@ -397,8 +401,27 @@ MUTANTS = [
         ("fp4pass/checkpoint/safetensors_io.py", ", parse_constant=_no_constant)", ")"),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_reader.py"]),
     Mutant("check-trusts-the-reader-everywhere", "--check never decodes in float64", [
-        ("fp4pass/checkpoint/check.py", "    why = _why_float64(x, y) if own is not None else None", "    why = None"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+        ("fp4pass/checkpoint/check.py", "        why = _why_float64(x, y)\n", "        why = None\n"),
+        ("fp4pass/checkpoint/check.py", "    whys = [_why_float64(x, y) for x, y in zip(xs, ys)]",
+         "    whys = [None for x, y in zip(xs, ys)]"),
+    ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_check_mutants.py"]),
+    Mutant("check-pair-bound-per-tensor", "--check holds each half of a w1/w3 pair to its own plain requantization, "
+           "not the pair to requantization under the scale it shares", [
+        ("fp4pass/checkpoint/check.py", "        _compare_bound(names, xs, ys, reader, result, owns)\n",
+         "        for one in zip(names, xs, ys, owns):\n"
+         "            _compare_bound([one[0]], [one[1]], [one[2]], reader, result, [one[3]])\n"),
+    ], ["tests/test_checkpoint_check_pairs.py"]),
+    Mutant("check-pair-scale-from-w1", "--check's bound for a pair takes the shared global scale from w1's amax "
+           "alone", [
+        ("fp4pass/checkpoint/check.py", "    return max(float(np.abs(x).max()) for x in xs)",
+         "    return float(np.abs(xs[0]).max())"),
+    ], ["tests/test_checkpoint_check_pairs.py"]),
+    Mutant("check-pair-sum-over-w1-only", "--check sums a pair's squared error over w1 only", [
+        ("fp4pass/checkpoint/check.py", "    sse = sum(errors)\n", "    sse = errors[0]\n"),
+    ], ["tests/test_checkpoint_check_pairs.py"]),
+    Mutant("check-pair-two-global-scales-taken", "--check passes a pair written with two different global scales", [
+        ("fp4pass/checkpoint/check.py", "    if all(torch.equal(w, written[0]) for w in written[1:]):", "    if True:"),
+    ], ["tests/test_checkpoint_check_pairs.py"]),
     Mutant("checkpoint-pair-input-scale-from-one-half", "gate and up keep their own calibrated input scales "
            "instead of sharing the larger", [
         ("fp4pass/checkpoint/input_scales.py", "                    found[n] = max(known)",
@@ -427,6 +450,81 @@ MUTANTS = [
            "expert's phase, so later experts miss the direct path", [
         ("fp4pass/checkpoint/run.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
     ], CHECKPOINT_TESTS),
+    # -- the validator and the engine rules under hostile input (a downloaded checkpoint's configs) ----------
+    Mutant("glob-as-backtracking-regex", "a *-only glob is matched by the .*-regex SGLang builds (re backtracks "
+           "for hours on *a*a*a*...*ab)", [
+        ("fp4pass/checkpoint/patterns.py", '        """Whether the whole of ``name`` matches (fnmatchcase)."""\n',
+         '        """Whether the whole of ``name`` matches (fnmatchcase)."""\n'
+         '        if "?" not in self.pattern and "[" not in self.pattern:\n'
+         '            return re.fullmatch(self.pattern.replace(".", r"\\.").replace("*", ".*"), name, re.S) is not None\n'),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("regex-without-timeout", "re: entries are matched with re, without a time limit", [
+        ("fp4pass/checkpoint/patterns.py", "            self.compiled.append((label, rx.fullmatch if fullmatch else rx.match))",
+         "            rx = re.compile(p)\n"
+         "            self.compiled.append((label, (lambda f: lambda s, timeout: f(s))(rx.fullmatch if fullmatch "
+         "else rx.match)))"),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("invalid-regex-raises", "an invalid regex escapes as re.error (exit 3), not a bad_config_value", [
+        ("fp4pass/checkpoint/patterns.py", "            except (re.error, RecursionError, OverflowError, ValueError) as exc:",
+         "            except RecursionError as exc:"),
+        ("fp4pass/checkpoint/patterns.py", "            except (regex.error, RecursionError, OverflowError, ValueError) as exc:",
+         "            except RecursionError as exc:"),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("non-string-entries-coerced", "exclusion entries that are not strings are read as their str()", [
+        ("fp4pass/checkpoint/patterns.py", "    if set(map(type, value)) <= {str}:\n        return value\n",
+         "    return [str(v) for v in value]\n"),
+    ], HOSTILE_RULES_TESTS),
+    Mutant("glob-index-tail-looked-up-as-head", "globs filed under their literal tail are looked up by the name's "
+           "head", [
+        ("fp4pass/checkpoint/patterns.py", "self.by_tail.get(name[n - length:], ())", "self.by_tail.get(name[:length], ())"),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("sglang-ancestor-as-string-prefix", "SGLang's ancestor rule also takes a plain string prefix "
+           "(model.layers.1 excludes model.layers.10)", [
+        ("fp4pass/checkpoint/engines.py",
+         '        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots))',
+         '        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots)) or any(\n'
+         '            name.startswith(p) for p in self.paths)'),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("validator-trtllm-reads-config-json", "the validator holds TensorRT-LLM to config.json's exclusions", [
+        ("fp4pass/checkpoint/validate.py", '"trtllm": from_hq or from_qc}', '"trtllm": from_qc or from_hq}'),
+    ], HOSTILE_RULES_TESTS[1:]),
+    Mutant("verdict-trtllm-reads-config-json", "the engine verdicts read TensorRT-LLM's exclusions from config.json", [
+        ("fp4pass/checkpoint/engines.py", '    if engine == "trtllm" and hf_quant is not None:',
+         '    if engine == "trtllm" and hf_quant is not None and qc is None:'),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("fused-shard-misspelt", "a shard of a fused module is misspelt (Qwen3-MoE v_porj, DeepSeek-V4 w_gate)", [
+        ("fp4pass/checkpoint/engines.py", '    "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj", "k_proj", "v_proj")',
+         '    "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj", "k_proj", "v_porj")'),
+        ("fp4pass/checkpoint/engines.py", '"fused_wkv_wgate": ("wkv", "wgate")', '"fused_wkv_wgate": ("wkv", "w_gate")'),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("dense-layer-wildcard-covers-later-layers", "a kept dense layer 1 is written as model.layers.1*, which "
+           "also covers the NVFP4 layers 10..19 and 100..", [
+        ("fp4pass/checkpoint/output_forms.py", "        if not any(c.startswith(ancestor) for c in converted):",
+         '        if not any(c.startswith(ancestor + ".") for c in converted):'),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("excluded-nvfp4-experts-unflagged", "an exclusion that covers a layer's NVFP4 experts is not a verdict", [
+        ("fp4pass/checkpoint/engines.py", '            if engine != "trtllm" and rules.excluded(moe):',
+         "            if False:"),
+    ], HOSTILE_RULES_TESTS[:1]),
+    Mutant("quant-config-link-followed", "the NVFP4 detection reads hf_quant_config.json through any symlink", [
+        ("fp4pass/checkpoint/validate.py", "    path = _member(folder, name, follow_symlinks)\n    if not os.path.lexists",
+         "    path = folder / name\n    if not os.path.lexists"),
+    ], HOSTILE_RULES_TESTS[1:]),
+    Mutant("unreadable-quant-config-taken-as-absent", "an hf_quant_config.json that cannot be read is taken as "
+           "absent by the NVFP4 detection", [
+        ("fp4pass/checkpoint/validate.py", "        return {}\n    return read_json_file(path, name)\n",
+         "        return {}\n    try:\n        return read_json_file(path, name)\n    except CheckpointError:\n"
+         "        return {}\n"),
+    ], HOSTILE_RULES_TESTS[1:]),
+    Mutant("json-nan-printed", "inspect --json and the reports print a non-finite number as a bare NaN", [
+        ("fp4pass/io.py", "    clean, places = finite_json(data)\n", "    clean, places = data, []\n"),
+        ("fp4pass/io.py", "    return json.dumps(clean, indent=indent, allow_nan=False)",
+         "    return json.dumps(clean, indent=indent)"),
+    ], HOSTILE_RULES_TESTS[1:]),
+    Mutant("verdict-exclusions-unchecked", "the engine verdicts take exclude_modules as any list", [
+        ("fp4pass/checkpoint/engines.py", "entries(q.get(\"exclude_modules\"), where), False, where",
+         "list(q.get(\"exclude_modules\") or []), False, where"),
+    ], HOSTILE_RULES_TESTS[:1]),
     # -- checkpoint calibration (one layer's statistics) ----------------------------------------------------
     Mutant("ckpt-calib-gate-up-down-swapped", "an expert's gate/up input lands in its down statistic and its "
            "intermediate activation in the gate/up one", [
@@ -535,6 +633,94 @@ MUTANTS = [
     Mutant("qmoe-check-schema-not-repacked", "the QMoE check hands the kernel a schema-layout weight as it is", [
         ("tests/qmoe_cuda_check.py", "            packed = qmoe_layout.schema_to_kernel(packed, rows, k)\n", ""),
     ], ["tests/test_qmoe_cuda.py"]),
+    Mutant("gpu-check-no-preload", "the carried onnxruntime-gpu is imported without preload_dlls()", [
+        ("tests/gpu_check.sh", "ort.preload_dlls()  # the CUDA", "pass  # the CUDA"),
+    ], GPU_CHECK_TESTS),
+    Mutant("gpu-check-skips-counted-as-passes", "the summary counts a skipped test as passed", [
+        ("tests/gpu_check_summary.py", 'elif case.find("skipped") is not None:', "elif False:"),
+    ], GPU_CHECK_TESTS),
+    # -- checkpoint diff ---------------------------------------------------------------------------------
+    Mutant("diff-act-step-times-g", "the activation fake-quant's step is s * g instead of s / g", [
+        ("fp4pass/checkpoint/nvfp4_weights.py", "    step = s / g\n", "    step = s * g\n"),
+    ], DIFF_TESTS),
+    Mutant("diff-weight-conventions-swapped", "a multiplier global scale divides and a divisor multiplies", [
+        ("fp4pass/checkpoint/nvfp4_weights.py", "scale = s * g if convention == MULTIPLIER else s / g", "scale = s / g if convention == MULTIPLIER else s * g"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("diff-stack-one-scale", "a gpt-oss stack decodes every expert with expert 0's global scale", [
+        ("fp4pass/checkpoint/nvfp4_weights.py", "scale[i].to(out.device), MULTIPLIER)", "scale[0].to(out.device), MULTIPLIER)"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("diff-stack-untransposed", "a gpt-oss stack's experts are decoded into the model untransposed", [
+        ("fp4pass/checkpoint/nvfp4_weights.py", "out[i].copy_(w.t() if transposed else w)", "out[i].copy_(w.reshape(out[i].shape))"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("diff-gate-up-takes-w3", "a fused gate/up input is quantized with w3's input scale, not w1's", [
+        ("fp4pass/checkpoint/numerics.py", 'for k in ("w1", "gate_proj") if k in halves', 'for k in ("w3", "up_proj") if k in halves'),
+    ], DIFF_TESTS),
+    Mutant("diff-padding-counted", "the experts' rows keep the padding's tokens", [
+        ("fp4pass/checkpoint/numerics.py", "keep = rows if self.valid is None else rows[self.valid[token_idx]]", "keep = rows"),
+    ], DIFF_TESTS),
+    Mutant("diff-end-to-end-is-local", "the NVFP4 model is never fed its own previous output", [
+        ("fp4pass/checkpoint/numerics.py", "out_e2e = out_local if same_input else nv.run_layer(nv_mod, h_nv, args_n, kw_n)",
+         "out_e2e = out_local"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("diff-best-expert-first", "the expert list sorted best first", [
+        ("fp4pass/checkpoint/numerics.py", 'return math.inf if row["snr_db"] is None else row["snr_db"]',
+         'return -math.inf if row["snr_db"] is None else -row["snr_db"]'),
+    ], DIFF_TESTS),
+    Mutant("diff-first-position-scored", "perplexity scores each token as its own next token", [
+        ("fp4pass/checkpoint/numerics.py", "out[:, :-1] = ids[:, 1:]", "out[:, :-1] = ids[:, :-1]"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("diff-kl-reversed", "KL(nvfp4 || source) instead of KL(source || nvfp4)", [
+        ("fp4pass/checkpoint/numerics.py", "kl = (log_p.exp() * (log_p - log_q)).sum(-1)", "kl = (log_q.exp() * (log_q - log_p)).sum(-1)"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("diff-one-expert-scale", "every expert of a per-expert stack takes expert 0's activation scale", [
+        ("fp4pass/checkpoint/numerics.py", "                g = g[expert]\n", "                g = g[0]\n"),
+    ], DIFF_ORACLE_TESTS),
+    # -- the NVFP4 validator: no false alarm on a correct checkpoint, every defect still exit 1 -------------
+    Mutant("validate-pair-judged-alone", "w3's global scale judged without w1, whose amax it was made from", [
+        ("fp4pass/checkpoint/validate.py", '_check_values(mod, problems, modules.get(_partner_name(mod.name) or ""))',
+         "_check_values(mod, problems, None)"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-sample-only", "magnitude findings from the block-scale sample, never from the whole tensor", [
+        ("fp4pass/checkpoint/validate.py", "        _read_exact_blocks(data, modules)\n", ""),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-sample-short-of-the-end", "the last sampled piece stops short of the tensor's last bytes", [
+        ("fp4pass/checkpoint/validate.py", "    last = nbytes - piece\n",
+         "    last = (nbytes - piece) // (_PIECES - 1) * (_PIECES - 1)\n"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-folded-by-magnitude", "a global scale of 1 over small block scales is folded, lossy or not", [
+        ("fp4pass/checkpoint/validate.py", " & (maxima <= FOLDED_BLOCK_MAX) & (lossy > 0)",
+         " & (maxima <= FOLDED_BLOCK_MAX)"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-guess-fails", "a magnitude guess fails inspect like an error", [
+        ("fp4pass/checkpoint/validate.py", "self.warning = self.warning or self.guess", "self.warning = self.warning"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-engine-gap-fails", "an engine that does not load a correct form fails inspect without --engine", [
+        ("fp4pass/checkpoint/validate.py", "warning=engine is None))", "warning=False))"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-strict-ignored", "--strict does not count the warnings", [
+        ("fp4pass/checkpoint/validate.py", "any(strict or p.get(", "any(p.get("),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-table-loads-anyway", "the engine table says loads beside problems that break the engine", [
+        ("fp4pass/checkpoint/validate.py", '        if worst != "loads" and verdict.get("loads"):',
+         "        if False:"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-numpy-repr", "a bad scale's value shown as numpy's repr (np.float64(0.0))", [
+        ("fp4pass/checkpoint/validate.py", "({_number(values[mask][0])}); {effect}",
+         "({values[mask][0]!r}); {effect}"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-cannot-load-without-fix", "engine_cannot_load names no fix", [
+        ("fp4pass/checkpoint/validate.py", "{verdict.get('why') or 'cannot load this form'}; fix: \"\n"
+         "                                        f\"{_cannot_load_fix(name, cfg, data.config, modules)}\"",
+         "{verdict.get('why') or 'cannot load this form'}\""),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-table-no-convention", "the table's global scale column does not say multiplier or divisor", [
+        ("fp4pass/checkpoint/validate.py", "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("checkpoint-inspect-nvfp4-as-mxfp4", "fp4pass.checkpoint.inspect: an NVFP4 folder's empty MXFP4 forecast", [
+        ("fp4pass/checkpoint/run.py",
+         "    if is_nvfp4_folder(src_dir, follow_symlinks=follow_symlinks):\n        return validate(",
+         "    if False:\n        return validate("),
+    ], VALIDATE_TRUST_TESTS),
 ]
 
 

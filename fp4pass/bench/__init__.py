@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_row", "format_table", "AREAS", "HEADER", "RATIO_NOTE"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx", "calibrate-checkpoint")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx", "calibrate-checkpoint", "diff-checkpoint")
 
 
 @dataclass

@@ -47,7 +47,7 @@ from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
-from fp4pass.checkpoint.nvfp4_weights import NVExpertStack, NVFP4Weights, fake_quantize_activation, find_nvfp4
+from fp4pass.checkpoint.nvfp4_weights import NVFP4Weights, fake_quantize_activation, find_nvfp4
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
 __all__ = ["diff", "CheckpointDiff", "WORST_EXPERTS", "SHAPE_FIELDS"]
