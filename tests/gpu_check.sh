@@ -13,9 +13,10 @@
 #   qmoe        fp4pass's QMoE nvfp4 on onnxruntime's CUDA QMoE kernel (tests/qmoe_cuda_check.py)
 #   bench       the calibrate-checkpoint bench on CUDA at gpt-oss-20b shapes (bench_calibrate.json)
 #   bench_quick the formats and fx benches on CUDA at --quick sizes (bench_quick.json)
-# $FP4PASS_GPU_CHECK_STEPS (comma-separated names, default all) runs only those steps. Python: $PYTHON, else
-# .venv/bin/python when there is one, else python3. Exit 0 when every step exits 0, 2 when the carried
-# onnxruntime-gpu is damaged, else 1.
+# $FP4PASS_GPU_CHECK_STEPS (comma-separated names, default all) runs only those steps; the whole run has
+# $FP4PASS_GPU_CHECK_SECONDS (default 450): a step that would start with under 10 s left is recorded as not run.
+# Python: $PYTHON, else .venv/bin/python when there is one, else python3. Exit 0 when every step exits 0,
+# 2 when the carried onnxruntime-gpu is damaged, else 1.
 set -uo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: tests/gpu_check.sh OUT_DIR [extra pytest flags]" >&2
@@ -33,6 +34,8 @@ STEPS="$OUT/steps.tsv"
 PARTS=${FP4PASS_ORT_PARTS:-/tmp/ort-gpu}
 SITE=${FP4PASS_ORT_SITE:-/tmp/ort-site}
 ONLY=",${FP4PASS_GPU_CHECK_STEPS:-all},"
+BUDGET=${FP4PASS_GPU_CHECK_SECONDS:-450}  # the whole run: each step gets at most what is left of it
+DEADLINE=$((SECONDS + BUDGET))
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
@@ -46,10 +49,16 @@ record() {  # record NAME RC SECONDS NOTE: one row of steps.tsv and one line on 
   echo "gpu_check: $1: exit $2 in $3 s${4:+ ($4)}"
 }
 
-step() {  # step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in the log
+step() {  # step NAME SECONDS COMMAND...: COMMAND under a time limit (and the run's), its output in the log
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
   wanted "$name" || return 0
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 10 ]; then
+    record "$name" 124 0 "not run: the run's $BUDGET s were spent"
+    return 0
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   echo "=== $name: $*" >>"$LOG"
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   rc=$?
@@ -148,7 +157,7 @@ if wanted transformers; then
   record transformers "$rc" "$((SECONDS - start))" "$note"
 fi
 
-step env 120 "$PY" - "$OUT/env.json" <<'PY'
+step env 60 "$PY" - "$OUT/env.json" <<'PY'
 import json, sys
 import torch
 import onnxruntime as ort
@@ -168,8 +177,8 @@ json.dump(env, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(env, indent=1))
 PY
 
-step pytest 300 "$PY" -m pytest -q -rs -p no:cacheprovider -m "gpu or ort_cuda" --junitxml "$OUT/pytest.xml" tests "$@"
-step qmoe 120 "$PY" tests/qmoe_cuda_check.py --json "$OUT/qmoe_cuda.json"
+step pytest 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m "gpu or ort_cuda" --junitxml "$OUT/pytest.xml" tests "$@"
+step qmoe 90 "$PY" tests/qmoe_cuda_check.py --json "$OUT/qmoe_cuda.json"
 # the benches on the CUDA device only (fp4pass bench --device cuda would run every one on the CPU first)
 BENCH='import json, sys, torch
 from fp4pass.bench import format_row
@@ -185,8 +194,8 @@ for module in modules:
             print(format_row(result), flush=True)
             results.append(result.to_json())
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, open(sys.argv[1], "w"), indent=1)'
-step bench 240 "$PY" -c "$BENCH" "$OUT/bench_calibrate.json" full
-step bench_quick 90 "$PY" -c "$BENCH" "$OUT/bench_quick.json" quick
+step bench 150 "$PY" -c "$BENCH" "$OUT/bench_calibrate.json" full
+step bench_quick 45 "$PY" -c "$BENCH" "$OUT/bench_quick.json" quick
 
 summarize
 "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["verdict"])' "$OUT/summary.json" 2>/dev/null

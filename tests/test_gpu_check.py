@@ -65,9 +65,9 @@ def parts(tmp_path) -> Path:
     return folder
 
 
-def _run(out: Path, parts: Path, site: Path, steps: str = "install") -> subprocess.CompletedProcess:
+def _run(out: Path, parts: Path, site: Path, steps: str = "install", **env_vars) -> subprocess.CompletedProcess:
     env = {**os.environ, "FP4PASS_ORT_PARTS": str(parts), "FP4PASS_ORT_SITE": str(site),
-           "FP4PASS_GPU_CHECK_STEPS": steps, "PYTHON": sys.executable}
+           "FP4PASS_GPU_CHECK_STEPS": steps, "PYTHON": sys.executable, **env_vars}
     env.pop("PYTHONPATH", None)
     return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=300)
 
@@ -142,6 +142,16 @@ def test_without_carried_parts_it_says_the_cuda_ep_may_be_absent(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert "CUDA EP absent unless already installed" in summary["steps"][0]["note"]
     assert summary["onnxruntime_gpu"] is None
+
+
+def test_a_step_past_the_runs_time_budget_is_recorded_as_not_run(tmp_path):
+    run = _run(tmp_path / "out", tmp_path / "nothing-here", tmp_path / "site", steps="install,env",
+               FP4PASS_GPU_CHECK_SECONDS="5")
+    assert run.returncode == 1
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"][1] == {"name": "env", "exit": 124, "seconds": 0,
+                                   "note": "not run: the run's 5 s were spent"}
+    assert not (tmp_path / "out" / "env.json").exists()
 
 
 def test_usage_without_an_output_folder():
