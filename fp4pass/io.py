@@ -35,6 +35,10 @@ The rules every file fp4pass writes follows (``docs/bad-input.md`` states them f
    the :class:`OutputSession` before the rename, so a failure or a signal at any moment after it takes the
    output back out (the CLI rolls the session back); :func:`atomic_folder` also removes its folder itself
    when the rename's own aftermath (the folder's fsync) fails or is interrupted.
+8. **Output folders are marked.** Every folder :func:`atomic_folder` writes holds :data:`OUTPUT_MARKER`; with
+   ``overwrite`` it replaces an existing folder only when that holds the marker (a folder fp4pass wrote), and
+   only once the new folder is complete: the old one is moved aside into the temporary, the new one renamed
+   in, then the old one removed (moved back if the rename fails).
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ __all__ = [
     "json_text",
     "finite_json",
     "MARKER",
+    "OUTPUT_MARKER",
+    "check_output_folder",
+    "written_by_fp4pass",
     "make_temp_folder",
     "copy_regular_file",
     "pseudo_filesystem",
@@ -82,6 +89,8 @@ __all__ = [
 ]
 
 TMP_PREFIX = ".fp4pass-tmp-"
+#: the file that marks a folder fp4pass wrote (:func:`atomic_folder`): only such a folder is replaced (overwrite)
+OUTPUT_MARKER = ".fp4pass-output.json"
 #: a temporary's pid and host token (``h`` + 8 hex digits); names without a token are from older versions
 _TMP_RE = re.compile(r"^\.fp4pass-tmp-(\d+)-(?:h([0-9a-f]{8})-)?")
 
@@ -802,13 +811,62 @@ def _fsync_tree(folder: Path) -> None:
     fsync_folder(folder)
 
 
-@contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]:
-    """Yield a fresh temporary folder beside ``path``; on success fsync it whole and rename it onto ``path``.
+def written_by_fp4pass(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds :data:`OUTPUT_MARKER` as a regular file whose JSON names fp4pass as its writer."""
+    marker = Path(folder) / OUTPUT_MARKER
+    try:
+        if not stat.S_ISREG(os.lstat(marker).st_mode):
+            return False
+        return json.loads(marker.read_text(encoding="utf-8")).get("written_by") == "fp4pass"
+    except (OSError, ValueError, AttributeError):
+        return False
 
-    ``path`` must not exist, or be an empty folder (replaced by the rename). The yielded folder lies inside a
-    temporary folder (:func:`make_temp_folder`, with its marker), so :func:`remove_stale` and ``fp4pass
-    clean`` know it. On any exception the temporary folder is removed and ``path`` stays as it was.
+
+def _write_output_marker(folder: Path) -> None:
+    (folder / OUTPUT_MARKER).write_text(json.dumps({
+        "written_by": "fp4pass",
+        "note": "an output folder of fp4pass; fp4pass convert --overwrite replaces only folders holding this file",
+    }, indent=2) + "\n")
+
+
+def _replaceable(target: Path, path, overwrite: bool) -> bool:
+    """Whether ``target`` is an existing, non-empty folder that may be replaced; raises UsageError when it may not."""
+    if not (target.is_dir() and any(os.scandir(target))):
+        return False
+    if not overwrite:
+        raise UsageError(f"{path}: exists and is not empty; give a new or an empty folder (--overwrite replaces a "
+                         "folder fp4pass wrote)")
+    if not written_by_fp4pass(target):
+        raise UsageError(f"{path}: exists and was not written by fp4pass (it holds no {OUTPUT_MARKER}); "
+                         "--overwrite replaces only fp4pass's own output folders: give another folder, or remove it")
+    return True
+
+
+def check_output_folder(path: str | os.PathLike, overwrite: bool = False) -> bool:
+    """Refuse (UsageError) an output folder :func:`atomic_folder` would refuse, before any work; returns whether
+    an existing folder is to be replaced (``overwrite`` and it holds :data:`OUTPUT_MARKER`)."""
+    target = Path(path)
+    if str(path) == "" or target.name in ("", ".", ".."):
+        raise UsageError(f"{path!r}: not a folder name")
+    if target.name.startswith(TMP_PREFIX):
+        raise UsageError(f"{path}: names starting with {TMP_PREFIX} are fp4pass's temporary files")
+    if not target.parent.is_dir():
+        raise UsageError(f"{path}: folder {target.parent} does not exist")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise UsageError(f"{path}: exists and is not a folder")
+    return _replaceable(target, path, overwrite)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, inputs: tuple = (), overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside ``path``; on success mark it (:data:`OUTPUT_MARKER`), fsync it whole
+    and rename it onto ``path``.
+
+    ``path`` must not exist, or be an empty folder (replaced by the rename); with ``overwrite``, it may also be
+    a folder fp4pass wrote (it holds the marker), replaced once the new one is complete (module docstring,
+    rule 8). The yielded folder lies inside a temporary folder (:func:`make_temp_folder`, with its marker), so
+    :func:`remove_stale` and ``fp4pass clean`` know it. On any exception the temporary folder is removed and
+    ``path`` stays as it was.
     ``inputs``: folders ``path`` must be neither inside nor hold (by path, and by device and inode: a bind
     mount); the sweep of stale temporaries never removes them.
 
@@ -818,18 +876,9 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]
     folder that stood at ``path`` is made again then.
     """
     target = Path(path)
-    if str(path) == "" or target.name in ("", ".", ".."):
-        raise UsageError(f"{path!r}: not a folder name")
-    if target.name.startswith(TMP_PREFIX):
-        raise UsageError(f"{path}: names starting with {TMP_PREFIX} are fp4pass's temporary files")
+    replacing = check_output_folder(path, overwrite)
     parent = target.parent
-    if not parent.is_dir():
-        raise UsageError(f"{path}: folder {parent} does not exist")
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise UsageError(f"{path}: exists and is not a folder")
-    if target.is_dir() and any(os.scandir(target)):
-        raise UsageError(f"{path}: exists and is not empty; give a new or an empty folder")
-    was_empty_folder = target.is_dir()
+    was_empty_folder = target.is_dir() and not replacing
     for given in inputs:
         if same_file(target, given) or _inside(target, given) or _inside(given, target):
             raise UsageError(f"{path}: is, is inside, or holds the input folder {given}")
@@ -841,6 +890,7 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]
     try:
         os.mkdir(tmp, stat.S_IRWXU)  # private while it is written
         yield tmp
+        _write_output_marker(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
         _fsync_tree(tmp)
         st = os.lstat(tmp)
@@ -849,11 +899,19 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = ()) -> Iterator[Path]
             _session.record(target, RESULT, identity)
             if was_empty_folder:
                 _session.emptied.add(target)
+        aside = staging / f"{target.name}.replaced"  # never the name of the new folder beside it
+        # the old folder aside, checked again: it may have changed while the new one was written
+        replacing = replacing and _replaceable(target, path, overwrite)
+        if replacing:
+            os.rename(target, aside)
         try:
             os.replace(tmp, target)
             fsync_folder(parent)
         except BaseException:
             _remove_folder_if(target, identity, was_empty_folder)
+            if replacing:
+                with contextlib.suppress(OSError):
+                    os.rename(aside, target)
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -58,6 +58,11 @@ CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests
                "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
 
 
+USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
+INPUT_TESTS = ["tests/test_user_path_inputs.py"]
+OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
+
+
 @dataclass
 class Mutant:
     name: str
@@ -72,6 +77,89 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
+    Mutant("quiet-passes-everything", "--quiet passes every line on", [
+        ("fp4pass/cli.py", "        if self._keep_all:\n", "        if True:\n"),
+    ], USER_PATH_TESTS),
+    Mutant("quiet-drops-errors", "--quiet drops the error lines too", [
+        ("fp4pass/cli.py", 'r"\\b(error|warning|FAILED|interrupted|terminated)\\b"', 'r"\\b(warning|interrupted)\\b"'),
+    ], USER_PATH_TESTS),
+    Mutant("calibrator-flag-without-data", "a calibrator flag without --calib is ignored", [
+        ("fp4pass/commands/_calibrator_flags.py", "    if given and not data_given:", "    if False:"),
+    ], USER_PATH_TESTS),
+    Mutant("calibrator-option-of-another", "an option of another calibrator than the chosen one is ignored", [
+        ("fp4pass/commands/_calibrator_flags.py", "if owner != chosen and getattr(args, dest, None) is not None:",
+         "if False:"),
+    ], USER_PATH_TESTS),
+    Mutant("common-flag-before-command", "fp4pass --quiet convert gets argparse's bare unrecognized arguments", [
+        ("fp4pass/cli.py", "                if early:\n", "                if False:\n"),
+    ], USER_PATH_TESTS),
+    Mutant("choice-without-hint", "an invalid choice gets no 'did you mean'", [
+        ("fp4pass/cli.py", 'return f" (did you mean {close[0]}?)" if close else ""', 'return ""'),
+    ], USER_PATH_TESTS),
+    Mutant("usage-in-full", "a usage error prints argparse's whole usage", [
+        ("fp4pass/cli.py", 'self.exit(2, f"{self.short_usage()}\\n{self.prog}',
+         'self.print_usage(sys.stderr)\n        self.exit(2, f"{self.prog}'),
+    ], USER_PATH_TESTS),
+    Mutant("shard-file-taken", "a .safetensors shard given for its folder is read as an ONNX file", [
+        ("fp4pass/commands/_safety.py", "    if name.endswith(CHECKPOINT_FILE_SUFFIXES):", "    if False:"),
+    ], INPUT_TESTS),
+    Mutant("text-data-for-onnx", "text calibration data given to an ONNX model is read as an .npz", [
+        ("fp4pass/commands/_safety.py", "    if path is None or not os.fspath(path).endswith(TEXT_DATA_SUFFIXES):",
+         "    if True:"),
+    ], INPUT_TESTS),
+    Mutant("npz-arrays-unnamed", "an .npz naming no graph input says only which input is missing", [
+        ("fp4pass/calib/runner.py", "        if extra and not feed:", "        if False:"),
+    ], INPUT_TESTS),
+    Mutant("scales-of-another-model", "a SCALES.json matching no module is not named as another model's", [
+        ("fp4pass/checkpoint/input_scales.py", "    if not found and result.unmatched:", "    if False:"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-onnx-converted-again", "an NVFP4 ONNX model gets 'no MXFP4 weights found'", [
+        ("fp4pass/commands/convert.py", "    if mxfp4 or declined or not (weights or quantizers):",
+         "    if True:"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-w4a4-quantized-twice", "a W4A4 model takes a second set of activation quantizers", [
+        ("fp4pass/commands/convert.py", "    if (args.calib or args.scales) and not quantizers:",
+         "    if args.calib or args.scales:"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-folder-converted-again", "an NVFP4 folder gets 'not MXFP4 ... --allow-partial'", [
+        ("fp4pass/commands/checkpoint.py", "    if not is_nvfp4_folder(folder, follow_symlinks=follow_symlinks):",
+         "    if True:"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-alpha-read-as-dq", "an alpha-form weight's global scale read as its scale DQ's 1", [
+        ("fp4pass/onnx/nvfp4_forms.py", '            form, g = "alpha", alpha', "            pass"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-reference-quantizer-missed", "the standard-op emulation's activation quantizer is not found", [
+        ("fp4pass/onnx/nvfp4_forms.py", "    if not six:\n        return None", "    if True:\n        return None"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-zero-scale-passes", "a global or input scale of 0 is no problem", [
+        ("fp4pass/onnx/nvfp4_forms.py", '("zero_scale", flat == 0,', '("zero_scale", flat != flat,'),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-negative-zero-code", "an E4M3 block scale with the sign bit is no problem", [
+        ("fp4pass/onnx/nvfp4_forms.py", "(codes >= _E4M3_SIGN) & (magnitude != 0)", "(codes > 0xFF) & (magnitude != 0)"),
+    ], INPUT_TESTS),
+    Mutant("nvfp4-problems-exit-0", "inspect exits 0 on an NVFP4 ONNX model with broken scales", [
+        ("fp4pass/commands/inspect.py", 'return 1 if info.get("nvfp4", {}).get("problems") else 0', "return 0"),
+    ], INPUT_TESTS),
+    Mutant("overwrite-any-folder", "--overwrite replaces a folder without fp4pass's marker", [
+        ("fp4pass/io.py", "    if not written_by_fp4pass(target):", "    if False:"),
+    ], OVERWRITE_TESTS),
+    Mutant("overwrite-marker-through-link", "a marker that is a symlink to one elsewhere is taken", [
+        ("fp4pass/io.py", "if not stat.S_ISREG(os.lstat(marker).st_mode):", "if not stat.S_ISREG(os.stat(marker).st_mode):"),
+    ], OVERWRITE_TESTS),
+    Mutant("overwrite-without-the-flag", "an fp4pass folder is replaced without --overwrite", [
+        ("fp4pass/io.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),
+    ], OVERWRITE_TESTS),
+    Mutant("overwrite-old-removed-first", "the old folder is removed before the new one is written", [
+        ("fp4pass/io.py", "    staging = make_temp_folder(target)\n",
+         "    staging = make_temp_folder(target)\n    if replacing:\n        shutil.rmtree(target)\n"),
+    ], OVERWRITE_TESTS),
+    Mutant("overwrite-unmarked-output", "output folders get no marker", [
+        ("fp4pass/io.py", "        _write_output_marker(tmp)\n", ""),
+    ], OVERWRITE_TESTS),
+    Mutant("calibration-source-as-file", "convert --calib reports its input scales as from a SCALES.json", [
+        ("fp4pass/checkpoint/run.py", '        return scales, "calibration"', '        return scales, "SCALES.json"'),
+    ], OVERWRITE_TESTS),
     # -- formats and conversion ---------------------------------------------------------------------------
     Mutant("nibble-order", "pack and unpack put element 2i in the HIGH nibble (formats packing)", [
         ("fp4pass/formats/packing.py", "return (pairs[..., 0] & 0x0F) | ((pairs[..., 1] & 0x0F) << 4)",

@@ -280,6 +280,8 @@ def _load_scales(scales):
 
     if isinstance(scales, (str, os.PathLike)):
         return ActivationScales.load(scales), str(scales)
+    if hasattr(scales, "report_json"):  # a checkpoint calibration of this run (convert --calib), not a file
+        return scales, "calibration"
     return scales, "SCALES.json"
 
 
@@ -313,7 +315,8 @@ def _refuse_empty(found) -> None:
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
             effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
-            follow_symlinks: bool = False, before_rename=None, engine: str | None = None) -> dict:
+            follow_symlinks: bool = False, before_rename=None, engine: str | None = None,
+            overwrite: bool = False) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``engine``: "vllm", "sglang" or "trtllm": refuse (before anything is written) an output that engine's
@@ -338,7 +341,9 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     :mod:`fp4pass.checkpoint.catalog`). ``before_rename(report)``: called once everything is written (and
     checked), before ``out_dir`` is renamed into place, which is the last step: what it writes (a report
     beside the folder) is in place first, and when it fails no ``out_dir`` appears. ``src_dir`` may be a Hugging
-    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`).
+    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`). ``overwrite``: an
+    existing ``out_dir`` that fp4pass wrote (it holds :data:`fp4pass.io.OUTPUT_MARKER`) is replaced by that
+    rename, and only then removed; any other non-empty ``out_dir`` is refused.
     """
     src_dir = resolve_checkpoint(src_dir)
     fmt = format
@@ -372,7 +377,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             verdicts = _engine_verdicts(catalog, plan, fmt, exclude, with_input, engine)
             entries: list[dict] = []
             try:
-                with atomic_folder(out_dir, inputs=(src_dir,)) as tmp:
+                with atomic_folder(out_dir, inputs=(src_dir,), overwrite=overwrite) as tmp:
                     weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
                                                {"effort": effort, "threads": threads})
                     _no_undeclined_mxfp4(tmp, plan, found)
@@ -380,6 +385,8 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                     report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude,
                                      catalog, start)
                     report["engines"] = verdicts
+                    if scales_path == "calibration":  # where the input scales came from, with its figures
+                        report["input_scales"]["calibration"] = scales_obj.report_json()
                     # `fp4pass inspect` on the folder before its rename: a broken rule of the form is exit 3
                     report["validation"] = validate_own_output(tmp)
                     if check:
@@ -742,4 +749,3 @@ def summary_line(report: dict) -> str:
             f"{s['bytes_written'] / 1e6:.1f} MB, format {report['format']}" +
             (f"; {len(report['declined'])} MXFP4 weight(s) declined (--allow-partial), left in MXFP4 form"
              if report.get("declined") else ""))
-

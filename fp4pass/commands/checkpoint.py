@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from fp4pass.commands import _checkpoint_calib, _safety
+from fp4pass.commands._calibrator_flags import check_calibrator_flags
 from fp4pass.errors import UsageError
 from fp4pass.io import json_text
 
@@ -23,7 +24,8 @@ or DeepSeek-V4 form) convert into a new folder:
   fp4pass convert gpt-oss-20b -o gpt-oss-20b-nvfp4 --format modelopt --check
   fp4pass convert kimi-k3 -o kimi-k3-nvfp4 --format compressed-tensors --input-scale 1.0 --report report.json
   fp4pass convert deepseek-v4 -o deepseek-v4-nvfp4 --scales SCALES.json
-OUT_DIR must not exist or be empty; it appears only when everything is written (and checked). gpt-oss fused
+OUT_DIR must not exist or be empty (--overwrite: or a folder fp4pass wrote); it appears only when everything is
+written (and checked). gpt-oss fused
 experts have no compressed-tensors form (exit 2). --check reads the result back with compressed-tensors
 (pip install 'fp4pass[checkpoint]') and exits 1 if an expert differs from its source beyond the rules
 (identical where the exponent spread is <= 17, else no worse than plain requantization).
@@ -72,6 +74,9 @@ def add_convert_arguments(p) -> None:
     g.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
                    help="the serving engine the output is for: refuse (exit 2, nothing written) an output its "
                         "loader would not load; every engine's verdict is printed either way")
+    g.add_argument("--overwrite", action="store_true", default=None,
+                   help="replace OUT_DIR when fp4pass wrote it (it holds .fp4pass-output.json), once the new one is "
+                        "complete; any other existing folder is refused")
     add_folder_arguments(g)
     _checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
     p.epilog = (p.epilog or "") + CONVERT_EPILOG
@@ -94,6 +99,9 @@ def convert_if_folder(args) -> int | None:
     """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None otherwise."""
     _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
+        if args.overwrite:
+            raise UsageError(f"--overwrite applies to checkpoint folders; {args.model} is not one (an ONNX output "
+                             "file is replaced anyway, never an input)")
         for flag in ("format", "input_scale", "max_shard_size", "allow_partial", "follow_symlinks", "engine",
                      *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
             if getattr(args, flag, None) is not None:
@@ -103,6 +111,10 @@ def convert_if_folder(args) -> int | None:
 
 
 def _check_flags(args) -> None:
+    from fp4pass.io import check_output_folder
+
+    check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
+    check_output_folder(args.output, overwrite=bool(args.overwrite))  # before a calibration that may take hours
     for flag, default in _ONNX_ONLY.items():
         if getattr(args, flag, default) != default:
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
@@ -127,7 +139,24 @@ def _check_flags(args) -> None:
     _safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
 
 
+def refuse_nvfp4_folder(folder, follow_symlinks: bool = False) -> None:
+    """An NVFP4 checkpoint given to ``convert``: say so, with its form and scheme, and point at ``inspect``."""
+    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.checkpoint.validate import is_nvfp4_folder, validate
+
+    if not is_nvfp4_folder(folder, follow_symlinks=follow_symlinks):
+        return
+    try:
+        found = validate(folder, follow_symlinks=follow_symlinks)
+        scheme = "W4A4" if found["input_scales"] == "needed" else "W4A16"
+        what = f" ({found['form']}, {scheme})"
+    except CheckpointError:
+        what = ""
+    raise UsageError(f"{folder}: already NVFP4{what}; nothing to convert; check it with `fp4pass inspect {folder}`")
+
+
 def _convert(args) -> int:
+    refuse_nvfp4_folder(args.model, follow_symlinks=bool(args.follow_symlinks))
     _check_flags(args)
     from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
     from fp4pass.checkpoint.run import DEFAULT_SHARD_BYTES
@@ -139,6 +168,7 @@ def _convert(args) -> int:
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
                          threads=args.threads, allow_partial=bool(args.allow_partial),
                          follow_symlinks=bool(args.follow_symlinks), engine=getattr(args, "engine", None),
+                         overwrite=bool(args.overwrite),
                          before_rename=(lambda report: write_json(args.report, report)) if args.report else None)
     except CheckFailed as failed:
         if args.report:
@@ -185,6 +215,7 @@ def inspect_if_folder(args) -> int | None:
     """``fp4pass inspect CKPT_DIR [--json]`` (or a Hub model ID); None when ``args.model`` is not a folder."""
     _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
+        _safety.refuse_checkpoint_file(args.model)
         if getattr(args, "follow_symlinks", None):
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None

@@ -38,4 +38,4 @@ def run(args) -> int:
     _safety.check_model(args, args.model)
     info = inspect(args.model)
     print(json_text(info) if args.json else format_inspection(info))
-    return 0
+    return 1 if info.get("nvfp4", {}).get("problems") else 0  # NVFP4 scales that break the validator's rules

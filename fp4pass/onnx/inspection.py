@@ -169,7 +169,8 @@ def format_nvfp4(info: dict) -> list[str]:
     rows: list = [("weight", "form", "shape", "experts", "global scale")]
     for w in nv["weights"]:
         label = "alpha " if w["global_scale_is"] == "alpha" else ""
-        rows.append((w["name"], w["form"], str(w["shape"]), w["experts"] or "-", label + _scales_text(w["global_scale"])))
+        rows.append((w["name"], w["form"], str(w["shape"]), w["experts"] or "-",
+                     label + _scales_text(w["global_scale"])))
     lines += aligned(rows, right=set())
     if nv["activations"]:
         rows = [("activation", "form", "input_scale")]
