@@ -159,9 +159,10 @@ def _download(repo_id: str, revision: str | None, cache_dir: str, show_progress)
     except RepositoryNotFoundError:
         raise HubError(f"{name}: no such file or folder, and no such model on the Hugging Face Hub (or a private "
                        "one: log in with hf auth login, or set HF_TOKEN)") from None
-    except LocalEntryNotFoundError:
-        raise HubError(f"{name}: no such file or folder; the Hugging Face Hub cannot be reached and the model is "
-                       f"not in the cache ({cache_dir})") from None
+    except LocalEntryNotFoundError as exc:  # huggingface_hub's word for "unreachable, and not (all) cached"
+        partial = getattr(exc, "snapshot_path", None)
+        cached = f"its cached snapshot {partial} is incomplete" if partial else f"it is not in the cache ({cache_dir})"
+        raise HubError(f"{name}: no such file or folder; the Hugging Face Hub cannot be reached and {cached}") from None
     except HfHubHTTPError as exc:
         raise HubError(f"{name}: the Hugging Face Hub refused it ({str(exc).splitlines()[0]})") from None
     except OSError as exc:
@@ -187,6 +188,6 @@ def resolve_checkpoint(path_or_id, *, show_progress: bool | None = None):
     folder = _download(repo_id, revision, cache_dir, show_progress)
     missing = missing_files(folder)
     if missing:
-        raise _not_available(name, cache_dir, folder, missing, "the Hub repository does not hold them at its top "
-                             "level: it is not a safetensors checkpoint fp4pass reads")
+        raise _not_available(name, cache_dir, folder, missing, "the Hub did not provide them (it cannot be "
+                             "reached, or the repository holds no safetensors checkpoint at its top level)")
     return folder

@@ -310,6 +310,21 @@ def test_hub_unreachable_and_not_cached_says_so(cache, monkeypatch, capsys):
     assert code == 2 and "cannot be reached" in line and "not in the cache" in line, line
 
 
+def test_hub_unreachable_and_a_partial_snapshot_names_what_it_lacks(cache, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    add_snapshot(cache, "acme/deepseek-tiny", DEEPSEEK, COMMIT_A, skip=("model-00003-of-00003.safetensors",))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    code, err = cli(capsys, "inspect", "acme/deepseek-tiny")
+    line = one_line(err)
+    assert code == 2 and "lacks model-00003-of-00003.safetensors" in line and "cannot be reached" in line, line
+
+
 @pytest.mark.parametrize("quiet", [True, False])
 def test_quiet_hides_the_download_bars(online, tmp_path, capsys, quiet):
     from huggingface_hub.utils import are_progress_bars_disabled
