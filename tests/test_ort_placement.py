@@ -341,7 +341,10 @@ def test_cuda_diff_of_each_bundled_model_and_its_conversion_agrees_with_the_cpu(
         pytest.skip(f"fp4pass does not convert it: {exc}")
     pairs = {"itself": (path, path), "converted": (path, str(converted))}
     for what, (a, b) in pairs.items():
-        on_cpu = fp4pass.onnx.diff(a, b, provider="cpu")
+        try:
+            on_cpu = fp4pass.onnx.diff(a, b, provider="cpu")
+        except fp4pass.FP4PassError as exc:  # AMD Quark's custom ops need Quark's own library
+            pytest.skip(f"onnxruntime cannot run it on the CPU either: {exc}")
         on_cuda = fp4pass.onnx.diff(a, b, provider="cuda")
         assert on_cuda.provider == "cuda", (what, on_cuda.provider, on_cuda.placement)
         assert on_cuda.provider_options == {"use_tf32": "0"}
