@@ -136,14 +136,14 @@ def test_global_scale_of_one_over_power_of_two_block_scales(tmp_path, capsys):
     """weight_scale_2 = 1 with block scales 2^-9..2^4 (E4M3 subnormals 2^-9, 2^-8, 2^-7 included: exact): a
     lossless encoding of weights with amax 96, not a folded scale."""
     folder = _copy(MODELOPT_MOE, tmp_path)
-    module = f"{E}.3.gate_proj"
 
     def edit(t):
-        shape = t[f"{module}.weight_scale"].shape
-        powers = 2.0 ** (-9 + np.arange(int(np.prod(shape))) % 14)
-        t[f"{module}.weight_scale"] = _e4m3(powers.reshape(shape))
-        t[f"{module}.weight_scale_2"] = torch.tensor(1.0)
-        t[f"{E}.3.up_proj.weight_scale_2"] = torch.tensor(1.0)
+        for module in (f"{E}.3.gate_proj", f"{E}.3.up_proj"):  # w1 and w3 share the global scale
+            shape = t[f"{module}.weight_scale"].shape
+            powers = 2.0 ** (-9 + np.arange(int(np.prod(shape))) % 14)
+            t[f"{module}.weight_scale"] = _e4m3(powers.reshape(shape))
+            assert float(t[f"{module}.weight_scale"].float().max()) == 16.0
+            t[f"{module}.weight_scale_2"] = torch.tensor(1.0)
 
     _edit(folder, edit)
     code, result = _inspect(capsys, folder)
