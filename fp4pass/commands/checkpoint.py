@@ -220,15 +220,16 @@ def inspect_if_folder(args) -> int | None:
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None
     from fp4pass.checkpoint import format_inspection, inspect
-    from fp4pass.checkpoint.validate import format_validation, is_nvfp4_folder, validate
+    from fp4pass.checkpoint.validate import exit_status, format_validation, is_nvfp4_folder, validate
 
     follow = bool(getattr(args, "follow_symlinks", False))
     if is_nvfp4_folder(args.model, follow_symlinks=follow):  # an NVFP4 checkpoint: check it against the engines
         result = validate(args.model, engine=getattr(args, "engine", None), follow_symlinks=follow)
         print(json_text(result) if args.json else format_validation(result))
-        return 1 if result["problems"] else 0
-    if getattr(args, "engine", None):
-        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not one")
+        return exit_status(result, strict=bool(getattr(args, "strict", False)))
+    for flag in ("engine", "strict"):
+        if getattr(args, flag, None):
+            raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not one")
     info = inspect(args.model, follow_symlinks=follow)
     print(json_text(info) if args.json else format_inspection(info))
     return 0

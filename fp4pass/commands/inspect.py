@@ -23,7 +23,11 @@ def register(sub, common) -> None:
     _safety.add_allow_invalid(p)
     checkpoint.add_folder_arguments(p)  # IN a checkpoint folder
     p.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
-                   help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it")
+                   help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it "
+                        "(that it cannot load the form is then a problem, not a warning)")
+    p.add_argument("--strict", action="store_true",
+                   help="an NVFP4 checkpoint folder: exit 1 on warnings too (magnitude guesses, an engine that does "
+                        "not load the form)")
     p.set_defaults(run=run)
 
 
@@ -31,8 +35,9 @@ def run(args) -> int:
     code = checkpoint.inspect_if_folder(args)  # a safetensors checkpoint folder
     if code is not None:
         return code
-    if args.engine:
-        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not a folder")
+    for flag in ("engine", "strict"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not a folder")
     from fp4pass.onnx.inspection import format_inspection, inspect
 
     _safety.check_model(args, args.model)
