@@ -157,6 +157,12 @@ MUTANTS = [
     Mutant("overwrite-unmarked-output", "output folders get no marker", [
         ("fp4pass/io.py", "        _write_output_marker(tmp)\n", ""),
     ], OVERWRITE_TESTS),
+    Mutant("text-dropped-silently", "text past --num-samples x --seq-len is left out without a note", [
+        ("fp4pass/checkpoint/calib_data.py", "    if last_read is not None:\n", "    if False:\n"),
+    ], OVERWRITE_TESTS),
+    Mutant("text-tail-dropped-silently", "a tail too short for a sequence is left out without a note", [
+        ("fp4pass/checkpoint/calib_data.py", "    elif tail:\n", "    elif False:\n"),
+    ], OVERWRITE_TESTS),
     Mutant("calibration-source-as-file", "convert --calib reports its input scales as from a SCALES.json", [
         ("fp4pass/checkpoint/run.py", '        return scales, "calibration"', '        return scales, "SCALES.json"'),
     ], OVERWRITE_TESTS),

@@ -120,10 +120,23 @@ def test_an_onnx_output_file_is_still_replaced_without_overwrite(work, capsys):
 # -- convert CKPT --calib: where the input scales came from ----------------------------------------------------
 
 
-def test_convert_calib_reports_the_calibration_as_the_source(work, capsys):
+def _text_tokens() -> list[int]:
+    """Each row's token count, by the tokenizers package on the checkpoint's own tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(KIMI / "tokenizer.json"))
+    rows = [json.loads(line)["text"] for line in TEXT.read_text().splitlines() if line.strip()]
+    return [len(tokenizer.encode(text, add_special_tokens=False).ids) for text in rows]
+
+
+def test_convert_calib_reports_the_calibration_as_the_source(work, capsys, caplog):
     code, err = cli(capsys, "convert", KIMI, "-o", "out", "--calib", TEXT, "--seq-len", "16", "--num-samples", "2",
-                    "--report", "r.json", "--quiet")
+                    "--report", "r.json")
     assert code == 0, err
+    counts = _text_tokens()
+    assert counts[0] > 32 and len(counts) > 1  # the first row alone fills both samples: the rest is left out
+    assert (f"{TEXT}: 2 sequence(s) of --seq-len 16 (32 tokens) taken; left out: {counts[0] - 32} more tokens "
+            "of row 1 and every row after it") in caplog.text
     scales = json.loads((work / "r.json").read_text())["input_scales"]
     assert scales["source"] == "calibration" and scales["unmatched_keys"] == []
     calibration = scales["calibration"]
@@ -135,3 +148,21 @@ def test_convert_calib_reports_the_calibration_as_the_source(work, capsys):
     with safe_open(str(work / "out" / "model.safetensors"), framework="pt") as written:
         for name, row in rows.items():  # each module's input_scale is its calibration's g_amax / 2688
             assert float(written.get_tensor(f"{name}.input_scale")) == pytest.approx(row["g_amax"] / 2688, rel=1e-6)
+
+
+@pytest.mark.parametrize("seq_len, num_samples", [(48, None), (7, 1000)])
+def test_text_too_short_for_another_sequence_is_noted(caplog, seq_len, num_samples):
+    """Every row read: the tail that fills no sequence is named (and a --num-samples not reached)."""
+    import logging
+
+    from fp4pass.checkpoint.calib_data import load_batches
+
+    total = sum(_text_tokens())
+    with caplog.at_level(logging.INFO, logger="fp4pass"):
+        batches = load_batches(TEXT, KIMI, vocab_size=1 << 30, seq_len=seq_len, num_samples=num_samples)
+    rows = total // seq_len
+    assert total % seq_len, "a tail to leave out"
+    assert sum(b.input_ids.shape[0] for b in batches) == rows
+    short = f", fewer than the --num-samples {num_samples} asked" if num_samples else ""
+    assert (f"{rows} sequence(s) of --seq-len {seq_len} ({rows * seq_len} tokens) taken{short}; left out: the last "
+            f"{total % seq_len} tokens, too few for another sequence") in caplog.text

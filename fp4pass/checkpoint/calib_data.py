@@ -191,6 +191,7 @@ def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_sampl
         return None if wanted is None else (wanted - count) * per_token + CUT_SLACK
 
     rows = [_txt_row(path, chars())] if path.suffix == ".txt" else _jsonl_rows(path, chars)
+    last_read = None  # the row where the samples were complete (None: every row was read)
     for number, text in rows:
         ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
         bad = ids[(ids < 0) | (ids >= vocab_size)]
@@ -200,6 +201,7 @@ def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_sampl
         parts.append(ids if wanted is None else ids[: wanted - count])
         count += parts[-1].size
         if wanted is not None and count >= wanted:
+            last_read = (number, ids.size - parts[-1].size)
             break
     stream = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     rows_made = stream.size // seq_len
@@ -207,7 +209,22 @@ def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_sampl
         raise CalibrationDataError(f"{path}: {stream.size} tokens, fewer than one sequence of --seq-len {seq_len}")
     if num_samples is not None:
         rows_made = min(rows_made, num_samples)
+    _note_dropped(path, rows_made, seq_len, num_samples, stream.size - rows_made * seq_len, last_read)
     return stream[: rows_made * seq_len].reshape(rows_made, seq_len)
+
+
+def _note_dropped(path: Path, rows: int, seq_len: int, num_samples: int | None, tail: int,
+                  last_read: tuple[int, int] | None) -> None:
+    """A note of the text that --seq-len x --num-samples left out: past the samples (``last_read``: the row
+    that completed them and how many of its tokens were not taken), or a tail too short for a sequence."""
+    taken = f"{rows} sequence(s) of --seq-len {seq_len} ({rows * seq_len} tokens) taken"
+    if last_read is not None:
+        number, rest = last_read
+        log.info(f"note: {path}: {taken}; left out: {rest} more tokens of row {number} and every row after it "
+                 "(--num-samples x --seq-len sets how much of the text is used)")
+    elif tail:
+        short = f", fewer than the --num-samples {num_samples} asked" if num_samples and rows < num_samples else ""
+        log.info(f"note: {path}: {taken}{short}; left out: the last {tail} tokens, too few for another sequence")
 
 
 def load_batches(data, folder, vocab_size: int, *, seq_len: int | None = None, num_samples: int | None = None,
