@@ -100,3 +100,18 @@ def test_convert_calibrate_diff_keep_the_input_name(argument):
     reference = _oracle_forward(module.seq, x)
     snr = 10 * np.log10(np.sum(reference ** 2) / np.sum((expected - reference) ** 2))
     assert row.snr_db == pytest.approx(snr, abs=0.05)
+
+
+def test_export_of_a_calibrated_sequential_names_its_onnx_input_input(tmp_path):
+    """The whole front door on nn.Sequential: convert, calibrate, export (TensorRT's FP4 forms)."""
+    import onnx
+
+    seq = _sequential()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    converted, _ = fp4pass.fx.convert(torch.export.export(seq, (x,)))
+    calibrated, _ = fp4pass.fx.calibrate(converted, [(x,)])
+    fp4pass.fx.export(calibrated, (x,), tmp_path / "seq.onnx")
+    model = onnx.load(tmp_path / "seq.onnx")
+    assert [i.name for i in model.graph.input] == ["input"]
+    consumers = [node.op_type for node in model.graph.node if "input" in node.input]
+    assert consumers and all("Quantize" in op for op in consumers), consumers  # the input's FP4 quantizer
