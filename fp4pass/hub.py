@@ -177,6 +177,11 @@ def resolve_checkpoint(path_or_id, *, show_progress: bool | None = None):
     if parsed is None or os.path.lexists(path_or_id):
         return path_or_id
     repo_id, revision = parsed
+    try:
+        import huggingface_hub  # noqa: F401  (a dependency of fp4pass; an environment may still lack it)
+    except ImportError:
+        raise HubError(f"{path_or_id}: no such file or folder; as a Hugging Face Hub model ID it needs "
+                       "huggingface_hub (pip install huggingface_hub)") from None
     name, cache_dir = _name(repo_id, revision), _cache_dir()
     folder, missing = _cached(repo_id, revision, cache_dir)
     if folder is not None and not missing:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,13 @@ def test_a_snapshot_without_a_shard_of_its_index_is_refused_offline(cache, capsy
     code, err = cli(capsys, "inspect", "acme/deepseek-tiny")
     line = one_line(err)
     assert code == 2 and "lacks model-00002-of-00003.safetensors" in line and "HF_HUB_OFFLINE" in line, line
+
+
+def test_without_huggingface_hub_a_hub_id_is_exit_2_naming_the_package(cache, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as when it is not installed
+    code, err = cli(capsys, "inspect", "acme/kimi-tiny")
+    line = one_line(err)
+    assert code == 2 and "acme/kimi-tiny: no such file or folder" in line and "pip install huggingface_hub" in line
 
 
 def test_a_snapshot_without_weights_is_refused_offline(cache):
