@@ -1,8 +1,9 @@
 """Check any NVFP4 checkpoint folder (fp4pass's, ModelOpt's, llm-compressor's) against what the engines load.
 
 Only the headers and the scales are read, never the weights' codes: the scalar global and input scales in full,
-and at most :data:`BLOCK_SAMPLE_BYTES` of each block-scale tensor (evenly spread), so a 120B checkpoint is
-checked in seconds.
+and at most :data:`BLOCK_SAMPLE_BYTES` of each block-scale tensor (evenly spread, from its first byte to its last),
+so a 120B checkpoint is checked in seconds. A module whose sample would make a magnitude finding has its whole
+block-scale tensor read (and its w1/w3 partner's), so that finding rests on every block scale.
 
 Forms recognised (from the configs and the tensor names):
 
@@ -21,13 +22,19 @@ Magnitudes. With ``s_max`` the largest block scale and ``g`` the global scale re
 weight the checkpoint decodes to is ``6 x s_max x g``. A real weight's amax lies in [2^-14, 2^10]; a global
 scale stored in the other convention gives ``6 x s_max / g`` instead, which for ModelOpt's ``g = amax / 2688``
 is ~7e6 / amax (out of that range by orders of magnitude). So a scale whose stored reading is implausible while
-its reciprocal reading is plausible is a divisor stored as a multiplier (or the reverse). Activations: the
-amax ``2688 x input_scale`` must lie in [2^-12, 2^16] under the same test. A global scale of exactly 1 with
-every block scale at most 16 (448 is E4M3's top) means the global scale was folded into the E4M3 block scales:
-small blocks then fall into E4M3's subnormals (2^-9 steps) and lose up to a quarter of their value.
+its reciprocal reading is plausible is a divisor stored as a multiplier (or the reverse): an error when the
+stored reading is outside even [2^-24, 2^20], else a guess. ``s_max`` is the largest over w1 and w3 of a pair
+that shares ``g`` (the scale was made from the pair's amax), per expert where each has its own ``g``.
+Activations: the amax ``2688 x input_scale`` must lie in [2^-12, 2^16] under the same test. A global scale of
+exactly 1 over block scales at most 16 (448 is E4M3's top) some of which sit on E4M3's lossy subnormals (3, 5, 6
+or 7 x 2^-9) means the global scale was folded into the E4M3 block scales: those blocks lost up to a quarter of
+their value (power-of-two subnormals, which a lossless conversion writes, are exact and legal).
 
 Every problem names the module or tensor, the consequence and the fix; ``engines`` lists the engines it
-affects (all when absent). Exit codes of ``fp4pass inspect``: 0 no problem, 1 problems, 2 unreadable folder.
+affects (all when absent); ``severity`` is "error", or "warning" for a guess and for an engine that does not
+load a correct form (unless that engine was asked for). Each engine's verdict says what it would do
+(:data:`OUTCOMES`). Exit codes of ``fp4pass inspect`` (:func:`exit_status`): 0 no error, 1 errors (with
+``--strict``, warnings too), 2 unreadable folder.
 """
 
 from __future__ import annotations
