@@ -33,6 +33,7 @@ import fp4pass.checkpoint
 from fp4pass.checkpoint import engine
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
+from fp4pass.examples.checkpoints import build_checkpoint
 
 pytest.importorskip("compressed_tensors")
 
@@ -90,17 +91,19 @@ def build_pairs(folder: Path, family: str, seed: int = 0) -> Path:
     return write_checkpoint(folder, tensors, {"hidden_size": 64, **FAMILIES[family][1]})
 
 
-def ct_requant_sse(xs: list[np.ndarray]) -> list[float]:
+def ct_requant_sse(xs: list[np.ndarray], amax: float | None = None) -> list[float]:
     """Squared error of each of ``xs`` under compressed-tensors' own NVFP4 quantization of them all with ONE global
-    scale from their joint amax (``generate_gparam``: 448 * 6 / amax, a divisor), E4M3 block scales of 16
-    (``calculate_qparams``) and E2M1 values (``fake_quantize``), in float64 against the exact source values."""
+    scale from their joint amax, or from ``amax`` (``generate_gparam``: 448 * 6 / amax, a divisor), E4M3 block
+    scales of 16 (``calculate_qparams``) and E2M1 values (``fake_quantize``), in float64 against the exact source
+    values."""
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
     args = preset_name_to_scheme("NVFP4A16", ["Linear"]).weights
     x = torch.from_numpy(np.concatenate(xs)).float()  # MXFP4 values: exact in float32
-    divisor = generate_gparam(x.min(), x.max())
+    divisor = generate_gparam(x.min(), x.max()) if amax is None else generate_gparam(torch.tensor(-amax),
+                                                                                     torch.tensor(amax))
     blocks = x.reshape(x.shape[0], -1, 16)
     scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=divisor)
     y = fake_quantize(x, scale, zero, args, global_scale=divisor).double().numpy()
@@ -280,3 +283,90 @@ def test_a_pair_written_with_two_global_scales_fails(sources, converted, tmp_pat
     assert result["failures"] == [{"expert": f"{pair[0].rpartition('.')[0]}.w1+w3", "reason": (
         f"the pair is written with different {field}s (w1 {written!r}, w3 {2 * written!r}): engines keep w1's "
         "for both")}]
+
+
+# -- gpt-oss stacks: ModelOpt's layout has one global scale for every expert of a stack ---------------------------
+
+STACK = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A gpt-oss layer of 12 experts 5 octaves apart in turn (bases -8 + 5e mod 12), expert 1 lossy: the stack
+    spans more than 17 octaves, so its one global scale leaves the low experts far below it; converted with
+    ``--check`` by ``auto`` and by ``requant``."""
+    root = tmp_path_factory.mktemp("gpt-oss")
+    src = build_checkpoint(root / "src", "gpt-oss", layers=1, experts=EXPERTS, hidden=64, intermediate=64, seed=1,
+                           lossy_expert=(0, 1), expert_step=5)
+    outs = {m: root / m for m in ("auto", "requant")}
+    for method, out in outs.items():
+        assert fp4pass.checkpoint.convert(src, out, method=method, check=True)["check"]["passed"]
+    return src, outs
+
+
+def _stack_source(src: Path) -> list[np.ndarray]:
+    f = Folder(src)
+    blocks, e8m0 = as_bytes(f.get(f"{STACK}_blocks")), as_bytes(f.get(f"{STACK}_scales"))
+    return [mx_decode(blocks[e].reshape(blocks.shape[1], -1), e8m0[e]) for e in range(EXPERTS)]
+
+
+def _stack_written(out: Path) -> list[np.ndarray]:
+    """Each expert of the stack as written ([K/2, N] codes and [K/16, N] scales per expert, one multiplier)."""
+    f = Folder(out)
+    codes, e4m3 = as_bytes(f.get(STACK)), as_bytes(f.get(f"{STACK}_weight_scale"))
+    multiplier = float(f.get(f"{STACK}_weight_scale_2").double())
+    return [nv_decode(codes[e].T.copy(), e4m3[e].T.copy(), multiplier) for e in range(EXPERTS)]
+
+
+@pytest.mark.parametrize("method", ["auto", "requant"])
+def test_each_expert_of_a_stack_is_held_to_requantization_under_the_stacks_scale(gpt_oss, method):
+    """Both conversions pass ``--check`` (the fixture): by the oracle each expert's error is within
+    compressed-tensors' requantization of that expert under the stack's one scale (from the whole stack's amax),
+    and under ``requant`` a low expert is more than 2% above its own requantization (its own amax), the bound
+    the check once held it to."""
+    src, outs = gpt_oss
+    xs = _stack_source(src)
+    tops = [np.log2(np.abs(x).max()) for x in xs]
+    assert max(tops) - min(tops) >= 10  # the experts' ranges 10 octaves and more apart
+    amax = max(float(np.abs(x).max()) for x in xs)
+    above_own = 0
+    for x, y in zip(xs, _stack_written(outs[method])):
+        error = float(((y - x) ** 2).sum())
+        assert error <= ct_requant_sse([x], amax)[0] * 1.01
+        above_own += error > 1.02 * ct_requant_sse([x])[0]
+    assert above_own >= (method == "requant")  # expert 0, 11 octaves below the top: 4.7% above
+
+
+def test_a_stack_expert_worse_than_requantization_under_the_stacks_scale_fails_alone(gpt_oss, tmp_path):
+    """Expert 10's largest block scale halved in the ``requant`` output: by the oracle its error is then above
+    requantization under the stack's scale; the check fails it alone, as ``gate_up_proj[10]``."""
+    src, outs = gpt_oss
+    out = shutil.copytree(outs["requant"], tmp_path / "out")
+    from safetensors.torch import load_file, save_file
+
+    path = next(p for p in out.glob("*.safetensors") if f"{STACK}_weight_scale" in load_file(p))
+    tensors = load_file(path)
+    _halve_largest(tensors[f"{STACK}_weight_scale"][10].t())  # [K/16, N] as [N, K/16]: a view of the same bytes
+    save_file(tensors, path, metadata={"format": "pt"})
+    xs = _stack_source(src)
+    amax = max(float(np.abs(x).max()) for x in xs)
+    assert float(((_stack_written(out)[10] - xs[10]) ** 2).sum()) > 1.5 * ct_requant_sse([xs[10]], amax)[0]
+    result = _check(src, out, "modelopt", "requant")
+    assert [f["expert"] for f in result["failures"]] == [f"{STACK}[10]"]
+    assert result["failures"][0]["reason"].endswith("under the stack's global scale")
+
+
+def test_the_stack_amax_is_read_from_both_nibbles_of_every_byte():
+    """The stack's amax, which sets the bound's global scale, is read from the packed bytes without decoding them
+    all: equal to the oracle's max |x| where the largest magnitude sits in a high nibble (an odd element), in a
+    low one, and where the block of the largest scale holds only small values."""
+    from fp4pass.checkpoint.check import _mxfp4_amax
+
+    rng = np.random.default_rng(3)
+    for byte, top_scale in ((0xF0, 130), (0x0F, 130), (0x97, 127)):  # -6 high, -6 low, 6 low beside -0.5
+        codes = (rng.integers(0, 5, (4, 8, 16)) | (rng.integers(0, 5, (4, 8, 16)) << 4)).astype(np.uint8)
+        e8m0 = rng.integers(120, 124, (4, 8, 1)).astype(np.uint8)
+        codes[2, 5, 7], e8m0[2, 5, 0] = byte, top_scale
+        codes[1, 1, :], e8m0[1, 1, 0] = 0x11, 128  # 0.5 everywhere under the largest scale but one
+        expected = np.abs(mx_decode(codes, e8m0)).max()
+        assert _mxfp4_amax(codes, e8m0) == expected == 6.0 * 2.0 ** (top_scale - 127)

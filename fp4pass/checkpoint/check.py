@@ -22,9 +22,12 @@ A w1/w3 (gate/up) pair shares one global scale S (engines load it as one fused w
 compared as one group: sum_m ||y_m - x_m||^2 over both halves against plain requantization of both under one
 S = amax(|x_w1|, |x_w3|) / (6 * 448), summed likewise. Each half's own bound would be wrong: under the pair's S
 a w3 whose range lies far below w1's cannot reach the error of its own requantization. A pair written with two
-different global scales fails as such. The result: ``{"passed", "reader", "experts_checked",
-"experts_identical", "failures": [...], "decoded_in_float64": [...]}``; a pair's failure is named
-``<expert>.w1+w3`` (the pair's own projection names) and gives both halves' errors.
+different global scales fails as such. Each expert of a gpt-oss stack (ModelOpt's layout: one global scale for
+the whole stack) is compared alone, against its plain requantization under one S from the whole stack's amax.
+
+The result: ``{"passed", "reader", "experts_checked", "experts_identical", "failures": [...],
+"decoded_in_float64": [...]}``; a pair's failure is named ``<expert>.w1+w3`` (the pair's own projection names)
+and gives both halves' errors.
 
 Where compressed-tensors cannot hold the values (its decode runs in bf16/float32): an expert whose source
 reaches :data:`F32_HIGH` (E8M0 codes near 254: up to 6 * 2^127, past float32's largest) or holds a non-zero
@@ -106,12 +109,11 @@ def _group_amax(xs: list[np.ndarray]) -> float:
     return max(float(np.abs(x).max()) for x in xs)
 
 
-def _requant_sse_scaled(xs: list[np.ndarray]) -> float:
+def _requant_sse_scaled(xs: list[np.ndarray], top: float) -> float:
     """:func:`_requant_sse` for values of any float64 range, decoded in float64: the group is scaled by one power
     of two 2^-p into float32's range, quantized, decoded and scaled back (the error by 4^p)."""
     from fp4pass.formats import NVFP4Tensor, global_scale_from_amax
 
-    top = _group_amax(xs)
     p = int(np.floor(np.log2(top))) if top > 0 else 0
     x = np.ldexp(np.concatenate(xs), -p)
     nv = NVFP4Tensor.quantize(torch.from_numpy(x).float(), global_scale=global_scale_from_amax(np.ldexp(top, -p)))
@@ -119,13 +121,14 @@ def _requant_sse_scaled(xs: list[np.ndarray]) -> float:
     return float(((y - x) ** 2).sum()) * 4.0**p
 
 
-def _requant_sse(xs: list[np.ndarray], decode) -> float:
+def _requant_sse(xs: list[np.ndarray], decode, amax: float) -> float:
     """SSE of plain NVFP4 quantization of a group ``xs`` (members [N_m, K]) under one global scale,
-    S = amax over the group / (6 * 448) (ModelOpt's formulas), decoded by ``decode``, summed over the members."""
+    S = ``amax`` / (6 * 448) (ModelOpt's formulas; ``amax`` the group's, :func:`_group_amax`, or a whole stack's),
+    decoded by ``decode``, summed over the members."""
     from fp4pass.formats import NVFP4Tensor, global_scale_from_amax
 
     x = np.concatenate(xs)  # rows of every member: blocks never cross a row, so each member quantizes as alone
-    nv = NVFP4Tensor.quantize(torch.from_numpy(x).float(), global_scale=global_scale_from_amax(_group_amax(xs)))
+    nv = NVFP4Tensor.quantize(torch.from_numpy(x).float(), global_scale=global_scale_from_amax(amax))
     g = float(nv.global_scale.reshape(()))
     y = decode(nv.codes, nv.scales.view(torch.float8_e4m3fn), 1.0 / g)
     return float(((y - x) ** 2).sum())
@@ -158,14 +161,16 @@ def _modelopt_linear(f, module: str) -> dict:
 
 
 def _compare(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray], spread: int, reader: _Reader,
-             result: dict, owns: list) -> None:
-    """Compare one group that shares a global scale: a Linear, or a w1/w3 pair. ``names`` its modules, ``xs``
-    their source values, ``ys`` the reader's decodes of the output, ``owns`` their float64 decodes
-    (:func:`decode_nvfp4`, used where the reader cannot hold the values); ``spread`` the group's exponent spread.
-    Within the lossless spread every member must be exact; beyond it the group is held to :func:`_compare_bound`."""
+             result: dict, owns: list, stack_amax: float | None = None) -> None:
+    """Compare one group that shares a global scale: a Linear, a w1/w3 pair, or one expert of a gpt-oss stack
+    (``stack_amax``: the amax of the whole stack, whose one global scale the expert shares). ``names`` its
+    modules, ``xs`` their source values, ``ys`` the reader's decodes of the output, ``owns`` their float64 decodes
+    (:func:`decode_nvfp4`, used where the reader cannot hold the values); ``spread`` the exponent spread over
+    everything that shares the scale. Within the lossless spread every member must be exact; beyond it the group
+    is held to :func:`_compare_bound`."""
     result["experts_checked"] += len(names)
     if spread > result["exact_up_to_spread"]:
-        _compare_bound(names, xs, ys, reader, result, owns)
+        _compare_bound(names, xs, ys, reader, result, owns, stack_amax)
         return
     for name, x, y, own in zip(names, xs, ys, owns):
         why = _why_float64(x, y)
@@ -182,21 +187,24 @@ def _compare(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray], sprea
 
 
 def _compare_bound(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray], reader: _Reader, result: dict,
-                   owns: list) -> None:
+                   owns: list, stack_amax: float | None = None) -> None:
     """The group's squared error sum_m ||y_m - x_m||^2 against plain NVFP4 requantization of its members under one
     global scale taken from the group's joint amax (amax over every member / (6 * 448): the scale requantization
     would choose for the group), summed over the members likewise. A single Linear is a group of one: its own
-    amax. Where one member cannot be decoded by the reader (:func:`_why_float64`), every member is decoded in
-    float64 and the bound computed there too (only that member is listed in ``decoded_in_float64``)."""
+    amax; an expert of a gpt-oss stack is a group of one under the stack's amax (``stack_amax``). Where one member
+    cannot be decoded by the reader (:func:`_why_float64`), or the shared amax is past float32's range, every
+    member is decoded in float64 and the bound computed there too (only a member with its own reason is listed
+    in ``decoded_in_float64``)."""
+    amax = _group_amax(xs) if stack_amax is None else stack_amax
     whys = [_why_float64(x, y) for x, y in zip(xs, ys)]
-    wide = any(why is not None for why in whys)
+    wide = any(why is not None for why in whys) or amax >= F32_HIGH or 0 < amax < F32_LOW
     if wide:
         ys = [own() for own in owns]
         result["decoded_in_float64"].extend({"expert": n, "why": w} for n, w in zip(names, whys) if w is not None)
     errors = [float(((y - x) ** 2).sum()) for x, y in zip(xs, ys)]
     group = _group_name(names)
     try:
-        baseline = _requant_sse_scaled(xs) if wide else _requant_sse(xs, reader.decode)
+        baseline = _requant_sse_scaled(xs, amax) if wide else _requant_sse(xs, reader.decode, amax)
     except FP4PassError as exc:
         raise CheckpointError(f"--check: expert {group}: plain requantization of its source (the baseline) "
                               f"failed: {exc}") from None
@@ -207,7 +215,8 @@ def _compare_bound(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray],
         result["failures"].append({"expert": name, "reason": f"SSE {errors[names.index(name)]}: the output decodes "
                                                              "to values that are not finite"})
     elif sse > baseline * (1 + SLACK):
-        result["failures"].append({"expert": group, "reason": _above_bound(names, errors, baseline)})
+        result["failures"].append({"expert": group, "reason": _above_bound(names, errors, baseline,
+                                                                           stack_amax is not None)})
 
 
 def _group_name(names: list[str]) -> str:
@@ -218,7 +227,9 @@ def _group_name(names: list[str]) -> str:
     return f"{parents.pop()}." + "+".join(n.rpartition(".")[2] for n in names)
 
 
-def _above_bound(names: list[str], errors: list[float], baseline: float) -> str:
+def _above_bound(names: list[str], errors: list[float], baseline: float, in_stack: bool) -> str:
+    if in_stack:
+        return f"SSE {errors[0]:.6g} above plain requantization's {baseline:.6g} under the stack's global scale"
     if len(names) == 1:
         return f"SSE {errors[0]:.6g} above plain requantization's {baseline:.6g}"
     parts = ", ".join(f"{n.rpartition('.')[2]} {e:.6g}" for n, e in zip(names, errors))
@@ -276,11 +287,19 @@ def _check_fused(unit: FusedExperts, catalog, index, reader: _Reader, result: di
     src_scales = catalog.read(unit.scales.name).view(torch.uint8).numpy()
     spread = _held_spread(src_codes, src_scales)
     multiplier = float(f.get_tensor(f"{p}_weight_scale_2").double())
+    stack_amax = _mxfp4_amax(src_codes, src_scales)
     for e in range(unit.experts):
         packed, block = codes_t[e].t().contiguous(), scales_t[e].t().contiguous()
         y = reader.decode(packed, block, divisor)
         _compare([f"{p}[{e}]"], [decode_mxfp4(src_codes[e], src_scales[e])], [y], spread, reader, result,
-                 [lambda: decode_nvfp4(packed.numpy(), block.view(torch.uint8).numpy(), multiplier)])
+                 [lambda: decode_nvfp4(packed.numpy(), block.view(torch.uint8).numpy(), multiplier)], stack_amax)
+
+
+def _mxfp4_amax(codes: np.ndarray, scales: np.ndarray) -> float:
+    """max |x| of MXFP4 values from their packed codes [..., K/2] and E8M0 bytes [..., K/32], without decoding
+    them all: the largest E2M1 magnitude code of each block (magnitudes grow with the code) times its scale."""
+    top = np.maximum(codes & 0x07, (codes >> 4) & 0x07).reshape(*scales.shape, 16).max(-1)
+    return float((E2M1[top] * scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)).max())
 
 
 def _unequal_global_scales(files: list, modules: list[str], fmt: str) -> str | None:
