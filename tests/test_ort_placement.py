@@ -351,3 +351,18 @@ def test_cuda_diff_of_each_bundled_model_and_its_conversion_agrees_with_the_cpu(
         cpu_snr = {m.name: m.snr_db for m in on_cpu.outputs}
         for m in on_cuda.outputs:
             assert _close_in_db(cpu_snr[m.name], m.snr_db), (what, m.name, cpu_snr[m.name], m.snr_db)
+
+
+@pytest.mark.ort_cuda
+def test_diff_json_on_cuda_reports_the_options_and_the_placement(tmp_path):
+    import json
+
+    from fp4pass.cli import main
+
+    report = tmp_path / "diff.json"
+    assert main(["diff", MOE, MOE, "--provider", "cuda", "--inputs", CALIB, "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["provider"] == "cuda" and data["provider_options"] == {"use_tf32": "0"}
+    assert set(data["placement"]) == {"original", "rewritten"}
+    assert data["placement"]["original"]["weight_nodes"] >= 1
+    assert data["placement"]["original"]["weight_nodes_on_cpu"] == []
