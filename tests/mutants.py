@@ -807,6 +807,10 @@ MUTANTS = [
          "                                        f\"{_cannot_load_fix(name, cfg, data.config, modules)}\"",
          "{verdict.get('why') or 'cannot load this form'}\""),
     ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-stack-one-max", "a stack's experts judged by the stack's largest block scale, not their own", [
+        ("fp4pass/checkpoint/validate.py", "    experts = experts if experts > 1 and entry.nbytes % experts == 0 else 1\n",
+         "    experts = 1\n"),
+    ], VALIDATE_TRUST_TESTS),
     Mutant("validate-table-no-convention", "the table's global scale column does not say multiplier or divisor", [
         ("fp4pass/checkpoint/validate.py", "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
     ], VALIDATE_TRUST_TESTS),

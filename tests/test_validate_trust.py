@@ -313,3 +313,48 @@ def test_checkpoint_inspect_validates_an_nvfp4_folder():
 def test_strict_is_refused_for_an_mxfp4_folder(capsys):
     code, err = cli(capsys, "inspect", "models/checkpoints/kimi", "--strict")
     assert code == 2 and "--strict" in err
+
+
+# ---------------------------------------------------------------------------- per-expert global scales
+
+STACK = "model.layers.1.mlp.experts.down_proj"
+
+
+def _twelve_expert_stack(folder: Path, swapped: int | None = None) -> list[float]:
+    """Layer 1's down_proj stack widened to 12 experts (the fixture's 4, tiled) with one global scale per expert:
+    expert e's is the fixture's x (1 + e/10); expert 5's block scales are the fixture's x 2^-11 (largest <= 0.25)
+    under a global scale of 4 (amax <= 6); expert 1's block scales are all 0 under a global scale of 1. With
+    ``swapped``, that expert's global scale is stored as its reciprocal. Returns the scales as written."""
+    def edit(t):
+        codes, block = t[STACK], t[f"{STACK}_weight_scale"].float()
+        t[STACK] = codes.repeat(3, 1, 1)
+        block = block.repeat(3, 1, 1)
+        block[5] = block[5] * 2.0 ** -11
+        block[1] = 0.0
+        t[f"{STACK}_weight_scale"] = _e4m3(block.numpy())
+        g = float(t[f"{STACK}_weight_scale_2"])
+        scales = torch.tensor([g * (1 + e / 10) for e in range(12)], dtype=torch.float32)
+        scales[5], scales[1] = 4.0, 1.0
+        if swapped is not None:
+            scales[swapped] = 1.0 / scales[swapped]
+        t[f"{STACK}_weight_scale_2"] = scales
+        t[f"{STACK}_bias"] = t[f"{STACK}_bias"].repeat(3, 1)
+
+    _edit(folder, edit)
+    return [float(v) for v in load_file(folder / "model.safetensors")[f"{STACK}_weight_scale_2"]]
+
+
+def test_per_expert_global_scales_judged_per_expert(tmp_path):
+    """Each expert of a stack under its own global scale: expert 5 (small block scales, scale 4) and expert 1
+    (all-zero blocks, scale 1) are legal; the stack's largest block scale under expert 5's scale would not be."""
+    folder = _copy(MODELOPT_GPT_OSS, tmp_path)
+    _twelve_expert_stack(folder)
+    assert [p for p in validate(folder)["problems"] if p["kind"] != "engine_cannot_load"] == []
+
+
+def test_one_swapped_expert_scale_in_a_stack_is_named(tmp_path):
+    folder = _copy(MODELOPT_GPT_OSS, tmp_path)
+    scales = _twelve_expert_stack(folder, swapped=10)
+    [p] = [p for p in validate(folder)["problems"] if p["kind"] == "scale_convention"]
+    assert p["tensor"] == f"{STACK}_weight_scale_2" and "(expert 10 of 12)" in p["message"]
+    assert p["severity"] == "error" and f"{1.0 / scales[10]:.6g}" in p["message"]
