@@ -691,6 +691,11 @@ MUTANTS = [
         ("fp4pass/onnx/runtime.py", "        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):\n",
          "        if True:\n"),
     ], ORT_CUDA_TESTS),
+    Mutant("placement-constant-chain-ignored", "a MatMul reading a dequantized or transposed weight is not a "
+           "weight node", [
+        ("fp4pass/onnx/runtime.py", "            if any(v in weight for v in inputs):\n                weight.update(",
+         "            if False:\n                weight.update("),
+    ], ORT_CUDA_TESTS),
     Mutant("placement-memcpy-counted", "onnxruntime's own Memcpy nodes count as model nodes", [
         ("fp4pass/onnx/runtime.py", 'if node in seen or op_type.startswith("Memcpy"):', "if node in seen:"),
     ], ORT_CUDA_TESTS),

@@ -165,6 +165,30 @@ def test_weight_nodes_are_matched_by_whole_name():
     assert placement.weight_nodes_on_cpu == ["layers.1"]
 
 
+def test_a_node_reading_a_weight_through_constant_only_nodes_reads_weights():
+    """x @ Transpose(Cast(W)) and Shape(x): the Cast and Transpose of the weight (constant-only: onnxruntime may
+    fold them) and the MatMul at the end read weights; Shape, reading the activation, does not. So does a node
+    reading a large Constant node's value; a small one is not a weight."""
+    w = numpy_helper.from_array(np.ones((64, 64), np.float16), "W16")
+    nodes = [helper.make_node("Cast", ["W16"], ["w32"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Transpose", ["w32"], ["wt"], name="transpose"),
+             helper.make_node("MatMul", ["x", "wt"], ["y"], name="matmul"),
+             helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Constant", [], ["big"], name="const_big",
+                              value=numpy_helper.from_array(np.ones((32, 64), np.float32))),
+             helper.make_node("Constant", [], ["small"], name="const_small",
+                              value=numpy_helper.from_array(np.ones(64, np.float32))),
+             helper.make_node("Add", ["y", "big"], ["z"], name="add_big"),
+             helper.make_node("Add", ["z", "small"], ["out"], name="add_small")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [32, 64]),
+                               helper.make_tensor_value_info("s", TensorProto.INT64, [2])], [w])
+    model = _model_ir(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9))
+    readers, names = runtime.weight_nodes(model)
+    assert readers == {"cast", "transpose", "matmul", "add_big"}
+    assert names == {n.name for n in nodes}
+
+
 def test_nodes_onnxruntime_fused_count_as_weight_nodes_by_op_type():
     """A fusion names its node anew (MatMul + Add -> Gemm "mm_bias_fused"): no node of the graph has that name,
     so its op type decides; a renamed elementwise node does not read weights."""
@@ -204,6 +228,29 @@ def test_placement_of_a_real_profile_after_onnxruntime_fused_the_weight_node(tmp
     placement = node_placement(_profiled_cpu_run(tmp_path, optimize=True), _model_ir(_weighted_model()))
     assert placement.nodes == {"cpu": 1} and [op for _, op in placement.on_cpu] == ["FusedGemm"]
     assert placement.weight_nodes == 1 and placement.weight_nodes_on_cpu == [placement.on_cpu[0][0]]
+
+
+def test_placement_of_the_bundled_moe_lowered_as_diff_runs_it(tmp_path):
+    """The bundled MoE lowered for onnxruntime (MXFP4 DQ -> GatherBlockQuantized -> Transpose -> MatMul per
+    projection), profiled on the CPU: the two dequantizations and the two expert products (fused by onnxruntime
+    with their Transposes, under new names) read weights; the router's MatMul (a [64, 4] weight, below the
+    weight size), the activation and the routing arithmetic do not."""
+    import onnxruntime as ort
+
+    from fp4pass.onnx.loading import load
+    from fp4pass.onnx.lower import lower
+
+    lowered, _ = lower(load(MOE).model)
+    options = ort.SessionOptions()
+    runtime.profiling(options, tmp_path)
+    session, _, _ = runtime.make_session(lowered, "cpu", options=options)
+    session.run(None, {"x": np.load(CALIB)["x"][:4]})
+    placement = node_placement(runtime.end_profile(session), lowered)
+    ops = dict(placement.on_cpu)
+    assert placement.weight_nodes == 4 and len(placement.weight_nodes_on_cpu) == 4
+    assert sorted(ops[n] for n in placement.weight_nodes_on_cpu) == [
+        "FusedMatMul", "FusedMatMul", "GatherBlockQuantized", "GatherBlockQuantized"]
+    assert "router" in ops and "router" not in placement.weight_nodes_on_cpu
 
 
 def _runner(label: str, placement: Placement | None, provider: str = "cuda"):

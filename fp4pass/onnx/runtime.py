@@ -299,17 +299,43 @@ _KERNEL_SUFFIX = "_kernel_time"  # onnxruntime's profile names a node's event "<
 _SHORT = {_CUDA_EP: "cuda", _CPU_EP: "cpu"}
 
 
+def _large(tensor) -> bool:
+    return tensor is not None and tensor.size >= WEIGHT_MIN_ELEMENTS
+
+
 def weight_nodes(model: ir.Model) -> tuple[set[str], set[str]]:
-    """(names of the nodes of ``model``'s main graph that read an initializer of >= :data:`WEIGHT_MIN_ELEMENTS`
-    elements, names of all its nodes)."""
-    weights, names = set(), set()
+    """(names of the nodes of ``model``'s main graph that read weights, names of all its nodes).
+
+    A weight is an initializer (or a Constant node's value) of >= :data:`WEIGHT_MIN_ELEMENTS` elements, and
+    what constant-only nodes make of it (a dequantized, transposed, cast weight: onnxruntime may fold those
+    nodes at load, and then the node that reads their output is the one that carries the weight). A node reads
+    weights when one of its inputs is a weight: the dequantizing nodes themselves when they run, and the
+    MatMul, Gemm or MoE at the end of the chain.
+    """
+    constant: set[ir.Value] = set()
+    weight: set[ir.Value] = set()
+    readers, names = set(), set()
     for node in model.graph:
         names.add(node.name)
-        for value in node.inputs:
-            tensor = value.const_value if value is not None else None
-            if tensor is not None and tensor.size >= WEIGHT_MIN_ELEMENTS:
-                weights.add(node.name)
-    return weights, names
+        inputs = [v for v in node.inputs if v is not None]
+        for value in inputs:
+            if value.const_value is not None:
+                constant.add(value)
+                if _large(value.const_value):
+                    weight.add(value)
+        if any(v in weight for v in inputs):
+            readers.add(node.name)
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            value_attr = node.attributes.get("value")
+            big = value_attr is not None and _large(value_attr.value)
+            constant.update(node.outputs)
+            if big:
+                weight.update(node.outputs)
+        elif inputs and all(v in constant for v in inputs):
+            constant.update(node.outputs)
+            if any(v in weight for v in inputs):
+                weight.update(node.outputs)
+    return readers, names
 
 
 @dataclass
