@@ -255,3 +255,26 @@ def test_convert_of_an_nvfp4_checkpoint_says_it_is_nvfp4_already(work, capsys):
         line = one_line(err)
         assert code == 2 and f"{out}: already NVFP4 ({what}); nothing to convert" in line
         assert f"check it with `fp4pass inspect {out}`" in line and not (work / "again").exists()
+
+
+def test_inspect_and_convert_know_an_nvfp4_qmoe_model(work, capsys):
+    """onnxruntime-genai's gpt-oss (QMoE fp4) converted for onnxruntime: QMoE nvfp4, whose per-expert global
+    scales are the node's inputs 15 (fc1) and 16 (fc2), read here from the proto with onnx alone."""
+    import onnx
+
+    source = ROOT / "tests" / "fixtures" / "ortgenai_gptoss" / "model.onnx"
+    model = work / "q.onnx"
+    assert cli(capsys, "convert", source, "-o", model, "--target", "ort", "--quiet")[0] == 0
+    values = _initializers(model)
+    want = {}
+    for node in onnx.load(str(model)).graph.node:
+        if node.op_type == "QMoE":
+            for w, g in ((2, 15), (5, 16)):
+                want[node.input[w]] = [float(v) for v in values[node.input[g]].reshape(-1)]
+    code, out, err = run_cli(capsys, "inspect", model, "--json")
+    assert code == 0, err
+    info = json.loads(out)["nvfp4"]
+    assert info["forms"] == ["qmoe-nvfp4"] and info["scheme"] == "W4A16" and len(want) == 4
+    assert {w["name"]: w["global_scale"] for w in info["weights"]} == want
+    code, err = cli(capsys, "convert", model, "-o", "again.onnx", "--target", "ort")
+    assert code == 2 and "already NVFP4 (qmoe-nvfp4 form, W4A16)" in one_line(err)
