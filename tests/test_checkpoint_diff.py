@@ -53,14 +53,30 @@ def test_activation_fake_quant_equals_compressed_tensors(seed, dtype):
         assert torch.equal(ours, ct_fake_quant(x, g)), g  # compressed-tensors on the float32 input
 
 
-def test_activation_fake_quant_keeps_nan_and_zero_blocks():
+def test_e2m1_rounding_equals_ml_dtypes_on_every_tie_and_between():
+    import ml_dtypes
+
+    from fp4pass.checkpoint.nvfp4_weights import rne_e2m1_values
+
+    grid = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+    ties = (grid[1:] + grid[:-1]) / 2
+    near = np.concatenate([np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(7))])
+    v = np.concatenate([grid, ties, near, np.linspace(0, 6, 100_001, dtype=np.float32)])
+    v = np.concatenate([v, -v]).astype(np.float32)
+    want = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    got = rne_e2m1_values(torch.from_numpy(v)).numpy()
+    assert np.array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_activation_fake_quant_nan_and_zero_blocks():
     from fp4pass.checkpoint.nvfp4_weights import fake_quantize_activation
 
     x = torch.ones(2, 32)
     x[0, 3] = float("nan")
     x[1, 16:] = 0.0
     y = fake_quantize_activation(x, 6.0)  # block scale e4m3(6 * 1/6) = 1: ones stay ones
-    assert torch.isnan(y[0, 3]) and torch.isfinite(y[0, 16:]).all()
+    assert torch.isnan(y[0, :16]).all() and torch.equal(y[0, 16:], torch.ones(16))  # NaN's block only
     assert torch.equal(y[1, 16:], torch.zeros(16)) and torch.equal(y[1, :16], torch.ones(16))
     z = fake_quantize_activation(x[1:], 100.0)  # e4m3(100/6) = 16: a step of 0.16, so 1 saturates at 6 steps
     assert torch.equal(z[0, :16], torch.full((16,), 0.96))

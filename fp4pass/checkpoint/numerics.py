@@ -250,34 +250,47 @@ def _dense_paths(dense: dict, prefix: str) -> list[str]:
     return [t[len(prefix):] for t in dense if t.startswith(prefix)]
 
 
-class _NVFP4Experts:
-    """The routed loop of an NVFP4 expert stack: each expert's inputs fake-quantized (W4A4)."""
+class _ExpertRows:
+    """Each expert's input rows (the MoE input of its tokens) and outputs in one batch, for the tokens that count:
+    not padding (``valid``, flat over the batch's tokens) and, with ``limit``, among the first ``limit`` tokens
+    (the local half of an NVFP4 run on the local and end-to-end inputs together)."""
+
+    def __init__(self):
+        self.begin(None)
+
+    def begin(self, valid: torch.Tensor | None, limit: int | None = None) -> None:
+        self.valid, self.limit = valid, limit
+        self.rows: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def keep(self, rows: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:
+            counted = token_idx < self.limit
+            rows, token_idx = rows[counted], token_idx[counted]
+        return rows if self.valid is None else rows[self.valid[token_idx]]
+
+    def record(self, rel, expert, kind, rows, token_idx):
+        if kind == "gate_up":
+            self.rows[expert] = self.keep(rows, token_idx)
+        elif kind == "out":
+            self.outputs[expert] = self.keep(rows, token_idx)
+        return None
+
+
+class _NVFP4Experts(_ExpertRows):
+    """The routed loop of an NVFP4 expert stack: each expert's inputs fake-quantized (W4A4), its local rows and
+    outputs kept (an expert whose input rows equal the source's needs no second pass)."""
 
     def __init__(self, quantizer: _Quantizer, stack: str):
+        super().__init__()
         self.quantizer, self.stack = quantizer, stack
 
     def record(self, rel, expert, kind, rows, token_idx):
+        super().record(rel, expert, kind, rows, token_idx)
         if kind == "out":
             return None
         hook = self.quantizer.on_input(self.stack, expert)
         return None if hook is None else hook(kind, rows)
-
-
-class _SourceExperts:
-    """The source's routed loop, keeping each expert's non-padding input rows and output of the batch."""
-
-    def __init__(self):
-        self.valid: torch.Tensor | None = None
-        self.rows: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-
-    def record(self, rel, expert, kind, rows, token_idx):
-        keep = rows if self.valid is None else rows[self.valid[token_idx]]
-        if kind == "gate_up":
-            self.rows[expert] = keep
-        elif kind == "out":
-            self.outputs[expert] = keep
-        return None
 
 
 def _same_architecture(src: Catalog, nvfp4: Catalog) -> None:
@@ -514,41 +527,32 @@ def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, bat
             f.start(i + 1)
     src_stacks = dict(experts_modules(src_mod))
     nv_stacks = dict(experts_modules(nv_mod))
-    recorders = {rel: _SourceExperts() for rel in src_stacks if rel in nv_stacks}
+    shared = [rel for rel in src_stacks if rel in nv_stacks]
+    seen = {rel: (_ExpertRows(), _NVFP4Experts(quantizer, prefix + rel)) for rel in shared}
     undo = []
-    for rel, recorder in recorders.items():
-        src_stacks[rel].forward = _routed_forward(src_stacks[rel], rel, recorder)
-        nv_stacks[rel].forward = _routed_forward(nv_stacks[rel], rel, _NVFP4Experts(quantizer, prefix + rel))
+    for rel, (src_rows, nv_rows) in seen.items():
+        src_stacks[rel].forward = _routed_forward(src_stacks[rel], rel, src_rows)
+        nv_stacks[rel].forward = _routed_forward(nv_stacks[rel], rel, nv_rows)
         undo += [src_stacks[rel], nv_stacks[rel]]
     hooks = quantizer.install(nv_mod, prefix)
     local, e2e = _Energy(), _Energy()
     per_expert: dict[tuple, _Energy] = {}
     tokens: dict[tuple, int] = {}
-    projections = {rel: expert_projection(nv_stacks[rel]) for rel in recorders}
     try:
         for b, batch in enumerate(batches):
             valid = _valid(batch, src.device)
-            for recorder in recorders.values():
-                recorder.valid, recorder.rows, recorder.outputs = valid, {}, {}
-            args_s, kw_s = src.layer_inputs(i, batch.input_ids, batch.attention_mask)
-            args_n, kw_n = nv.layer_inputs(i, batch.input_ids, batch.attention_mask)
             h_src, h_nv = src_store.get(b), nv_store.get(b)
-            out_src = src.run_layer(src_mod, h_src, args_s, kw_s)
-            out_local = nv.run_layer(nv_mod, h_src, args_n, kw_n)
             same_input = h_nv is h_src or torch.equal(h_nv, h_src)
-            out_e2e = out_local if same_input else nv.run_layer(nv_mod, h_nv, args_n, kw_n)
+            for src_rows, nv_rows in seen.values():
+                src_rows.begin(valid)
+                nv_rows.begin(valid if same_input else _twice(valid), None if same_input else _local_tokens(batch))
+            args_s, kw_s = src.layer_inputs(i, batch.input_ids, batch.attention_mask)
+            out_src = src.run_layer(src_mod, h_src, args_s, kw_s)
+            out_local, out_e2e = _nvfp4_runs(nv, nv_mod, i, batch, h_src, None if same_input else h_nv)
             local.add(_tokens_of(out_src, batch), _tokens_of(out_local, batch))
             e2e.add(_tokens_of(out_src, batch), _tokens_of(out_e2e, batch))
-            for rel, rec in recorders.items():
-                experts = nv_stacks[rel]
-                with torch.no_grad():
-                    for e, rows in rec.rows.items():
-                        key = (rel, e)
-                        tokens[key] = tokens.get(key, 0) + rows.shape[0]
-                        if not rows.shape[0]:
-                            continue
-                        out = expert_output(experts, e, rows, projections[rel], quantizer.on_input(prefix + rel, e))
-                        per_expert.setdefault(key, _Energy()).add(rec.outputs[e], out)
+            for rel, (src_rows, nv_rows) in seen.items():
+                _compare_experts(rel, src_rows, nv_rows, nv_stacks[rel], quantizer, prefix, per_expert, tokens)
             src_store.put(b, out_src)
             nv_store.put(b, out_e2e)
             next(steps, None)
@@ -561,8 +565,53 @@ def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, bat
         for f in fetch:
             f.release(i)
         clock.lap("release")
-    counts = {rel: s.num_experts for rel, s in nv_stacks.items() if rel in recorders}
+    counts = {rel: nv_stacks[rel].num_experts for rel in shared}
     return _layer_rows(i, prefix, local, e2e, per_expert, tokens, counts)
+
+
+def _local_tokens(batch: Batch) -> int:
+    """Tokens in the batch (padding included): the first half of an NVFP4 run on two copies of it."""
+    return batch.input_ids.numel()
+
+
+def _twice(valid: torch.Tensor | None) -> torch.Tensor | None:
+    return None if valid is None else torch.cat([valid, valid])
+
+
+def _nvfp4_runs(nv: LayerRunner, module, i: int, batch: Batch, h_local: torch.Tensor, h_own: torch.Tensor | None):
+    """The NVFP4 layer's output on the source's input (local) and on its own (end to end): one run of both
+    inputs stacked along the batch (each expert's weights read once for both), or one run where they are equal
+    (``h_own`` None)."""
+    if h_own is None:
+        args, kwargs = nv.layer_inputs(i, batch.input_ids, batch.attention_mask)
+        out = nv.run_layer(module, h_local, args, kwargs)
+        return out, out
+    mask = batch.attention_mask
+    args, kwargs = nv.layer_inputs(i, torch.cat([batch.input_ids, batch.input_ids]),
+                                   None if mask is None else torch.cat([mask, mask]))
+    out = nv.run_layer(module, torch.cat([h_local, h_own]), args, kwargs)
+    rows = h_local.shape[0]
+    return out[:rows], out[rows:]
+
+
+def _compare_experts(rel: str, src_rows: _ExpertRows, nv_rows: _NVFP4Experts, experts, quantizer: _Quantizer,
+                     prefix: str, per_expert: dict, tokens: dict) -> None:
+    """Each routed expert's output on the source's rows: the NVFP4 run's own where its expert saw exactly those
+    rows (same MoE input, same routing), else the NVFP4 expert run again on them."""
+    project = None
+    with torch.no_grad():
+        for e, rows in src_rows.rows.items():
+            key = (rel, e)
+            tokens[key] = tokens.get(key, 0) + rows.shape[0]
+            if not rows.shape[0]:
+                continue
+            theirs = nv_rows.rows.get(e)
+            if theirs is not None and theirs.shape == rows.shape and torch.equal(theirs, rows):
+                out = nv_rows.outputs[e]
+            else:
+                project = project or expert_projection(experts)
+                out = expert_output(experts, e, rows, project, quantizer.on_input(prefix + rel, e))
+            per_expert.setdefault(key, _Energy()).add(src_rows.outputs[e], out)
 
 
 def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, tokens: dict, counts: dict):

@@ -35,12 +35,11 @@ import torch
 
 from fp4pass.checkpoint.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
 from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
-from fp4pass.formats.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, round_e2m1
+from fp4pass.formats.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1
 from fp4pass.formats.constants import NV_BLOCK_SIZE
-from fp4pass.formats.packing import unpack_nibbles
 
 __all__ = ["NVLinear", "NVExpertStack", "NVFP4Weights", "find_nvfp4", "decode_nvfp4", "fake_quantize_activation",
-           "MULTIPLIER", "DIVISOR"]
+           "rne_e2m1_values", "MULTIPLIER", "DIVISOR"]
 
 MULTIPLIER, DIVISOR = "multiplier", "divisor"
 _FUSED = re.compile(r"^(?P<p>.+\.experts\.(?:gate_up_proj|down_proj))_(?P<what>weight_scale_2|weight_scale|"
@@ -49,33 +48,52 @@ _GLOBAL = {"weight_scale_2": MULTIPLIER, "weight_global_scale": DIVISOR}
 _INPUT = {"input_scale": MULTIPLIER, "input_global_scale": DIVISOR}
 
 
+_BYTE_VALUES: dict = {}
+
+
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """float32 [256, 2]: the two E2M1 values of each byte, low nibble first (from :func:`decode_e2m1`)."""
+    if device not in _BYTE_VALUES:
+        byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+        _BYTE_VALUES[device] = torch.stack([decode_e2m1(byte & 0x0F), decode_e2m1(byte >> 4)], -1)
+    return _BYTE_VALUES[device]
+
+
 def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
                  convention: str) -> torch.Tensor:
     """float32 [..., K] of packed E2M1 codes uint8 [..., K/2], E4M3 block-scale bytes [..., K/16] and a float32
-    global scale broadcastable to [...] (a multiplier or a divisor, as ``convention`` says)."""
-    values = decode_e2m1(unpack_nibbles(codes))
+    global scale broadcastable to [...] (a multiplier or a divisor, as ``convention`` says): each byte looked up
+    as its two values, each block of 16 multiplied by its scale ``s * g`` (or ``s / g``) formed in float32."""
+    lead, half = codes.shape[:-1], codes.shape[-1]
+    values = torch.index_select(_byte_values(codes.device), 0, codes.reshape(-1).to(torch.int32))
     s = block_scales.view(torch.float8_e4m3fn).float()
     g = global_scale.float()
     scale = s * g if convention == MULTIPLIER else s / g
-    k = values.shape[-1]
-    return (values.reshape(*values.shape[:-1], k // NV_BLOCK_SIZE, NV_BLOCK_SIZE) * scale.unsqueeze(-1)).reshape(
-        values.shape)
+    blocks = values.reshape(*lead, half * 2 // NV_BLOCK_SIZE, NV_BLOCK_SIZE)
+    return (blocks * scale.unsqueeze(-1)).reshape(*lead, half * 2)
 
 
 def fake_quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
     """``x`` [..., K] (K a multiple of 16) quantized to NVFP4 and back, in ``x``'s dtype (module docstring's
-    formula; ``global_scale`` in compressed-tensors' convention: 1 / ModelOpt's ``input_scale``). NaN stays
-    NaN; values beyond the block's range saturate at 6 x its scale."""
+    formula; ``global_scale`` in compressed-tensors' convention: 1 / ModelOpt's ``input_scale``). A block
+    holding NaN gives NaN (its amax, so its scale, is NaN); values beyond 6 steps saturate there."""
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // NV_BLOCK_SIZE, NV_BLOCK_SIZE)
     amax = blocks.abs().amax(-1, keepdim=True)
     s = (g * (amax / E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
     step = s / g
-    finite = torch.isfinite(blocks)
-    scaled = torch.where(step > 0, blocks / step, torch.zeros_like(blocks)).clamp(-E2M1_MAX, E2M1_MAX)
-    q = round_e2m1(torch.where(finite, scaled, torch.zeros_like(scaled))) * step
-    q = torch.where(finite, q, blocks)
-    return q.reshape(x.shape).to(x.dtype)
+    q = rne_e2m1_values((blocks / step).clamp(-E2M1_MAX, E2M1_MAX)) * step
+    return q.masked_fill(step == 0, 0.0).reshape(x.shape).to(x.dtype)
+
+
+def rne_e2m1_values(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` with |v| <= 6 rounded to the nearest E2M1 value, ties to even: the grid 0, .5, 1, 1.5, 2, 3,
+    4, 6 has the step 0.5 below 2, 1 below 4 and 2 above, and ``round(a / step) * step`` with ``torch.round``
+    (halves to even) lands on an even grid point at a tie. NaN stays NaN. Equal to
+    :func:`fp4pass.formats.codecs.round_e2m1` on every input in [-6, 6] (tests)."""
+    a = v.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, v)
 
 
 def _scalar(read, entry: TensorEntry) -> torch.Tensor:
