@@ -816,6 +816,9 @@ MUTANTS = [
         ("fp4pass/checkpoint/validate.py", "    experts = experts if experts > 1 and entry.nbytes % experts == 0 else 1\n",
          "    experts = 1\n"),
     ], VALIDATE_TRUST_TESTS),
+    Mutant("validate-input-guess-certain", "an activation amax above 2^16 (an outlier) is called a swapped scale", [
+        ("fp4pass/checkpoint/validate.py", "certain = as_stored > OWN_WEIGHT_AMAX_RANGE[1]", "certain = True"),
+    ], VALIDATE_TRUST_TESTS),
     Mutant("validate-table-no-convention", "the table's global scale column does not say multiplier or divisor", [
         ("fp4pass/checkpoint/validate.py", "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
     ], VALIDATE_TRUST_TESTS),

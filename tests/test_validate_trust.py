@@ -358,3 +358,15 @@ def test_one_swapped_expert_scale_in_a_stack_is_named(tmp_path):
     [p] = [p for p in validate(folder)["problems"] if p["kind"] == "scale_convention"]
     assert p["tensor"] == f"{STACK}_weight_scale_2" and "(expert 10 of 12)" in p["message"]
     assert p["severity"] == "error" and f"{1.0 / scales[10]:.6g}" in p["message"]
+
+
+@pytest.mark.parametrize("amax,severity", [(1.0e5, "warning"), (2.0, "error")])
+def test_input_scale_magnitudes(tmp_path, amax, severity):
+    """An input scale of amax/2688 with amax 1e5 (an outlier activation; 72 read as a divisor) is a guess; the
+    reciprocal of amax 2's scale (7.2e6/2 = 3.6e6 read as stored) is an error."""
+    folder = _copy(MODELOPT_MOE, tmp_path)
+    tensor = f"{E}.2.down_proj.input_scale"
+    value = amax / AMAX_PER_SCALE if severity == "warning" else AMAX_PER_SCALE / amax
+    _edit(folder, lambda t: t.__setitem__(tensor, torch.tensor(value, dtype=torch.float32)))
+    [p] = validate(folder)["problems"]
+    assert p["kind"] == "scale_convention" and p["tensor"] == tensor and p["severity"] == severity

@@ -832,17 +832,22 @@ def _within(values: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:
 
 
 def _check_input_magnitude(mod: Module, problems: list[Problem]) -> None:
+    """The activation amax ``2688 x input_scale`` (multiplier) outside :data:`ACT_AMAX_RANGE` while the other
+    reading is inside: an error above 2^20 (what a swapped scale gives for an amax below 6.9), else a guess (a
+    model's outlier activations can pass 2^16)."""
     stored = float(mod.input_value.max())
     per = NVFP4_AMAX_PER_GLOBAL_SCALE
     as_stored = per * stored if mod.convention == "multiplier" else per / stored
     other = per / stored if mod.convention == "multiplier" else per * stored
     if not _inside(as_stored, ACT_AMAX_RANGE) and _inside(other, ACT_AMAX_RANGE):
         wrote = "a divisor" if mod.convention == "multiplier" else "a multiplier"
+        certain = as_stored > OWN_WEIGHT_AMAX_RANGE[1]
         problems.append(Problem(
             "scale_convention", f"{mod.input.name}: {stored:.6g} means an activation amax of {as_stored:.3g}, "
             f"{other:.3g} read the other way: {wrote} was stored; activations are quantized {as_stored / other:.3g}x "
-            f"off (all zeros or all clipped); fix: store its reciprocal {1.0 / stored:.6g}",
-            module=mod.name, tensor=mod.input.name))
+            f"off (all zeros or all clipped); fix: store its reciprocal {1.0 / stored:.6g}"
+            + ("" if certain else " (a guess: an activation of that amax is possible; then nothing is wrong)"),
+            module=mod.name, tensor=mod.input.name, guess=not certain, amax_as_stored=as_stored))
 
 
 def _input_name(mod: Module) -> str:
