@@ -81,6 +81,12 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     return np.asarray(value.const_value.numpy())
 
 
+def _numbers(value: ir.Value | None) -> np.ndarray | None:
+    """A constant's values as float64 (None when not a constant of numbers: a malformed model's scale)."""
+    array = _const(value)
+    return array.astype(np.float64) if array is not None and array.dtype.kind in "biuf" else None
+
+
 def _dtype(value: ir.Value | None):
     return None if value is None or value.type is None else value.dtype
 
@@ -92,7 +98,7 @@ def _attr(node: ir.Node, name: str, default):
 
 def _e4m3_codes(value: ir.Value | None) -> np.ndarray | None:
     array = _const(value)
-    return None if array is None else array.view(np.uint8)
+    return None if array is None or array.dtype.itemsize != 1 else array.view(np.uint8)
 
 
 def _scale_dq(value: ir.Value | None) -> ir.Node | None:
@@ -112,10 +118,20 @@ def _alpha(dq: ir.Node) -> np.ndarray | None:
         for user, _ in node.outputs[0].uses():
             if user.op_type == "Mul" and user.domain == "":
                 other = [v for v in user.inputs if v is not node.outputs[0]]
-                found = _const(other[0]) if other else None
+                found = _numbers(other[0]) if other else None
                 if found is not None:
                     return found
     return None
+
+
+def _shape(value: ir.Value) -> list:
+    """The dims of ``value`` for the report (a symbolic dim by its name)."""
+    return [d if isinstance(d, int) else str(d) for d in (value.shape or [])]
+
+
+def _producer(node: ir.Node | None, index: int) -> ir.Node | None:
+    value = node.inputs[index] if node is not None and len(node.inputs) > index else None
+    return value.producer() if value is not None else None
 
 
 def _experts(shape: list, global_scale: np.ndarray | None) -> int | None:
@@ -129,15 +145,15 @@ def _dq_weight(node: ir.Node) -> NVFP4Weight | None:
     scale = _scale_dq(node.inputs[1] if len(node.inputs) > 1 else None)
     if _attr(node, "block_size", 0) != NV_BLOCK_SIZE or scale is None or node.inputs[0].const_value is None:
         return None
-    g = _const(scale.inputs[1] if len(scale.inputs) > 1 else None)
+    g = _numbers(scale.inputs[1] if len(scale.inputs) > 1 else None)
     form = "dq"
     if g is not None and g.size == 1 and float(g.reshape(-1)[0]) == 1.0:
         alpha = _alpha(node)
         if alpha is not None:
             form, g = "alpha", alpha
-    shape = list(node.inputs[0].shape or [])
-    return NVFP4Weight(node.inputs[0].name, node_label(node), form, shape, _experts(shape, g),
-                       None if g is None else g.astype(np.float64), _e4m3_codes(scale.inputs[0]))
+    shape = _shape(node.inputs[0])
+    return NVFP4Weight(node.inputs[0].name, node_label(node), form, shape, _experts(shape, g), g,
+                       _e4m3_codes(scale.inputs[0]))
 
 
 def _gbq_weight(node: ir.Node) -> NVFP4Weight | None:
@@ -146,10 +162,9 @@ def _gbq_weight(node: ir.Node) -> NVFP4Weight | None:
     scale = _scale_dq(node.inputs[2])
     if _dtype(node.inputs[0]) != ir.DataType.FLOAT4E2M1 or scale is None:
         return None
-    g = _const(scale.inputs[1] if len(scale.inputs) > 1 else None)
-    shape = list(node.inputs[0].shape or [])
-    return NVFP4Weight(node.inputs[0].name, node_label(node), "gbq", shape, None,
-                       None if g is None else g.astype(np.float64), _e4m3_codes(scale.inputs[0]))
+    g = _numbers(scale.inputs[1] if len(scale.inputs) > 1 else None)
+    shape = _shape(node.inputs[0])
+    return NVFP4Weight(node.inputs[0].name, node_label(node), "gbq", shape, None, g, _e4m3_codes(scale.inputs[0]))
 
 
 def _qmoe_weights(node: ir.Node) -> list[NVFP4Weight]:
@@ -159,10 +174,10 @@ def _qmoe_weights(node: ir.Node) -> list[NVFP4Weight]:
     for wi, si, gi in QMOE_WEIGHTS.values():
         if len(node.inputs) <= si or node.inputs[wi] is None:
             continue
-        g = _const(node.inputs[gi]) if len(node.inputs) > gi else None
-        shape = list(node.inputs[wi].shape or [])
-        found.append(NVFP4Weight(node.inputs[wi].name, node_label(node), "qmoe-nvfp4", shape,
-                                 shape[0] if shape else None, None if g is None else g.astype(np.float64),
+        g = _numbers(node.inputs[gi]) if len(node.inputs) > gi else None
+        shape = _shape(node.inputs[wi])
+        experts = shape[0] if shape and isinstance(shape[0], int) else None
+        found.append(NVFP4Weight(node.inputs[wi].name, node_label(node), "qmoe-nvfp4", shape, experts, g,
                                  _e4m3_codes(node.inputs[si])))
     return found
 
@@ -172,13 +187,14 @@ def _trt_quantizer(node: ir.Node) -> ActivationQuantizer | None:
         return None
     x = node.inputs[0]
     return ActivationQuantizer(x.name if x is not None else "?", node_label(node), "trt",
-                               _const(node.inputs[1] if len(node.inputs) > 1 else None))
+                               _numbers(node.inputs[1] if len(node.inputs) > 1 else None))
 
 
 def _source_activation(value: ir.Value) -> str:
     """The activation an emulated quantizer reads: back through its ReduceMax/Abs/Reshape/Cast."""
     node = value.producer()
-    while node is not None and node.op_type in ("ReduceMax", "Abs", "Reshape", "Cast") and node.inputs:
+    while node is not None and node.op_type in ("ReduceMax", "Abs", "Reshape", "Cast") and node.inputs \
+            and node.inputs[0] is not None:
         value = node.inputs[0]
         node = value.producer()
     return value.name
@@ -188,19 +204,19 @@ def _reference_quantizer(node: ir.Node) -> ActivationQuantizer | None:
     """The emulation's ``Cast(Clip(Div(block_amax, Mul(input_scale, 6))), to=FLOAT8E4M3FN)`` (module docstring)."""
     if node.op_type != "Cast" or _attr(node, "to", None) != ir.DataType.FLOAT8E4M3FN:
         return None
-    clip = node.inputs[0].producer()
-    div = clip.inputs[0].producer() if clip is not None and clip.op_type == "Clip" else None
-    six_g = div.inputs[1].producer() if div is not None and div.op_type == "Div" else None
-    if six_g is None or six_g.op_type != "Mul":
+    clip = _producer(node, 0)
+    div = _producer(clip, 0) if clip is not None and clip.op_type == "Clip" else None
+    six_g = _producer(div, 1) if div is not None and div.op_type == "Div" else None
+    if six_g is None or six_g.op_type != "Mul" or div.inputs[0] is None:
         return None
-    consts = [_const(v) for v in six_g.inputs]
+    consts = [_numbers(v) for v in six_g.inputs]
     if len(consts) != 2 or any(c is None for c in consts):
         return None
     six = [i for i, c in enumerate(consts) if c.size == 1 and float(c.reshape(-1)[0]) == E2M1_MAX]
     if not six:
         return None
     return ActivationQuantizer(_source_activation(div.inputs[0]), node_label(node), "reference",
-                               consts[1 - six[-1]].astype(np.float64))
+                               consts[1 - six[-1]])
 
 
 def find_nvfp4(model: ir.Model) -> tuple[list[NVFP4Weight], list[ActivationQuantizer]]:
