@@ -67,7 +67,7 @@ def _bad_values(result: dict) -> list[dict]:
 
 def test_a_catastrophic_ignore_regex_is_a_bad_config_value(tmp_path, capsys):
     folder = _copy(LLMC_MOE, tmp_path)
-    _add_bf16_linear(folder, "a" * 60 + "!")
+    _add_bf16_linear(folder, "a" * 36 + "!")
     _edit_json(folder / "config.json", lambda d: d["quantization_config"]["ignore"].append("re:(a|aa)+$"))
     start = time.process_time()
     code, result, err = _inspect(capsys, folder)
@@ -79,26 +79,26 @@ def test_a_catastrophic_ignore_regex_is_a_bad_config_value(tmp_path, capsys):
 
 
 def test_the_classic_redos_regex_is_answered(tmp_path, capsys):
-    """``re:(a+)+$`` against ``aaa...a!``: no match (the module stays unexcluded), at once."""
+    """``re:(a+)+$`` against ``aaa...a!`` (seconds in ``re``): no match (the module stays unexcluded), at once."""
     folder = _copy(LLMC_MOE, tmp_path)
-    _add_bf16_linear(folder, "a" * 60 + "!")
+    _add_bf16_linear(folder, "a" * 26 + "!")
     _edit_json(folder / "config.json", lambda d: d["quantization_config"]["ignore"].append("re:(a+)+$"))
     start = time.process_time()
     code, result, _ = _inspect(capsys, folder)
     assert time.process_time() - start < 20 and code == 1
-    assert {p["module"] for p in result["problems"] if p["kind"] == "unexcluded_linear"} == {"a" * 60 + "!"}
+    assert {p["module"] for p in result["problems"] if p["kind"] == "unexcluded_linear"} == {"a" * 26 + "!"}
 
 
 def test_a_backtracking_glob_is_decided_at_once(tmp_path, capsys):
     folder = _copy(MODELOPT_MOE, tmp_path)
-    module = "model.layers.0." + "a" * 80
+    module = "model.layers.0." + "a" * 32  # SGLang's regex takes seconds on it in re
     _add_bf16_linear(folder, module)
     glob = "*a*a*a*a*a*a*a*a*a*a*ab"
     _edit_json(folder / "hf_quant_config.json", lambda d: d["quantization"]["exclude_modules"].append(glob))
     _edit_json(folder / "config.json", lambda d: d["quantization_config"]["ignore"].append(glob))
     start = time.process_time()
     code, result, _ = _inspect(capsys, folder)
-    assert time.process_time() - start < 20 and code == 1
+    assert time.process_time() - start < 8 and code == 1
     [miss] = [p for p in result["problems"] if p["kind"] == "unexcluded_linear"]
     assert miss["module"] == module and set(miss["engines"]) == {"vllm", "sglang", "trtllm"}
 

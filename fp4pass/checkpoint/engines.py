@@ -25,8 +25,8 @@ import re
 
 from fp4pass.checkpoint.patterns import BadPattern, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
 
-__all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions", "exclusions", "is_excluded", "engine_modules",
-           "vllm_module_name", "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
+__all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions", "exclusions", "is_excluded",
+           "engine_modules", "vllm_module_name", "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
 
 ENGINES = ("vllm", "sglang", "trtllm")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import regex
 
-__all__ = ["BadPattern", "Glob", "GlobIndex", "SubstringIndex", "RegexList", "dotted_runs", "entries", "has_glob",
+__all__ = ["BadPattern", "Glob", "GlobIndex", "SubstringIndex", "RegexList", "dotted_runs", "entries",
            "REGEX_CALL_SECONDS", "REGEX_BUDGET_SECONDS", "MAX_REGEXES", "MAX_REGEX_CHARS"]
 
 #: the longest one regex may take on one name, in CPU seconds (a real exclusion regex takes microseconds)
@@ -41,8 +41,6 @@ REGEX_BUDGET_SECONDS = 2.0
 #: regexes compiled per list, and characters per regex (real lists hold a handful of short ones)
 MAX_REGEXES = 10_000
 MAX_REGEX_CHARS = 10_000
-
-GLOB_CHARS = frozenset("*?[")
 
 
 class BadPattern(ValueError):
@@ -191,11 +189,6 @@ class Glob:
                 return False
             pos = found + len(seg)
         return True
-
-
-def has_glob(pattern: str) -> bool:
-    """Whether fnmatch reads ``pattern`` other than as a plain name (a ``*``, ``?`` or ``[``)."""
-    return not GLOB_CHARS.isdisjoint(pattern)
 
 
 _FIRST_SPECIAL = {True: re.compile(r"[*?\[]"), False: re.compile(r"\*")}
