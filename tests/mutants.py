@@ -501,9 +501,9 @@ MUTANTS = [
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_check_mutants.py"]),
     Mutant("check-pair-bound-per-tensor", "--check holds each half of a w1/w3 pair to its own plain requantization, "
            "not the pair to requantization under the scale it shares", [
-        ("fp4pass/checkpoint/check.py", "        _compare_bound(names, xs, ys, reader, result, owns)\n",
+        ("fp4pass/checkpoint/check.py", "        _compare_bound(names, xs, ys, reader, result, owns, stack_amax)\n",
          "        for one in zip(names, xs, ys, owns):\n"
-         "            _compare_bound([one[0]], [one[1]], [one[2]], reader, result, [one[3]])\n"),
+         "            _compare_bound([one[0]], [one[1]], [one[2]], reader, result, [one[3]], stack_amax)\n"),
     ], ["tests/test_checkpoint_check_pairs.py"]),
     Mutant("check-pair-scale-from-w1", "--check's bound for a pair takes the shared global scale from w1's amax "
            "alone", [
@@ -515,6 +515,13 @@ MUTANTS = [
     ], ["tests/test_checkpoint_check_pairs.py"]),
     Mutant("check-pair-two-global-scales-taken", "--check passes a pair written with two different global scales", [
         ("fp4pass/checkpoint/check.py", "    if all(torch.equal(w, written[0]) for w in written[1:]):", "    if True:"),
+    ], ["tests/test_checkpoint_check_pairs.py"]),
+    Mutant("check-stack-expert-own-scale", "--check holds each expert of a gpt-oss stack to requantization under "
+           "its own amax, not the stack's one global scale", [
+        ("fp4pass/checkpoint/check.py", "multiplier)], stack_amax)", "multiplier)])"),
+    ], ["tests/test_checkpoint_check_pairs.py"]),
+    Mutant("check-stack-amax-low-nibbles", "--check's stack amax reads only the low nibble of each byte", [
+        ("fp4pass/checkpoint/check.py", "np.maximum(codes & 0x07, (codes >> 4) & 0x07)", "(codes & 0x07)"),
     ], ["tests/test_checkpoint_check_pairs.py"]),
     Mutant("checkpoint-pair-input-scale-from-one-half", "gate and up keep their own calibrated input scales "
            "instead of sharing the larger", [
