@@ -48,6 +48,8 @@ CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpo
                     "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
 CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
 CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
+CKPT_RUNNER_TESTS = ["tests/test_checkpoint_runner_bugs.py"]
+CKPT_HOSTILE_TESTS = ["tests/test_checkpoint_calib_hostile.py"]
 DIFF_TESTS = ["tests/test_checkpoint_diff.py"]
 DIFF_ORACLE_TESTS = ["tests/test_checkpoint_diff_oracle.py"]
 ORT_CUDA_TESTS = ["tests/test_ort_placement.py"]
@@ -687,6 +689,66 @@ MUTANTS = [
         ("fp4pass/checkpoint/layerwise.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
          "        self.drop_cached(index)\n"),
     ], CKPT_CALIBRATE_TESTS),
+    # -- checkpoint calibration: bugs nobody planned (padded batches, many experts, gpt-oss biases, hostile configs)
+    Mutant("ckpt-runner-mask-lost", "the layer runner makes each layer's inputs without the batch's attention mask", [
+        ("fp4pass/checkpoint/layerwise.py",
+         "attention_mask=None if attention_mask is None else attention_mask.to(self.device),",
+         "attention_mask=None,"),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-runner-mask-of-an-earlier-batch", "a padded batch reuses the layer inputs (mask included) of an "
+           "earlier batch of its shape", [
+        ("fp4pass/checkpoint/layerwise.py",
+         "key = (index, tuple(input_ids.shape)) if attention_mask is None else None",
+         "key = (index, tuple(input_ids.shape))"),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-runner-mask-as-indices", "the statistics take the 0/1 mask as row indices, not as a mask", [
+        ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(dev)", "mask.reshape(-1).to(dev)"),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-runner-expert-index-one-digit", "an expert's index is read as its last digit (10 -> 0)", [
+        ("fp4pass/checkpoint/layerwise.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-runner-experts-sorted-as-text", "expert slot e gets the e-th expert in text order (0, 1, 10, 100, "
+           "101, 102, 11, 2, ...)", [
+        ("fp4pass/checkpoint/layerwise.py", "found = parts.get(e, {})",
+         "found = parts.get(sorted(parts, key=str)[e], {})"),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-runner-report-experts-as-text", "the report lists a stack's experts in text order", [
+        ("fp4pass/checkpoint/calibration.py", 'for e in range(entry.get("experts", 0)):',
+         'for e in sorted(range(entry.get("experts", 0)), key=str):'),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-runner-gpt-oss-bias-before-rounding", "gpt-oss's expert biases are added to the float32 products "
+           "before their bf16 rounding", [
+        ("fp4pass/checkpoint/calibration.py",
+         "        y = y.to(x.dtype)\n        return y + bias if bias is not None else y",
+         "        return (y + bias if bias is not None else y).to(x.dtype)"),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-partial-earlier-declines-lost", "--allow-partial: a unit failing drops the declines made before it", [
+        ("fp4pass/checkpoint/run.py", 'declined = found.declined + [{"tensor"', 'declined = [{"tensor"'),
+    ], CKPT_RUNNER_TESTS),
+    Mutant("ckpt-limits-layers-one-past-the-shards", "num_hidden_layers may name one layer more than the shards hold", [
+        ("fp4pass/checkpoint/model_limits.py", "        if layers > held:", "        if layers > held + 1:"),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-limits-top-k-one-past", "num_experts_per_tok may exceed the experts by one", [
+        ("fp4pass/checkpoint/model_limits.py", "top_k > experts[1]:", "top_k > experts[1] + 1:"),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-limits-shards-not-compared", "the model's sizes are not compared with the shards before the run", [
+        ("fp4pass/checkpoint/calibration.py", "        check_fits_shards(catalog, found, model_type, cfg)",
+         "        pass"),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-limits-attention-unchecked", "sequences whose attention cannot fit go to the allocator", [
+        ("fp4pass/checkpoint/calibration.py", "        check_attention_memory(cfg, every, dev, str(data))\n", ""),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-text-row-tokenized-whole", "a .jsonl row is tokenized whole, however few tokens are wanted", [
+        ("fp4pass/checkpoint/calib_data.py", "    if chars is None or len(text) <= chars:", "    if True:"),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-text-txt-read-whole", "a .txt is read whole, however few tokens are wanted", [
+        ("fp4pass/checkpoint/calib_data.py", "text = stream.read(-1 if chars is None else chars)",
+         "text = stream.read()"),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-text-surrogate-passed-on", "a .jsonl row is parsed by plain json (a lone surrogate reaches the "
+           "tokenizer)", [
+        ("fp4pass/checkpoint/calib_data.py", "item = strict_json(raw)", "item = json.loads(raw)"),
+    ], CKPT_HOSTILE_TESTS),
     # -- the CUDA checks' CPU parts: onnxruntime sessions, node placement, the GPU script ----------------------
     Mutant("ort-cuda-tf32-on", "CUDA sessions leave TF32 on (float32 MatMuls in 10-bit mantissas)", [
         ("fp4pass/onnx/runtime.py", 'CUDA_OPTIONS = {"use_tf32": "0"}', 'CUDA_OPTIONS = {"use_tf32": "1"}'),

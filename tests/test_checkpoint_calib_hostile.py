@@ -177,8 +177,8 @@ def test_one_huge_row_is_tokenized_only_as_far_as_the_samples_need(tmp_path, cou
     whole = tokenizer.encode(text, add_special_tokens=False).ids
     got = np.concatenate([b.input_ids.numpy() for b in batches])
     assert np.array_equal(got, np.asarray(whole[:120]).reshape(3, 40))
-    notes = [r.getMessage() for r in caplog.records if "row 1" in r.getMessage()]
-    assert len(notes) == 1 and f"only its first {120 * longest + CUT_SLACK}" in notes[0], notes
+    notes = [r.getMessage() for r in caplog.records if "characters are tokenized" in r.getMessage()]
+    assert len(notes) == 1 and f"row 1: only its first {120 * longest + CUT_SLACK}" in notes[0], notes
 
 
 def test_rows_after_a_cut_start_where_the_tokens_still_wanted_leave_off(tmp_path, counting):
