@@ -302,3 +302,25 @@ def test_right_padding_is_not_compared(clean, tmp_path):
     assert sum(tokens.values()) == 2 * 2 * sum(lengths)  # 2 layers, top-2 routing of the real tokens
     assert padded.logits["kl_mean"] == pytest.approx(single.logits["kl_mean"], rel=1e-3)
     assert padded.logits["scored_next_tokens"] == single.logits["scored_next_tokens"] == sum(lengths) - 4
+
+
+def test_hub_model_ids_diff_offline_from_the_cache(clean, tmp_path, capsys, monkeypatch):
+    """Both folders given as Hub model IDs, resolved from a Hub-layout cache with the network off: the figures of
+    the folders themselves."""
+    from test_hub import COMMIT_A, COMMIT_B, add_snapshot
+
+    folder, before = clean("kimi", "compressed-tensors")
+    cache = tmp_path / "hub-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_snapshot(cache, "acme/kimi-tiny", ROOT / "kimi", COMMIT_A)
+    add_snapshot(cache, "acme/kimi-tiny-nvfp4", folder, COMMIT_B)
+    report = tmp_path / "hub.json"
+    code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/kimi-tiny-nvfp4", "--data", TOKENS, "--batch-size", BATCH,
+                    "--json", report)
+    assert code == 0, err
+    layers = json.loads(report.read_text())["layers"]
+    assert [r["snr_db_local"] for r in layers] == [round(r["snr_db_local"], 4) for r in before.layers]
+    code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/not-cached", "--data", TOKENS)
+    assert code == 2 and "acme/not-cached" in one_line(err)

@@ -442,10 +442,14 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
          kl_max: float | None = None, follow_symlinks: bool = False, hidden_budget_bytes: int | None = None,
          show_progress: bool | None = False) -> CheckpointDiff:
     """Run ``src_dir`` and ``nvfp4_dir`` side by side on ``data`` (any form calibration takes) and measure what
-    the NVFP4 checkpoint loses (module docstring). ``device``: auto | cpu | cuda; ``hidden_budget_bytes``:
+    the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
+    (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda; ``hidden_budget_bytes``:
     hidden states kept in memory (the rest spill to a temporary folder), as in calibration. Raises
     :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models or bad data."""
+    from fp4pass.hub import resolve_checkpoint
+
     start = time.perf_counter()
+    src_dir, nvfp4_dir = resolve_checkpoint(src_dir), resolve_checkpoint(nvfp4_dir)  # folders, or Hub model IDs
     dev = default_device(device)
     with Catalog.open(src_dir, follow_symlinks) as src, Catalog.open(nvfp4_dir, follow_symlinks) as target:
         _same_architecture(src, target)

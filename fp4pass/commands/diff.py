@@ -40,8 +40,8 @@ scale are not compared with the other model's (a note names them): they differ b
 
 checkpoint folders (A: the MXFP4 or bf16 source, B: any NVFP4 checkpoint of that model, whoever wrote it):
   fp4pass diff models/checkpoints/kimi kimi-nvfp4 --data models/checkpoints/calib_tokens.npz
-  fp4pass diff gpt-oss-20b gpt-oss-20b-nvfp4 --data calib.jsonl --seq-len 512 --num-samples 64 --json d.json
-  fp4pass diff deepseek-v4 deepseek-v4-nvfp4 --data calib.npz --snr-min 15 --kl-max 0.05 --plot layers.png
+  fp4pass diff gpt-oss-20b gpt-oss-20b-nvfp4 --data calib.jsonl --seq-len 512 --num-samples 64 --json diff.json
+  fp4pass diff deepseek-v4 deepseek-v4-nvfp4 --data calib.npz --snr-min 15 --kl-max 0.05 --plot snr.png
 Both run through transformers' own modeling code, one decoder layer at a time; the NVFP4 side decodes its
 weights by its form's convention and, where input scales are stored (W4A4), quantizes every quantized
 module's input to NVFP4 as the engines do. Figures: per layer the SNR of its output fed the source's input
@@ -140,12 +140,17 @@ def _run_folders(args) -> int:
         if getattr(args, name, default) != default:
             raise UsageError(f"{_flag(name)} applies to ONNX models; {args.original} is a checkpoint folder "
                              "(give --data)")
-    if not os.path.isdir(args.rewritten):
+    if not _checkpoint(args.rewritten):
         raise UsageError(f"{args.rewritten}: not a folder; SRC_DIR {args.original} is one, so B must be the NVFP4 "
                          "checkpoint folder to compare with it")
     if args.data is None:
         raise UsageError("checkpoint folders need --data: the token ids or text to run (what calibrate --data "
                          "takes, e.g. models/checkpoints/calib_tokens.npz)")
+    from fp4pass.hub import resolve_checkpoint
+
+    progress = False if args.quiet else None
+    args.original = resolve_checkpoint(args.original, show_progress=progress)
+    args.rewritten = resolve_checkpoint(args.rewritten, show_progress=progress)
     _safety.check_files({"--json": args.json, "--plot": args.plot},
                         {"SRC_DIR": args.original, "NVFP4_DIR": args.rewritten, "--data": args.data})
     if args.plot:
@@ -174,8 +179,15 @@ def print_notes(command: str, notes, args, provider_notes=()) -> None:
             print(f"fp4pass {command}: note: {note}", file=sys.stderr)
 
 
+def _checkpoint(path: str) -> bool:
+    """A checkpoint folder, or a Hugging Face Hub model ID with no local path of that name."""
+    from fp4pass.hub import parse_hub_id
+
+    return os.path.isdir(path) or (parse_hub_id(path) is not None and not os.path.lexists(path))
+
+
 def run(args) -> int:
-    if os.path.isdir(args.original):
+    if _checkpoint(args.original):
         return _run_folders(args)
     for name in _FOLDER_ONLY:
         if getattr(args, name) is not None:
@@ -198,8 +210,7 @@ def run(args) -> int:
         snr_min=args.snr_min, seed=args.seed, shapes=shapes, past_length=args.past_length,
         show_progress=False if args.quiet else None,
     )
-    print_notes("diff", result.notes, args, result.provider_notes)
-    print(result.format_table())
+    print(result.format_table())  # the notes included, once
     if args.json:
         write_json(args.json, result.to_json())
     if args.plot:
