@@ -180,6 +180,18 @@ def test_a_correct_conversion_of_pairs_sharing_a_scale_passes_the_check(sources,
     assert above_own >= EXPERTS // 2  # every "w3 low" expert at least
 
 
+def test_the_command_passes_requant_of_a_deepseek_v4_pair_far_below_its_w1(sources, tmp_path, capsys):
+    """What was refused (exit 1, nothing written) when each tensor had its own bound: ``fp4pass convert
+    DeepSeek-V4 --method requant --check`` exits 0, writes OUT_DIR and says the check passed."""
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", sources["deepseek-v4"], "-o", out, "--format", CT, "--method",
+                           "requant", "--check", "--quiet")
+    assert code == 0, err
+    assert (f"check PASSED: {3 * EXPERTS} experts compared with their MXFP4 source, 0 identical, the rest within "
+            "plain requantization's error") in err
+    assert (out / "config.json").is_file()
+
+
 def _check(src: Path, out: Path, fmt: str, method: str = "auto") -> dict:
     from fp4pass.checkpoint.check import check_checkpoint
 
