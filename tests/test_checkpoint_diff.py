@@ -324,3 +324,61 @@ def test_hub_model_ids_diff_offline_from_the_cache(clean, tmp_path, capsys, monk
     assert [r["snr_db_local"] for r in layers] == [round(r["snr_db_local"], 4) for r in before.layers]
     code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/not-cached", "--data", TOKENS)
     assert code == 2 and "acme/not-cached" in one_line(err)
+
+
+_RANK = """
+import json, sys
+import torch.distributed as dist
+import fp4pass.checkpoint
+rank, store, src, nvfp4, data, out = int(sys.argv[1]), *sys.argv[2:7]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+result = fp4pass.checkpoint.diff(src, nvfp4, data, batch_size=4, device="cpu")
+json.dump(result.to_json(), open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(clean, tmp_path):
+    """Under torch.distributed each rank runs half the batches; after the all-reduce both report the single
+    process's figures (sums of the same energies in another order) and every expert's token count."""
+    import os
+    import subprocess
+    import sys
+
+    folder, single = clean("kimi", "compressed-tensors")
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parents[1])}
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "store"), str(ROOT / "kimi"),
+                               str(folder), str(TOKENS), str(tmp_path / f"r{r}.json")], env=env) for r in range(2)]
+    assert [p.wait(timeout=600) for p in ranks] == [0, 0]
+    want = single.to_json()
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["run"]["batches"] == 4 and got["run"]["tokens"] == 16 * 32
+        for a, b in zip(got["layers"], want["layers"]):
+            assert a["snr_db_local"] == pytest.approx(b["snr_db_local"], abs=1e-3)
+            assert a["snr_db_end_to_end"] == pytest.approx(b["snr_db_end_to_end"], abs=1e-3)
+        assert [(e["layer"], e["expert"], e["tokens"]) for e in got["experts"]] == \
+            [(e["layer"], e["expert"], e["tokens"]) for e in want["experts"]]
+        assert got["logits"]["kl_mean"] == pytest.approx(want["logits"]["kl_mean"], rel=1e-6)
+        assert got["logits"]["kl_max"] == want["logits"]["kl_max"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("kimi", "compressed-tensors"),
+                                      ("deepseek", "compressed-tensors")])
+def test_cuda_run_gives_the_cpu_figures(clean, name, fmt):
+    """On CUDA (bf16 products there, float32 products on this CPU) every figure within 0.5 dB of the CPU's."""
+    import fp4pass.checkpoint
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with a CUDA device; none here")
+    folder, cpu = clean(name, fmt)
+    gpu = fp4pass.checkpoint.diff(ROOT / name, folder, TOKENS, batch_size=BATCH, device="cuda")
+    assert gpu.run["device"].startswith("cuda")
+    for a, b in zip(gpu.layers, cpu.layers):
+        assert abs(a["snr_db_local"] - b["snr_db_local"]) < 0.5
+        assert abs(a["snr_db_end_to_end"] - b["snr_db_end_to_end"]) < 1
+    assert {(r["layer"], r["expert"]): r["tokens"] for r in gpu.experts} == \
+        {(r["layer"], r["expert"]): r["tokens"] for r in cpu.experts}
+    assert gpu.logits["kl_mean"] == pytest.approx(cpu.logits["kl_mean"], rel=0.1)

@@ -443,9 +443,10 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
          show_progress: bool | None = False) -> CheckpointDiff:
     """Run ``src_dir`` and ``nvfp4_dir`` side by side on ``data`` (any form calibration takes) and measure what
     the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
-    (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda; ``hidden_budget_bytes``:
-    hidden states kept in memory (the rest spill to a temporary folder), as in calibration. Raises
-    :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models or bad data."""
+    (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
+    ``hidden_budget_bytes``: hidden states kept in memory (the rest spill to a temporary folder), as in calibration.
+    Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models or bad data.
+    """
     from fp4pass.hub import resolve_checkpoint
 
     start = time.perf_counter()

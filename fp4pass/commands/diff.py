@@ -102,7 +102,8 @@ def register(sub, common) -> None:
     _safety.add_allow_invalid(p)
     p.add_argument("--intermediates", action="store_true", help="also compare tensors both graphs name alike")
     p.add_argument("--json", metavar="REPORT.json", help="write the result as JSON")
-    p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB", help="fail (exit 1) when an output's SNR is below DB")
+    p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB",
+                   help="fail (exit 1) when an output's SNR is below DB (folders: a layer's local SNR)")
     p.add_argument("--plot", metavar="OUT.png", type=_safety.plot_path,
                    help="per-tensor SNR and the worst output's error histogram; for folders, each layer's "
                         "SNR and its experts' spread (.png, or .pdf/.svg/...)")
