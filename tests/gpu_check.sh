@@ -12,6 +12,7 @@
 #   pytest      every test marked gpu or ort_cuda (pytest.xml)
 #   qmoe        fp4pass's QMoE nvfp4 on onnxruntime's CUDA QMoE kernel (tests/qmoe_cuda_check.py)
 #   bench       the calibrate-checkpoint bench on CUDA at gpt-oss-20b shapes (bench_calibrate.json)
+#   bench_diff  the checkpoint diff bench on CUDA (gpt-oss-20b shapes against one calibration; bench_diff.json)
 #   bench_quick the formats and fx benches on CUDA at --quick sizes (bench_quick.json)
 # $FP4PASS_GPU_CHECK_STEPS (comma-separated names, default all) runs only those steps; the whole run has
 # $FP4PASS_GPU_CHECK_SECONDS (default 450): a step that would start with under 10 s left is recorded as not run.
@@ -182,9 +183,10 @@ step qmoe 90 "$PY" tests/qmoe_cuda_check.py --json "$OUT/qmoe_cuda.json"
 # the benches on the CUDA device only (fp4pass bench --device cuda would run every one on the CPU first)
 BENCH='import json, sys, torch
 from fp4pass.bench import format_row
-import fp4pass.bench.calibrate_checkpoint, fp4pass.bench.formats, fp4pass.bench.fx
+import fp4pass.bench.calibrate_checkpoint, fp4pass.bench.diff_checkpoint, fp4pass.bench.formats, fp4pass.bench.fx
 quick = sys.argv[2] == "quick"
-modules = ([fp4pass.bench.formats, fp4pass.bench.fx] if quick else [fp4pass.bench.calibrate_checkpoint])
+modules = {"quick": [fp4pass.bench.formats, fp4pass.bench.fx], "full": [fp4pass.bench.calibrate_checkpoint],
+           "diff": [fp4pass.bench.diff_checkpoint]}[sys.argv[2]]
 assert torch.cuda.is_available(), "no CUDA device: the CUDA benches cannot run here"
 results = []
 for module in modules:
@@ -195,6 +197,7 @@ for module in modules:
             results.append(result.to_json())
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, open(sys.argv[1], "w"), indent=1)'
 step bench 150 "$PY" -c "$BENCH" "$OUT/bench_calibrate.json" full
+step bench_diff 90 "$PY" -c "$BENCH" "$OUT/bench_diff.json" diff
 step bench_quick 45 "$PY" -c "$BENCH" "$OUT/bench_quick.json" quick
 
 summarize
