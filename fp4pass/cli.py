@@ -359,8 +359,8 @@ def _main(parser, args) -> int:
     logging.getLogger().setLevel(libraries)
     logging.getLogger("fp4pass").setLevel(own)
     stdout, stderr = sys.stdout, sys.stderr
-    if args.quiet:  # after logging took its stream: fp4pass's logger is at WARNING already
-        sys.stderr = _WarningsOnly(stderr)
+    if args.quiet and not args.debug:  # after logging took its stream (fp4pass's logger is at WARNING already);
+        sys.stderr = _WarningsOnly(stderr)  # --debug's tracebacks stay whole
     shown = _WarningsOnly(stdout, keep_all=getattr(args, "json", None) is True) if args.quiet else stdout
     sys.stdout = guard = _QuietPipe(shown)
     try:

@@ -153,3 +153,9 @@ def test_quiet_says_what_it_means_in_every_commands_help(capsys, command):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--quiet warnings and errors only, on every command" in text
+
+
+def test_quiet_with_debug_keeps_the_whole_traceback(work, capsys):
+    code, err = cli(capsys, "convert", MOE, "-o", "x.onnx", "--snr-min", "3", "--quiet", "--debug")
+    assert code == 2 and err.startswith("Traceback (most recent call last):")
+    assert 'File "' in err and err.strip().splitlines()[-1].endswith("--snr-min applies to --check; add --check")
