@@ -92,9 +92,19 @@ def resolve_architecture(config: dict, folder, tensors=None) -> tuple[str, objec
                                                            "transformers_version")}
     try:
         cfg = CONFIG_MAPPING[chosen](**fields)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, _config_validation_error()) as exc:
         raise CheckpointError(f"{folder}/config.json: transformers' {chosen} config refuses it ({exc})") from None
     return chosen, cfg
+
+
+def _config_validation_error() -> type[Exception]:
+    """The error transformers' strict config classes raise for a field of the wrong type or value
+    (huggingface_hub's ``StrictDataclassError``, no TypeError or ValueError); TypeError where there is none."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return TypeError
+    return StrictDataclassError
 
 
 def build_skeleton(model_type: str, cfg, dtype=torch.bfloat16):

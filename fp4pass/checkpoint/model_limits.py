@@ -6,13 +6,15 @@ builds, and so the memory the layer runner allocates. Each rule is exit 2 naming
 1. :func:`check_config_fields`, on config.json's own values (before transformers reads them: a gpt-oss config
    of ``num_hidden_layers`` 10^9 makes a list of 10^9 layer types): every count in :data:`COUNT_FIELDS` that
    is given is a whole number >= 1; ``num_attention_heads`` a multiple of ``num_key_value_heads``; the experts
-   a token is routed to (:data:`TOP_K_FIELDS`) at most the experts there are; ``hidden_act`` an activation
+   a token is routed to (:data:`TOP_K_FIELDS`) at most the experts there are (and, routed by groups, at most
+   those of the ``topk_group`` groups it picks of ``n_group``); ``hidden_act`` an activation
    transformers has; with the shards' tensor names, ``num_hidden_layers`` at most the decoder layers they hold
    (the largest ``layers.<i>`` index + 1; every tensor counted when no name has one).
 2. :func:`check_fits_shards`, on the model transformers builds from it (on the meta device: no memory): every
    tensor the layer runner fills has a source in the shards holding at least as many elements. A lie about a
    size (``vocab_size``, ``hidden_size``, ``intermediate_size``, an expert count) makes some tensor larger than
-   what the shards hold for it; the field whose value gives the differing dimension is named.
+   what the shards hold for it; the field whose value gives the differing dimension is named. A model that
+   transformers cannot even build from it (a size past what a tensor can hold) names its largest counts.
 3. :func:`check_attention_memory`, on the calibration batches: eager attention holds a score per (row, head,
    query, key), ``B x heads x T x T`` of them, at :data:`ATTENTION_BYTES_PER_SCORE` bytes (the scores in bf16,
    their float32 softmax, its bf16 copy); more than the device has available is refused, saying which
@@ -38,7 +40,8 @@ COUNT_FIELDS = {"num_hidden_layers": "decoder layers", "num_attention_heads": "a
                 "vocab_size": "vocabulary entries", "intermediate_size": "MLP features",
                 "moe_intermediate_size": "expert features", "head_dim": "features per head",
                 "num_experts_per_tok": "experts per token", "experts_per_token": "experts per token",
-                "n_routed_experts": "experts", "num_local_experts": "experts", "num_experts": "experts"}
+                "n_routed_experts": "experts", "num_local_experts": "experts", "num_experts": "experts",
+                "n_group": "expert groups", "topk_group": "expert groups per token"}
 #: the experts of a MoE layer (the first given), and the experts each token is routed to
 EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token")
@@ -71,6 +74,8 @@ def check_config_fields(config: dict, where: str, tensors=None) -> None:
         if experts is not None and top_k is not None and top_k > experts[1]:
             raise CheckpointError(f"{where}: {name} {top_k} is more than the {experts[1]} experts ({experts[0]}) a "
                                   "token can be routed to")
+    if experts is not None:
+        _check_groups(config, where, *experts)
     _check_activation(config, where)
     layers = config.get("num_hidden_layers")
     if tensors is not None and layers is not None:
@@ -78,6 +83,25 @@ def check_config_fields(config: dict, where: str, tensors=None) -> None:
         if layers > held:
             raise CheckpointError(f"{where}: num_hidden_layers {layers}, but the shards hold {held} decoder "
                                   "layer(s): config.json does not describe these shards")
+
+
+def _check_groups(config: dict, where: str, field: str, experts: int) -> None:
+    """DeepSeek's grouped routing: the experts split into ``n_group`` equal groups, a token picks ``topk_group``
+    of them and its ``num_experts_per_tok`` experts among theirs."""
+    groups, picked = config.get("n_group"), config.get("topk_group")
+    if groups is None:
+        return
+    if experts % groups:
+        raise CheckpointError(f"{where}: {field} {experts} does not split into n_group {groups} equal groups")
+    if picked is None:
+        return
+    if picked > groups:
+        raise CheckpointError(f"{where}: topk_group {picked} is more than the n_group {groups} groups")
+    top_k = config.get("num_experts_per_tok")
+    reachable = picked * (experts // groups)
+    if top_k is not None and top_k > reachable:
+        raise CheckpointError(f"{where}: num_experts_per_tok {top_k} is more than the {reachable} experts of the "
+                              f"topk_group {picked} groups a token picks ({experts} experts in n_group {groups})")
 
 
 def layers_held(tensors) -> int:
@@ -139,15 +163,26 @@ def _fields_behind(dims: list[int], config: dict) -> list[str]:
     return [k for k, v in counts.items() if any(d % v == 0 and d // v in values and v >= d // v for d in dims)]
 
 
+def _largest_counts(config: dict, many: int = 3) -> str:
+    counts = sorted(((v, k) for k, v in config.items() if _is_count(v)), reverse=True)[:many]
+    return ", ".join(f"{k} {v}" for v, k in counts) or "none"
+
+
 def check_fits_shards(catalog, found, model_type: str, cfg) -> None:
     """Rule 2 of the module docstring: the decoder transformers builds from ``cfg`` (on the meta device) against
     the shards of ``catalog`` (``found``: its detected MXFP4 units), tensor by tensor, as the layer runner will
     fill it (:class:`~fp4pass.checkpoint.layerwise.WeightSources`)."""
     from fp4pass.checkpoint.layerwise import WeightSources, build_skeleton
 
-    _, base = build_skeleton(model_type, cfg)
-    sources = WeightSources.build(catalog, found, model_type)
     where = f"{catalog.folder}/config.json"
+    try:
+        _, base = build_skeleton(model_type, cfg)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, TypeError, OverflowError, ZeroDivisionError, KeyError, IndexError) as exc:
+        raise CheckpointError(f"{where}: transformers cannot build the {model_type} model it describes ({exc}); "
+                              f"its largest counts: {_largest_counts(catalog.config)}") from None
+    sources = WeightSources.build(catalog, found, model_type)
     for key, tensor in base.state_dict(keep_vars=True).items():
         held = _held(catalog, sources, key)
         if held is None:
