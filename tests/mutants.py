@@ -735,6 +735,13 @@ MUTANTS = [
         ("fp4pass/checkpoint/calibration.py", "        check_fits_shards(catalog, found, model_type, cfg)",
          "        pass"),
     ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-limits-blames-every-factor", "a size that does not fit blames every field whose value divides it "
+           "by another field's, beside the one that lies", [
+        ("fp4pass/checkpoint/model_limits.py", "    if alone:\n        return alone\n", ""),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-limits-groups-unchecked", "DeepSeek's expert groups (n_group, topk_group) go unchecked", [
+        ("fp4pass/checkpoint/model_limits.py", "        _check_groups(config, where, *experts)\n", "        pass\n"),
+    ], CKPT_HOSTILE_TESTS),
     Mutant("ckpt-limits-attention-unchecked", "sequences whose attention cannot fit go to the allocator", [
         ("fp4pass/checkpoint/calibration.py", "        check_attention_memory(cfg, every, dev, str(data))\n", ""),
     ], CKPT_HOSTILE_TESTS),
