@@ -115,18 +115,20 @@ def padded_rows() -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-@pytest.mark.parametrize("family", ["kimi", "gpt_oss"])
-def test_left_and_middle_padding_match_the_whole_model_forward_with_the_mask(tmp_path, family):
-    """Two batches of the same shape [2, 32] with different masks (left padding, then middle padding): every
-    expert's token count and amax, and the dense MXFP4 input, equal hooks on transformers' forward given each
-    batch's own mask; a run that lost a mask, reused the first batch's, or took the mask as indices differs."""
+@pytest.mark.parametrize("family,rows", [("kimi", slice(0, 4)), ("gpt_oss", slice(0, 4)), ("kimi", slice(0, 2)),
+                                         ("kimi", slice(2, 4))], ids=["kimi", "gpt_oss", "kimi-left", "kimi-middle"])
+def test_left_and_middle_padding_match_the_whole_model_forward_with_the_mask(tmp_path, family, rows):
+    """Two batches of the same shape [2, 32] with different masks (left padding, then middle padding), or one
+    of them alone: every expert's token count and amax, and the dense MXFP4 input, equal hooks on transformers'
+    forward given each batch's own mask; a run that lost a mask, reused the first batch's, or took the mask as
+    indices differs."""
     import fp4pass.checkpoint
 
-    ids, mask = padded_rows()
+    ids, mask = (a[rows] for a in padded_rows())
     data = tmp_path / "padded.npz"
     np.savez(data, input_ids=ids, attention_mask=mask)
     scales = fp4pass.checkpoint.calibrate(ROOT / family, data, batch_size=2, device="cpu")
-    batches = [(torch.from_numpy(ids[i:i + 2]), torch.from_numpy(mask[i:i + 2])) for i in (0, 2)]
+    batches = [(torch.from_numpy(ids[i:i + 2]), torch.from_numpy(mask[i:i + 2])) for i in range(0, len(ids), 2)]
     (tmp_path / "oracle").mkdir()
     dense, dense_name = DENSE[family]
     expected = masked_oracle(ROOT / family, MODEL_TYPES[family], dense, tmp_path / "oracle", batches)
