@@ -138,18 +138,30 @@ def _source_shape(catalog, source) -> list[int]:
 
 
 def _held(catalog, sources, key: str):
-    """(elements, shape, source name) the shards hold for model tensor ``key``; None when they hold none."""
+    """(elements, shape, source name) the shards hold for model tensor ``key``; None when they hold none. An
+    expert stack of per-expert weights: [experts, rows of one expert's parts (gate + up), columns]."""
     if key in sources.experts:
-        parts = sources.experts[key]
-        shapes = [_source_shape(catalog, s) for expert in parts.values() for s in expert.values()]
-        first = next(s for expert in parts.values() for s in expert.values())
-        rows = sum(_source_shape(catalog, s)[0] for s in next(iter(parts.values())).values())
-        return sum(map(_elements, shapes)), [len(parts), rows, shapes[0][-1]], first.name
+        experts = list(sources.experts[key].values())
+        parts = [s for expert in experts for s in expert.values()]
+        one = [_source_shape(catalog, s) for s in experts[0].values()]
+        shape = [len(experts), sum(rows for rows, *_ in one), one[0][-1]]
+        return sum(_elements(_source_shape(catalog, s)) for s in parts), shape, parts[0].name
     source = sources.plain.get(key)
     if source is None:
         return None
     shape = _source_shape(catalog, source)
     return _elements(shape), shape, source.name
+
+
+def _differing(wanted: list[int], held: list[int]) -> list[int]:
+    """The dimensions of ``wanted`` that ``held`` lacks (as multisets)."""
+    rest, out = list(held), []
+    for d in wanted:
+        if d in rest:
+            rest.remove(d)
+        else:
+            out.append(d)
+    return out
 
 
 def _fields_behind(dims: list[int], config: dict) -> list[str]:
@@ -191,14 +203,7 @@ def check_fits_shards(catalog, found, model_type: str, cfg) -> None:
         elements, shape, name = held
         if tensor.numel() > elements:
             wanted = list(tensor.shape)
-            rest = list(shape)
-            differing = []
-            for d in wanted:
-                if d in rest:
-                    rest.remove(d)
-                else:
-                    differing.append(d)
-            fields = _fields_behind(differing, catalog.config)
+            fields = _fields_behind(_differing(wanted, shape), catalog.config)
             blame = ", ".join(f"{f} {catalog.config[f]}" for f in fields) if fields else "its sizes"
             raise CheckpointError(f"{where}: {blame}: the model it describes needs {key} {wanted} "
                                   f"({tensor.numel()} values), but the shards hold {shape} for it ({name}): "
