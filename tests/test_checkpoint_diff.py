@@ -6,6 +6,7 @@ against an independent forward: tests/test_checkpoint_diff_oracle.py.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,23 @@ def test_activation_fake_quant_nan_and_zero_blocks():
     assert torch.equal(y[1, 16:], torch.zeros(16)) and torch.equal(y[1, :16], torch.ones(16))
     z = fake_quantize_activation(x[1:], 100.0)  # e4m3(100/6) = 16: a step of 0.16, so 1 saturates at 6 steps
     assert torch.equal(z[0, :16], torch.full((16,), 0.96))
+
+
+def test_logit_figures_of_known_distributions():
+    """KL(source || nvfp4) in nats, not the reverse; top-1 agreement; perplexity of the scored next tokens."""
+    from fp4pass.checkpoint.numerics import _LogitStats
+
+    src = torch.log(torch.tensor([[0.5, 0.5], [0.8, 0.2]]))
+    nv = torch.log(torch.tensor([[0.9, 0.1], [0.3, 0.7]]))
+    stats = _LogitStats()
+    stats.add(src, nv, torch.tensor([1, -1]))
+    got = stats.to_json()
+    kl = [0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1),  # 0.511; KL(nvfp4 || source) would be 0.368
+          0.8 * math.log(0.8 / 0.3) + 0.2 * math.log(0.2 / 0.7)]  # 0.534; the reverse 0.583
+    assert got["kl_mean"] == pytest.approx(sum(kl) / 2, rel=1e-5) and got["kl_max"] == pytest.approx(kl[1], rel=1e-5)
+    assert got["top1_agreement"] == 0.5  # both pick token 0 in row 1 (the tie goes to the first); not in row 2
+    assert got["ppl_source"] == pytest.approx(2.0) and got["ppl_nvfp4"] == pytest.approx(10.0)
+    assert got["scored_next_tokens"] == 1
 
 
 # -- planted defects, each named at its layer and expert -----------------------------------------------------------
