@@ -752,6 +752,12 @@ MUTANTS = [
         ("fp4pass/checkpoint/calib_data.py", "text = stream.read(-1 if chars is None else chars)",
          "text = stream.read()"),
     ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-text-row-limit-one-short", "a .jsonl row of exactly the row limit is refused", [
+        ("fp4pass/checkpoint/calib_data.py", "if len(raw) > ROW_LIMIT:", "if len(raw) >= ROW_LIMIT:"),
+    ], CKPT_HOSTILE_TESTS),
+    Mutant("ckpt-text-txt-limit-ignored", "a .txt past the text limit is read whole without --num-samples", [
+        ("fp4pass/checkpoint/calib_data.py", "if chars is None and info.st_size > TEXT_LIMIT:", "if False:"),
+    ], CKPT_HOSTILE_TESTS),
     Mutant("ckpt-text-surrogate-passed-on", "a .jsonl row is parsed by plain json (a lone surrogate reaches the "
            "tokenizer)", [
         ("fp4pass/checkpoint/calib_data.py", "item = strict_json(raw)", "item = json.loads(raw)"),

@@ -289,3 +289,33 @@ def test_the_seq_len_named_then_runs(tmp_path, capsys, monkeypatch):
                     "--device", "cpu", "--seq-len", "25")
     assert code == 0, err
     assert json.loads((tmp_path / "s.json").read_text())["tensors"]
+
+
+def test_a_jsonl_row_past_the_row_limit_and_a_txt_past_the_text_limit(tmp_path, monkeypatch):
+    """A .jsonl row is read whole (one JSON object): a row of more than ROW_LIMIT bytes is refused naming it, one
+    of exactly ROW_LIMIT bytes (newline included) is read. A .txt is read whole only without --num-samples: past
+    TEXT_LIMIT bytes that is refused naming --num-samples, and with --num-samples it is read as far as needed."""
+    from fp4pass.calib.runner import CalibrationDataError
+    from fp4pass.checkpoint import calib_data
+
+    monkeypatch.setattr(calib_data, "ROW_LIMIT", 64)
+    monkeypatch.setattr(calib_data, "TEXT_LIMIT", 100)
+    fits = json.dumps({"text": "a" * (63 - len(json.dumps({"text": ""})))}) + "\n"
+    assert len(fits) == 64
+    data = tmp_path / "d.jsonl"
+    data.write_text(fits + json.dumps({"text": "b" * 60}) + "\n")
+    assert calib_data.load_batches(data, ROOT / "gpt_oss", 32, seq_len=4, num_samples=1)[0].input_ids.shape == (1, 4)
+    with pytest.raises(CalibrationDataError) as info:
+        calib_data.load_batches(data, ROOT / "gpt_oss", 32, seq_len=4)
+    assert str(info.value) == (f"{data}: row 2 is longer than 64 bytes (one JSON object is parsed whole: split the "
+                               "text into rows)")
+    text = tmp_path / "d.txt"
+    text.write_text("the model " * 11)
+    with pytest.raises(CalibrationDataError) as info:
+        calib_data.load_batches(text, ROOT / "gpt_oss", 32, seq_len=4)
+    assert str(info.value) == f"{text}: 110 bytes, more than the 100 read whole; give --num-samples (only what its " \
+                              "samples need is read)"
+    assert calib_data.load_batches(text, ROOT / "gpt_oss", 32, seq_len=4, num_samples=2)[0].input_ids.shape == (2, 4)
+    text.write_text("the model " * 10)
+    whole = calib_data.load_batches(text, ROOT / "gpt_oss", 32, seq_len=4, batch_size=100)
+    assert whole[0].input_ids.shape == (25, 4)  # 100 bytes: read whole (the bundled tokenizer spells letters)

@@ -42,6 +42,9 @@ DEFAULT_BATCH_SIZE = 8
 TEXT_SUFFIXES = (".jsonl", ".txt")
 #: characters read past what the wanted tokens can cover, so that a cut row's changed last tokens are not taken
 CUT_SLACK = 1024
+#: the longest .jsonl row read (its JSON object is parsed whole), and the largest .txt read whole (no --num-samples)
+ROW_LIMIT = 256 << 20
+TEXT_LIMIT = 1 << 30
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,10 @@ def _jsonl_rows(path: Path, chars: Callable[[], int | None]) -> Iterator[tuple[i
     fd, info = open_regular(path, CalibrationDataError)
     offset = 0
     with os.fdopen(fd, "rb") as stream:
-        for number, raw in enumerate(stream, 1):
+        for number, raw in enumerate(iter(lambda: stream.readline(ROW_LIMIT + 1), b""), 1):
+            if len(raw) > ROW_LIMIT:
+                raise CalibrationDataError(f"{path}: row {number} is longer than {ROW_LIMIT} bytes (one JSON object "
+                                           "is parsed whole: split the text into rows)")
             offset += len(raw)
             if offset > info.st_size:
                 raise CalibrationDataError(f"{path}: holds more than the {info.st_size} bytes its size says (it "
@@ -136,7 +142,11 @@ def _jsonl_rows(path: Path, chars: Callable[[], int | None]) -> Iterator[tuple[i
 
 def _txt_row(path: Path, chars: int | None) -> tuple[int, str]:
     """(1, the text of a .txt), at most ``chars`` characters of it read (None: all)."""
-    fd, _ = open_regular(path, CalibrationDataError)
+    fd, info = open_regular(path, CalibrationDataError)
+    if chars is None and info.st_size > TEXT_LIMIT:
+        os.close(fd)
+        raise CalibrationDataError(f"{path}: {info.st_size} bytes, more than the {TEXT_LIMIT} read whole; give "
+                                   "--num-samples (only what its samples need is read)")
     with os.fdopen(fd, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as stream:
         try:
             text = stream.read(-1 if chars is None else chars)
