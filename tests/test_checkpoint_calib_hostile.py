@@ -123,9 +123,9 @@ def test_the_layer_bound_counts_tensors_where_no_name_has_a_layer_index():
 # -- text ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("suffix", [".jsonl"])
-def test_a_lone_surrogate_is_refused_naming_its_row(tmp_path, capsys, no_runner, suffix):
-    data = tmp_path / f"d{suffix}"
+def test_a_lone_surrogate_is_refused_naming_its_row(tmp_path, capsys, no_runner):
+    """A JSON escape ``\\ud800`` makes a str that is no Unicode text (a .txt cannot hold one: it is UTF-8)."""
+    data = tmp_path / "d.jsonl"
     data.write_text('{"text": "fine"}\n\n{"text": "a\\ud800b"}\n')
     refused_by_both(capsys, tmp_path, ROOT / "gpt_oss", data, f"{data}: row 3:", "lone surrogate",
                     extra=("--seq-len", "2"))
