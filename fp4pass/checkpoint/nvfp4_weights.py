@@ -29,6 +29,7 @@ Decoded weights are rounded once to the model's dtype (bf16: a relative 2^-9, fa
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -48,29 +49,43 @@ _GLOBAL = {"weight_scale_2": MULTIPLIER, "weight_global_scale": DIVISOR}
 _INPUT = {"input_scale": MULTIPLIER, "input_global_scale": DIVISOR}
 
 
-_BYTE_VALUES: dict = {}
+_WORD_VALUES: dict = {}
 
 
-def _byte_values(device: torch.device) -> torch.Tensor:
-    """float32 [256, 2]: the two E2M1 values of each byte, low nibble first (from :func:`decode_e2m1`)."""
-    if device not in _BYTE_VALUES:
-        byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
-        _BYTE_VALUES[device] = torch.stack([decode_e2m1(byte & 0x0F), decode_e2m1(byte >> 4)], -1)
-    return _BYTE_VALUES[device]
+def _word_values(device: torch.device) -> torch.Tensor:
+    """float32 [65536, 4]: the four E2M1 values of each little-endian pair of bytes, byte 0's low nibble first
+    (from :func:`decode_e2m1`), built once per device."""
+    if device not in _WORD_VALUES:
+        word = torch.arange(65536, dtype=torch.int32, device=device)
+        nibbles = [((word >> shift) & 0x0F).to(torch.uint8) for shift in (0, 4, 8, 12)]
+        _WORD_VALUES[device] = torch.stack([decode_e2m1(n) for n in nibbles], -1)
+    return _WORD_VALUES[device]
 
 
-def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
-                 convention: str) -> torch.Tensor:
-    """float32 [..., K] of packed E2M1 codes uint8 [..., K/2], E4M3 block-scale bytes [..., K/16] and a float32
-    global scale broadcastable to [...] (a multiplier or a divisor, as ``convention`` says): each byte looked up
-    as its two values, each block of 16 multiplied by its scale ``s * g`` (or ``s / g``) formed in float32."""
+def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, convention: str,
+                 out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., K] of packed E2M1 codes uint8 [..., K/2], E4M3 block-scale bytes [..., K/16] and a float32 global
+    scale broadcastable to [...] (a multiplier or a divisor, as ``convention`` says): each pair of bytes looked up
+    as its four values, each block of 16 multiplied by its scale ``s * g`` (or ``s / g``) formed in float32, the
+    product rounded once to ``out``'s dtype (float32 when ``out`` is None; ``out``: contiguous, [..., K]).
+    ``work``: a float32 buffer of at least as many elements as the result, to decode in (reused from one expert to
+    the next: no fresh pages each time)."""
     lead, half = codes.shape[:-1], codes.shape[-1]
-    values = torch.index_select(_byte_values(codes.device), 0, codes.reshape(-1).to(torch.int32))
+    count = codes.numel() * 2
+    buffer = work.view(-1)[:count].view(-1, 4) if work is not None and work.numel() >= count else None
+    if sys.byteorder == "little" and half % 2 == 0:
+        words = codes.contiguous().view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
+        values = torch.index_select(_word_values(codes.device), 0, words, out=buffer)
+    else:
+        values, buffer = decode_e2m1(torch.stack([codes & 0x0F, codes >> 4], -1).reshape(-1)), None
     s = block_scales.view(torch.float8_e4m3fn).float()
     g = global_scale.float()
-    scale = s * g if convention == MULTIPLIER else s / g
-    blocks = values.reshape(*lead, half * 2 // NV_BLOCK_SIZE, NV_BLOCK_SIZE)
-    return (blocks * scale.unsqueeze(-1)).reshape(*lead, half * 2)
+    scale = (s * g if convention == MULTIPLIER else s / g).unsqueeze(-1)
+    blocks = values.view(*lead, half * 2 // NV_BLOCK_SIZE, NV_BLOCK_SIZE).mul_(scale)
+    if out is None:
+        return blocks.reshape(*lead, half * 2).clone() if buffer is not None else blocks.reshape(*lead, half * 2)
+    out.view(blocks.shape).copy_(blocks)
+    return out
 
 
 def fake_quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
@@ -131,7 +146,8 @@ class NVLinear:
     def decode(self, read, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         codes = read(self.codes.name).view(torch.uint8).reshape(self.rows, self.cols // 2).to(device)
         block = read(self.block.name).view(torch.uint8).reshape(self.rows, self.cols // NV_BLOCK_SIZE).to(device)
-        return decode_nvfp4(codes, block, _scalar(read, self.global_).to(device), self.convention).to(dtype)
+        out = torch.empty(self.rows, self.cols, dtype=dtype, device=device)
+        return decode_nvfp4(codes, block, _scalar(read, self.global_).to(device), self.convention, out=out)
 
     def activation_scale(self, read) -> torch.Tensor | None:
         """The activation global scale ``g`` (compressed-tensors' convention), or None when none is stored."""
@@ -191,10 +207,14 @@ class NVExpertStack:
         codes = read(self.codes.name).view(torch.uint8).reshape(e, k // 2, n)
         block = read(self.block.name).view(torch.uint8).reshape(e, k // NV_BLOCK_SIZE, n)
         scale = self._per_expert(read, self.global_)
+        work = torch.empty(n * k, dtype=torch.float32, device=out.device)
         for i in range(e):
+            target = out[i].t() if transposed else out[i]  # [N, K]: contiguous where stored in checkpoint order
+            direct = target.is_contiguous()
             w = decode_nvfp4(codes[i].t().contiguous().to(out.device), block[i].t().contiguous().to(out.device),
-                             scale[i].to(out.device), MULTIPLIER)
-            out[i].copy_(w.t() if transposed else w)
+                             scale[i].to(out.device), MULTIPLIER, out=target if direct else None, work=work)
+            if not direct:
+                target.copy_(w)
 
     def activation_scale(self, read) -> torch.Tensor | None:
         """Per expert [E]: the activation global scale ``g`` (1 / input_scale), or None."""
