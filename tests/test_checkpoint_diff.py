@@ -279,7 +279,17 @@ def test_cli_refuses_unrelated_models_bad_data_and_wrong_flags(clean, tmp_path, 
     (fewer / "config.json").write_text(json.dumps(config))
     big = tmp_path / "big.npz"
     np.savez(big, input_ids=np.full((2, 8), 32, dtype=np.int64))  # the vocabulary is [0, 32)
+    lying, lying_src = _copy(folder, tmp_path / "lying"), _copy(ROOT / "kimi", tmp_path / "lying-src")
+    for lie in (lying, lying_src):  # the two agree, but not with their shards (which hold 32)
+        config = json.loads((lie / "config.json").read_text())
+        config["moe_intermediate_size"] = 4096
+        (lie / "config.json").write_text(json.dumps(config))
+    long_rows = tmp_path / "long.npz"
+    np.savez(long_rows, input_ids=np.zeros((2, 400_000), dtype=np.int64))
     cases = [((ROOT / "kimi", gpt, "--data", TOKENS), "not the same architecture"),
+             ((ROOT / "kimi", lying, "--data", TOKENS), "moe_intermediate_size"),
+             ((lying_src, lying, "--data", TOKENS), "config.json does not describe these shards"),
+             ((ROOT / "kimi", folder, "--data", long_rows, "--seq-len", 400_000), "--seq-len"),
              ((ROOT / "kimi", fewer, "--data", TOKENS), "layer counts"),
              ((ROOT / "kimi", folder, "--data", big), "outside the vocabulary"),
              ((ROOT / "kimi", tmp_path / "missing", "--data", TOKENS), "missing"),

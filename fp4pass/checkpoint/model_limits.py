@@ -128,11 +128,12 @@ def _elements(shape) -> int:
 
 
 def _source_shape(catalog, source) -> list[int]:
-    """The shape a source holds: a tensor's own; an MXFP4 Linear's [N, K]; a gpt-oss stack's [E, N, K]."""
+    """The shape a source holds: a tensor's own; a quantized Linear's [N, K] (MXFP4, or another form decoded);
+    a gpt-oss stack's [E, N, K]."""
     unit = source.unit
-    if source.kind == "mx":
+    if source.kind in ("mx", "decoded"):
         return [unit.rows, unit.cols]
-    if source.kind == "fused":
+    if source.kind in ("fused", "decoded-stack"):
         return [unit.experts, unit.rows, unit.cols]
     return list(catalog.tensors[source.name].shape)
 

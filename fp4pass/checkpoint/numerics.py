@@ -47,6 +47,7 @@ from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
+from fp4pass.checkpoint.model_limits import available_bytes, check_attention_memory, check_fits_shards
 from fp4pass.checkpoint.nvfp4_weights import NVFP4Weights, fake_quantize_activation, find_nvfp4
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
@@ -456,9 +457,13 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         _same_architecture(src, target)
         found = _source_units(src)
         weights = find_nvfp4(target)
-        model_type, cfg = resolve_architecture(src.config, src_dir)
+        model_type, cfg = resolve_architecture(src.config, src_dir, src.tensors)
+        for catalog, units in ((src, found), (target, weights)):  # before anything is allocated
+            check_fits_shards(catalog, units, *resolve_architecture(catalog.config, catalog.folder, catalog.tensors))
         every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
                              batch_size=batch_size)
+        # the NVFP4 layer runs two copies of a batch at once: half the memory for each
+        check_attention_memory(cfg, every, dev, str(data), available_bytes(dev) // 2)
         batches = _share(every)
         if not batches:
             raise CalibrationDataError(f"{data}: no rows to run")
