@@ -30,7 +30,7 @@ def models(tmp_path_factory):
 
 def test_identical_exit_0_with_json(models, tmp_path, capsys):
     report = tmp_path / "r.json"
-    assert main(["diff", models["a"], models["a"], "--json", str(report), "--snr-min", "300", "--quiet"]) == 0
+    assert main(["diff", models["a"], models["a"], "--json", str(report), "--snr-min", "300"]) == 0
     data = json.loads(report.read_text())
     assert set(data) == {"provider", "outputs", "intermediates", "first_divergent", "passed", "notes",
                          "provider_options", "placement"}
@@ -41,7 +41,7 @@ def test_identical_exit_0_with_json(models, tmp_path, capsys):
 def test_below_threshold_exit_1(models, tmp_path, capsys):
     report = tmp_path / "r.json"
     code = main(["diff", models["a"], models["c"], "--snr-min", "90", "--intermediates",
-                 "--json", str(report), "--shape", "x=4,64", "--quiet"])
+                 "--json", str(report), "--shape", "x=4,64"])
     assert code == 1
     data = json.loads(report.read_text())
     assert data["passed"] is False and data["outputs"][0]["shape"] == [4, 16]

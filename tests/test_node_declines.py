@@ -163,7 +163,7 @@ def test_zero_experts_is_declined(tmp_path, capsys):
     assert report["declined"][0]["reason"] == "the weights hold zero experts"
     onnx.save(model, tmp_path / "m.onnx")
     code, err = cli(capsys, "convert", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--target", "ort",
-                    "--allow-invalid", "--quiet")
+                    "--allow-invalid")
     assert code == 0 and "Traceback" not in err, err
     assert "declined" in err
 

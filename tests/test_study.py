@@ -91,7 +91,7 @@ def test_study_command_writes_json(tmp_path, monkeypatch, capsys):
     few = (SCENARIOS[1], SCENARIOS[11])
     monkeypatch.setattr(study_command, "run_study", lambda device, show_progress=None: run_study(device, few, False))
     out = tmp_path / "study.json"
-    assert cli.main(["study", "--json", str(out), "--device", "cpu", "--quiet"]) == 0
+    assert cli.main(["study", "--json", str(out), "--device", "cpu"]) == 0
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["scenarios"]] == ["gaussian", "single extreme outlier"]
     assert "single extreme outlier" in capsys.readouterr().out

@@ -48,7 +48,7 @@ from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
-from fp4pass.checkpoint.model_limits import check_attention_memory, check_fits_shards
+from fp4pass.checkpoint.model_limits import check_attention_memory, check_config_fields, check_fits_shards
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.hub import resolve_checkpoint
 
@@ -347,10 +347,11 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
         found = detect(catalog.tensors, catalog.config)
         if not found.units:
             raise CheckpointError(f"{src_dir}: no MXFP4 weights found, so nothing to calibrate")
-        model_type, cfg = resolve_architecture(catalog.config, src_dir, catalog.tensors)
-        check_fits_shards(catalog, found, model_type, cfg)  # before anything is allocated
+        check_config_fields(catalog.config, f"{src_dir}/config.json", catalog.tensors)  # before transformers reads it
+        model_type, cfg = resolve_architecture(catalog.config, src_dir)
         every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
-                             batch_size=batch_size)
+                             batch_size=batch_size)  # the data's own errors first: the user's newest input
+        check_fits_shards(catalog, found, model_type, cfg)  # before the model is allocated
         check_attention_memory(cfg, every, dev, str(data))
         batches = _share(every)  # this rank's; the report counts all of them, as its per-expert tokens do
         if not batches:

@@ -47,7 +47,8 @@ from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
-from fp4pass.checkpoint.model_limits import available_bytes, check_attention_memory, check_fits_shards
+from fp4pass.checkpoint.model_limits import (available_bytes, check_attention_memory, check_config_fields,
+                                             check_fits_shards)
 from fp4pass.checkpoint.nvfp4_weights import NVFP4Weights, fake_quantize_activation, find_nvfp4
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
@@ -297,6 +298,8 @@ class _NVFP4Experts(_ExpertRows):
 def _same_architecture(src: Catalog, nvfp4: Catalog) -> None:
     """Refuse two checkpoints of different architectures or shapes (exit 2), naming the field."""
     a, b = src.config, nvfp4.config
+    for catalog in (src, nvfp4):  # a stranger's counts, before transformers reads them
+        check_config_fields(catalog.config, f"{catalog.folder}/config.json", catalog.tensors)
     type_a, _ = resolve_architecture(a, src.folder)
     type_b, _ = resolve_architecture(b, nvfp4.folder)
     if type_a != type_b:
@@ -457,11 +460,11 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         _same_architecture(src, target)
         found = _source_units(src)
         weights = find_nvfp4(target)
-        model_type, cfg = resolve_architecture(src.config, src_dir, src.tensors)
-        for catalog, units in ((src, found), (target, weights)):  # before anything is allocated
-            check_fits_shards(catalog, units, *resolve_architecture(catalog.config, catalog.folder, catalog.tensors))
+        model_type, cfg = resolve_architecture(src.config, src_dir)
         every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
                              batch_size=batch_size)
+        for catalog, units in ((src, found), (target, weights)):  # before either model is allocated
+            check_fits_shards(catalog, units, *resolve_architecture(catalog.config, catalog.folder))
         # the NVFP4 layer runs two copies of a batch at once: half the memory for each
         check_attention_memory(cfg, every, dev, str(data), available_bytes(dev) // 2)
         batches = _share(every)

@@ -211,7 +211,8 @@ def run(args) -> int:
         snr_min=args.snr_min, seed=args.seed, shapes=shapes, past_length=args.past_length,
         show_progress=False if args.quiet else None,
     )
-    print(result.format_table())  # the notes included, once
+    print_notes("diff", result.notes, args, result.provider_notes)  # on stderr, once: not in the table too
+    print(result.format_table(notes=False))
     if args.json:
         write_json(args.json, result.to_json())
     if args.plot:

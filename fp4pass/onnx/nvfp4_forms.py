@@ -31,13 +31,12 @@ import numpy as np
 import onnx_ir as ir
 
 from fp4pass.formats import NV_BLOCK_SIZE
-from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, TRT_DOMAIN
+from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, MS_DOMAIN, TRT_DOMAIN
 from fp4pass.onnx.passes import all_nodes
 from fp4pass.onnx.patterns import QMOE_WEIGHTS, node_label, trace_consumers
 
 __all__ = ["NVFP4Weight", "ActivationQuantizer", "find_nvfp4", "nvfp4_problems", "scheme"]
 
-MS_DOMAIN = "com.microsoft"
 _E4M3_NAN = E4M3_MAX_CODE + 1  # 0x7F: E4M3FN's NaN magnitude, and the magnitude mask
 _E4M3_SIGN = 0x80
 
