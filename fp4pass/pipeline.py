@@ -78,7 +78,14 @@ def _initializer_bytes(model: ir.Model) -> int:
 def _nothing_to_convert(loaded) -> str:
     """Exit 2's line for a model holding no MXFP4 weight at all, converted or declined, when no activation
     quantizers were asked for either (``calib``/``scales``): the same rule as a checkpoint folder's."""
+    from fp4pass.onnx.nvfp4_forms import find_nvfp4, scheme
+
     where = str(loaded.path) if loaded.path is not None else f"the {loaded.kind} given"
+    weights, quantizers = find_nvfp4(loaded.model)
+    if weights or quantizers:  # fp4pass's own output, or another NVFP4 model: say so, as the CLI does
+        forms = ", ".join(sorted({w.form for w in weights})) or "activations"
+        return (f"{where}: already NVFP4 ({forms} form, {scheme(quantizers)}); nothing to convert; check it with "
+                f"`fp4pass inspect`")
     return (f"{where}: no MXFP4 weights found (no FP4 DequantizeLinear, QMoE 'fp4', GatherBlockQuantized or "
             "Quark MX fake-quant on an initializer); nothing to convert")
 

@@ -159,3 +159,18 @@ def test_quiet_with_debug_keeps_the_whole_traceback(work, capsys):
     code, err = cli(capsys, "convert", MOE, "-o", "x.onnx", "--snr-min", "3", "--quiet", "--debug")
     assert code == 2 and err.startswith("Traceback (most recent call last):")
     assert 'File "' in err and err.strip().splitlines()[-1].endswith("--snr-min applies to --check; add --check")
+
+
+def test_python_convert_of_an_nvfp4_model_says_it_is_nvfp4_already():
+    """fp4pass.onnx.convert on its own output (the dq and alpha forms, weight-only and with activation
+    quantizers) names the form, as the command does, instead of "no MXFP4 weights found"."""
+    import fp4pass
+    from fp4pass.errors import UsageError
+
+    root = Path(__file__).resolve().parents[1] / "models"
+    for options, words in (({}, "dq form, W4A16"), ({"scale_form": "alpha"}, "alpha form, W4A16"),
+                           ({"calib": str(root / "calib.npz")}, "dq form, W4A4")):
+        model, _ = fp4pass.onnx.convert(str(root / "moe.onnx"), **options)
+        with pytest.raises(UsageError, match="already NVFP4") as exc:
+            fp4pass.onnx.convert(model)
+        assert words in str(exc.value) and "fp4pass inspect" in str(exc.value)
