@@ -454,7 +454,6 @@ MUTANTS = [
         ("fp4pass/io.py", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_io.py"]),
     Mutant("size-not-checked-at-eof", "a file that goes on past its st_size is read or copied without a word", [
-        ("fp4pass/io.py", "        if os.pread(fd, 1, size):\n", "        if False:\n"),
         ("fp4pass/io.py", "            if extra:\n", "            if False:\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("sweep-ignores-the-marker-inode", "a copy of a dead run's temporary (another inode) is swept too", [
@@ -825,13 +824,13 @@ MUTANTS = [
         ("fp4pass/checkpoint/nvfp4_weights.py", "    step = s / g\n", "    step = s * g\n"),
     ], DIFF_TESTS),
     Mutant("diff-weight-conventions-swapped", "a multiplier global scale divides and a divisor multiplies", [
-        ("fp4pass/checkpoint/nvfp4_weights.py", "scale = s * g if convention == MULTIPLIER else s / g", "scale = s / g if convention == MULTIPLIER else s * g"),
+        ("fp4pass/checkpoint/nvfp4_weights.py", "(s * g if convention == MULTIPLIER else s / g)", "(s / g if convention == MULTIPLIER else s * g)"),
     ], DIFF_ORACLE_TESTS),
     Mutant("diff-stack-one-scale", "a gpt-oss stack decodes every expert with expert 0's global scale", [
-        ("fp4pass/checkpoint/nvfp4_weights.py", "scale[i].to(out.device), MULTIPLIER)", "scale[0].to(out.device), MULTIPLIER)"),
+        ("fp4pass/checkpoint/nvfp4_weights.py", "scale[i].to(out.device), MULTIPLIER,", "scale[0].to(out.device), MULTIPLIER,"),
     ], DIFF_ORACLE_TESTS),
     Mutant("diff-stack-untransposed", "a gpt-oss stack's experts are decoded into the model untransposed", [
-        ("fp4pass/checkpoint/nvfp4_weights.py", "out[i].copy_(w.t() if transposed else w)", "out[i].copy_(w.reshape(out[i].shape))"),
+        ("fp4pass/checkpoint/nvfp4_weights.py", "target = out[i].t() if transposed else out[i]", "target = out[i]"),
     ], DIFF_ORACLE_TESTS),
     Mutant("diff-gate-up-takes-w3", "a fused gate/up input is quantized with w3's input scale, not w1's", [
         ("fp4pass/checkpoint/numerics.py", 'for k in ("w1", "gate_proj") if k in halves', 'for k in ("w3", "up_proj") if k in halves'),

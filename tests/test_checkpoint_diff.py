@@ -54,6 +54,26 @@ def test_activation_fake_quant_equals_compressed_tensors(seed, dtype):
         assert torch.equal(ours, ct_fake_quant(x, g)), g  # compressed-tensors on the float32 input
 
 
+def test_activation_global_scale_is_used_in_float32_whatever_its_type():
+    """A float64 or numpy global scale is rounded to float32 first, as the stored F32 scale and the engines have it."""
+    from fp4pass.checkpoint.nvfp4_weights import fake_quantize_activation
+
+    x = _activations(7, torch.float32)
+    g = 2688.0 / float(x.abs().max()) * 3.7  # not a float32 number
+    want = ct_fake_quant(x, g)
+    for given in (g, torch.tensor(g, dtype=torch.float64), np.float64(g), torch.tensor(g, dtype=torch.float32)):
+        assert torch.equal(fake_quantize_activation(x, given), want), type(given)
+
+
+def test_a_stack_or_linear_without_input_scales_has_no_activation_scale():
+    from fp4pass.checkpoint.nvfp4_weights import NVExpertStack, NVLinear
+    from fp4pass.checkpoint.safetensors_io import TensorEntry
+
+    entry = TensorEntry.__new__(TensorEntry)  # never read: no input scale means nothing to read
+    assert NVExpertStack("p", "gate_up_proj", entry, entry, entry, None).activation_scale(None) is None
+    assert NVLinear("m", entry, entry, entry, "multiplier").activation_scale(None) is None
+
+
 def test_e2m1_rounding_equals_ml_dtypes_on_every_tie_and_between():
     import ml_dtypes
 
