@@ -119,8 +119,21 @@ def _scalar(read, entry: TensorEntry) -> torch.Tensor:
     return value[0]
 
 
+class _Stored:
+    """What an NVFP4 unit's stored tensors give: K from the packed codes' second axis (two values a byte), and the
+    names of the tensors it consumes."""
+
+    @property
+    def cols(self) -> int:
+        return int(self.codes.shape[1]) * 2
+
+    @property
+    def consumed(self) -> list[str]:
+        return [e.name for e in (self.codes, self.block, self.global_, self.input) if e is not None]
+
+
 @dataclass
-class NVLinear:
+class NVLinear(_Stored):
     """One NVFP4 Linear ``module`` [N, K]: its stored tensors and their convention."""
 
     module: str
@@ -134,14 +147,6 @@ class NVLinear:
     @property
     def rows(self) -> int:
         return int(self.codes.shape[0])
-
-    @property
-    def cols(self) -> int:
-        return int(self.codes.shape[1]) * 2
-
-    @property
-    def consumed(self) -> list[str]:
-        return [e.name for e in (self.codes, self.block, self.global_, self.input) if e is not None]
 
     def decode(self, read, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         codes = read(self.codes.name).view(torch.uint8).reshape(self.rows, self.cols // 2).to(device)
@@ -158,7 +163,7 @@ class NVLinear:
 
 
 @dataclass
-class NVExpertStack:
+class NVExpertStack(_Stored):
     """ModelOpt's gpt-oss expert stack ``prefix.proj``: codes [E, K/2, N], block scales [E, K/16, N], global
     and input scales (multipliers) [] or [E]."""
 
@@ -180,14 +185,6 @@ class NVExpertStack:
     @property
     def rows(self) -> int:
         return int(self.codes.shape[2])
-
-    @property
-    def cols(self) -> int:
-        return int(self.codes.shape[1]) * 2
-
-    @property
-    def consumed(self) -> list[str]:
-        return [e.name for e in (self.codes, self.block, self.global_, self.input) if e is not None]
 
     def _per_expert(self, read, entry: TensorEntry) -> torch.Tensor:
         value = read(entry.name).float().reshape(-1)
