@@ -74,6 +74,23 @@ def test_a_stack_or_linear_without_input_scales_has_no_activation_scale():
     assert NVLinear("m", entry, entry, entry, "multiplier").activation_scale(None) is None
 
 
+def test_decode_fills_the_work_buffer_it_is_given_with_the_same_values():
+    """The reused buffer (one per stack, so no fresh pages per expert) is really used, also when it is exactly the
+    size needed, and gives what a decode without it gives."""
+    from fp4pass.checkpoint.nvfp4_weights import MULTIPLIER, decode_nvfp4
+
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 256, (24, 32), dtype=torch.uint8, generator=g)
+    block = torch.randint(0, 0x7E, (24, 4), dtype=torch.uint8, generator=g)
+    scale = torch.tensor(0.37)
+    alone = decode_nvfp4(codes, block, scale, MULTIPLIER)
+    work = torch.full((24 * 64,), float("nan"))
+    out = torch.empty(24, 64, dtype=torch.bfloat16)
+    decode_nvfp4(codes, block, scale, MULTIPLIER, out=out, work=work)
+    assert torch.isfinite(work).all() and torch.equal(work.view(24, 64), alone)
+    assert torch.equal(out, alone.to(torch.bfloat16))
+
+
 def test_e2m1_rounding_equals_ml_dtypes_on_every_tie_and_between():
     import ml_dtypes
 
