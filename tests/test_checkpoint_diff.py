@@ -91,6 +91,24 @@ def test_decode_fills_the_work_buffer_it_is_given_with_the_same_values():
     assert torch.equal(out, alone.to(torch.bfloat16))
 
 
+def test_decode_on_a_big_endian_machine_gives_the_same_values(monkeypatch):
+    """Where two bytes cannot be read as one little-endian word, each byte's two nibbles are decoded instead:
+    the same values (against an independent numpy + ml_dtypes decode)."""
+    import sys
+
+    from checkpoint_oracles import nv_decode
+    from fp4pass.checkpoint.nvfp4_weights import DIVISOR, decode_nvfp4
+
+    g = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 256, (8, 16), dtype=torch.uint8, generator=g)
+    block = torch.randint(0, 0x7E, (8, 2), dtype=torch.uint8, generator=g)
+    little = decode_nvfp4(codes, block, torch.tensor(4.0), DIVISOR)
+    monkeypatch.setattr(sys, "byteorder", "big")
+    big = decode_nvfp4(codes, block, torch.tensor(4.0), DIVISOR)
+    want = nv_decode(codes.numpy(), block.numpy(), 0.25)  # a divisor of 4 is a multiplier of 1/4, exactly
+    assert torch.equal(big, little) and np.array_equal(big.numpy(), want.astype(np.float32))
+
+
 def test_e2m1_rounding_equals_ml_dtypes_on_every_tie_and_between():
     import ml_dtypes
 
