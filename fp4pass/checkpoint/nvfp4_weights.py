@@ -68,11 +68,12 @@ def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: 
     scale broadcastable to [...] (a multiplier or a divisor, as ``convention`` says): each pair of bytes looked up
     as its four values, each block of 16 multiplied by its scale ``s * g`` (or ``s / g``) formed in float32, the
     product rounded once to ``out``'s dtype (float32 when ``out`` is None; ``out``: contiguous, [..., K]).
-    ``work``: a float32 buffer of at least as many elements as the result, to decode in (reused from one expert to
-    the next: no fresh pages each time)."""
+    ``work``: with ``out``, a float32 buffer of at least as many elements as the result to decode in (reused from
+    one expert to the next: no fresh pages each time)."""
     lead, half = codes.shape[:-1], codes.shape[-1]
     count = codes.numel() * 2
-    buffer = work.view(-1)[:count].view(-1, 4) if work is not None and work.numel() >= count else None
+    buffer = work.view(-1)[:count].view(-1, 4) if out is not None and work is not None and work.numel() >= count \
+        else None
     if sys.byteorder == "little":  # K/2 is a multiple of 8 (16 values a block): the bytes pair up
         words = codes.contiguous().view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
         values = torch.index_select(_word_values(codes.device), 0, words, out=buffer)
@@ -83,7 +84,7 @@ def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: 
     scale = (s * g if convention == MULTIPLIER else s / g).unsqueeze(-1)
     blocks = values.view(*lead, half * 2 // NV_BLOCK_SIZE, NV_BLOCK_SIZE).mul_(scale)
     if out is None:
-        return blocks.reshape(*lead, half * 2).clone() if buffer is not None else blocks.reshape(*lead, half * 2)
+        return blocks.reshape(*lead, half * 2)
     out.view(blocks.shape).copy_(blocks)
     return out
 
@@ -209,7 +210,8 @@ class NVExpertStack(_Stored):
             target = out[i].t() if transposed else out[i]  # [N, K]: contiguous where stored in checkpoint order
             direct = target.is_contiguous()
             w = decode_nvfp4(codes[i].t().contiguous().to(out.device), block[i].t().contiguous().to(out.device),
-                             scale[i].to(out.device), MULTIPLIER, out=target if direct else None, work=work)
+                             scale[i].to(out.device), MULTIPLIER, out=target if direct else None,
+                             work=work if direct else None)
             if not direct:
                 target.copy_(w)
 
