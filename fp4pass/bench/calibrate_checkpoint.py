@@ -57,8 +57,8 @@ def hwm():
 
 before = hwm()
 start = time.perf_counter()
-fp4pass.checkpoint.calibrate(sys.argv[1], sys.argv[2], batch_size=4, device=sys.argv[3])
-print(json.dumps({"seconds": time.perf_counter() - start, "rss_before_kib": before, "rss_after_kib": hwm()}))
+{call}
+print(json.dumps({{"seconds": time.perf_counter() - start, "rss_before_kib": before, "rss_after_kib": hwm()}}))
 """
 
 
@@ -234,15 +234,22 @@ def against_forward(device: torch.device, *, hidden: int, experts: int, rows: in
 GPU_FLOOR_GOAL = 1.5
 
 
-def _child(src: Path, data: Path, device: torch.device) -> dict:
+def measured_child(area: str, call: str, *argv) -> dict:
+    """Run ``call`` (a line of Python reading ``sys.argv[1:]`` = ``argv``) in a child process; its seconds and its
+    VmHWM (peak RSS, KiB) before and after: ``{"seconds", "rss_before_kib", "rss_after_kib"}``."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(data), device.type], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _CHILD.format(call=call), *map(str, argv)], capture_output=True,
                          text=True, env=env, check=False)
     if out.returncode:
-        raise RuntimeError(f"calibrate-checkpoint bench: the child exited {out.returncode}: {out.stderr[-500:]}")
+        raise RuntimeError(f"{area} bench: the child exited {out.returncode}: {out.stderr[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _child(src: Path, data: Path, device: torch.device) -> dict:
+    return measured_child("calibrate-checkpoint", "fp4pass.checkpoint.calibrate(sys.argv[1], sys.argv[2], "
+                          "batch_size=4, device=sys.argv[3])", src, data, device.type)
 
 
 def bench_depth_memory(device: torch.device, quick: bool) -> list[BenchResult]:

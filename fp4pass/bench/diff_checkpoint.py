@@ -16,10 +16,6 @@ temporary folder removed after. ``quick``: hidden 256, 8 experts, 8 x 32 tokens;
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +24,7 @@ import numpy as np
 import torch
 
 from fp4pass.bench import BenchResult
+from fp4pass.bench.calibrate_checkpoint import _sync, measured_child
 from fp4pass.examples.checkpoints import build_checkpoint
 
 #: the diff's time over one calibration of the same model and data
@@ -35,25 +32,6 @@ TIME_GOAL = 2.5
 #: peak RSS of the diff of 16 layers over that of 4
 DEPTH_GOAL = 1.25
 
-_CHILD = """
-import json, sys, time
-import fp4pass.checkpoint
-
-def hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-
-before = hwm()
-start = time.perf_counter()
-fp4pass.checkpoint.diff(sys.argv[1], sys.argv[2], sys.argv[3], batch_size=4, device=sys.argv[4])
-print(json.dumps({"seconds": time.perf_counter() - start, "rss_before_kib": before, "rss_after_kib": hwm()}))
-"""
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _pair(tmp: Path, name: str, device: torch.device, *, layers: int, experts: int, hidden: int, data: Path,
@@ -101,14 +79,8 @@ def bench_against_calibrate(device: torch.device, quick: bool) -> list[BenchResu
 
 
 def _child(src: Path, nvfp4: Path, data: Path, device: torch.device) -> dict:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(nvfp4), str(data), device.type],
-                         capture_output=True, text=True, env=env, check=False)
-    if out.returncode:
-        raise RuntimeError(f"diff-checkpoint bench: the child exited {out.returncode}: {out.stderr[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return measured_child("diff-checkpoint", "fp4pass.checkpoint.diff(sys.argv[1], sys.argv[2], sys.argv[3], "
+                          "batch_size=4, device=sys.argv[4])", src, nvfp4, data, device.type)
 
 
 def bench_depth_memory(device: torch.device, quick: bool) -> list[BenchResult]:

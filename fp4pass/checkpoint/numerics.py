@@ -295,13 +295,14 @@ class _NVFP4Experts(_ExpertRows):
         return None if hook is None else hook(kind, rows)
 
 
-def _same_architecture(src: Catalog, nvfp4: Catalog) -> None:
-    """Refuse two checkpoints of different architectures or shapes (exit 2), naming the field."""
+def _same_architecture(src: Catalog, nvfp4: Catalog) -> tuple[tuple, tuple]:
+    """Each folder's (model type, transformers config); two checkpoints of different architectures or shapes are
+    refused (exit 2), naming the field."""
     a, b = src.config, nvfp4.config
     for catalog in (src, nvfp4):  # a stranger's counts, before transformers reads them
         check_config_fields(catalog.config, f"{catalog.folder}/config.json", catalog.tensors)
-    type_a, _ = resolve_architecture(a, src.folder)
-    type_b, _ = resolve_architecture(b, nvfp4.folder)
+    arch_a, arch_b = resolve_architecture(a, src.folder), resolve_architecture(b, nvfp4.folder)
+    type_a, type_b = arch_a[0], arch_b[0]
     if type_a != type_b:
         raise CheckpointError(f"{nvfp4.folder}: a {type_b} model, but {src.folder} is {type_a}: not the same "
                               "architecture")
@@ -310,6 +311,7 @@ def _same_architecture(src: Catalog, nvfp4: Catalog) -> None:
             what = "layer counts" if key == "num_hidden_layers" else key
             raise CheckpointError(f"{nvfp4.folder}: {key} {b[key]!r}, but {src.folder} has {a[key]!r}: the two "
                                   f"checkpoints differ in {what}")
+    return arch_a, arch_b
 
 
 def _peak_rss_mib() -> float:
@@ -457,14 +459,14 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
     src_dir, nvfp4_dir = resolve_checkpoint(src_dir), resolve_checkpoint(nvfp4_dir)  # folders, or Hub model IDs
     dev = default_device(device)
     with Catalog.open(src_dir, follow_symlinks) as src, Catalog.open(nvfp4_dir, follow_symlinks) as target:
-        _same_architecture(src, target)
+        src_arch, target_arch = _same_architecture(src, target)
         found = _source_units(src)
         weights = find_nvfp4(target)
-        model_type, cfg = resolve_architecture(src.config, src_dir)
+        model_type, cfg = src_arch
         every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
                              batch_size=batch_size)
-        for catalog, units in ((src, found), (target, weights)):  # before either model is allocated
-            check_fits_shards(catalog, units, *resolve_architecture(catalog.config, catalog.folder))
+        for catalog, units, arch in ((src, found, src_arch), (target, weights, target_arch)):  # before allocating
+            check_fits_shards(catalog, units, *arch)
         # the NVFP4 layer runs two copies of a batch at once: half the memory for each
         check_attention_memory(cfg, every, dev, str(data), available_bytes(dev) // 2)
         batches = _share(every)

@@ -160,12 +160,17 @@ def _run_folders(args) -> int:
                              num_samples=args.num_samples, batch_size=args.batch_size, device=args.device or "auto",
                              snr_min=args.snr_min, kl_max=args.kl_max, follow_symlinks=bool(args.follow_symlinks),
                              show_progress=False if args.quiet else None)
-    print(result.format_table())
+    return _report(args, result.format_table(), result, plot_checkpoint_diff)
+
+
+def _report(args, table: str, result, plot) -> int:
+    """Print the table, write --json and --plot (``plot(result, path)``); exit 0 when it passed, else 1."""
+    print(table)
     if args.json:
         write_json(args.json, result.to_json())
     if args.plot:
         with atomic_output(args.plot, suffix=Path(args.plot).suffix, kind=REPORT) as tmp:
-            plot_checkpoint_diff(result, tmp)
+            plot(result, tmp)
     return 0 if result.passed else 1
 
 
@@ -212,10 +217,4 @@ def run(args) -> int:
         show_progress=False if args.quiet else None,
     )
     print_notes("diff", result.notes, args, result.provider_notes)  # on stderr, once: not in the table too
-    print(result.format_table(notes=False))
-    if args.json:
-        write_json(args.json, result.to_json())
-    if args.plot:
-        with atomic_output(args.plot, suffix=Path(args.plot).suffix, kind=REPORT) as tmp:
-            plot_diff(result, tmp)
-    return 0 if result.passed else 1
+    return _report(args, result.format_table(notes=False), result, plot_diff)
