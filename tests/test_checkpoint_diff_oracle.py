@@ -115,3 +115,26 @@ def test_per_expert_scales_of_a_gpt_oss_stack_match_an_independent_forward(tmp_p
     ours = fp4pass.checkpoint.diff(ROOT / "gpt_oss", folder, TOKENS, batch_size=BATCH, device="cpu")
     oracle = figures(bf16_source("gpt_oss", tmp_path), folder, "gpt_oss", _ids(), BATCH, tmp_path)
     _agree(ours, oracle)
+
+
+def test_a_hundred_and_three_experts_match_an_independent_forward(tmp_path):
+    """103 experts a layer, each at its own exponent with its own calibrated input scale: experts 1, 10, 100 and
+    101 read as their own (an index read as one digit or sorted as text would pair one's weights or scales with
+    another's), every expert's figure and token count against the oracle."""
+    import fp4pass.checkpoint
+    from test_checkpoint_calibrate import dequantized_copy
+    from test_checkpoint_runner_bugs import many_experts
+
+    src = many_experts(tmp_path / "src", 103)
+    data = tmp_path / "d.npz"
+    np.savez(data, input_ids=np.load(TOKENS)["input_ids"][:8].astype(np.int64))
+    scales = fp4pass.checkpoint.calibrate(src, data, batch_size=BATCH, device="cpu")
+    nvfp4 = tmp_path / "nvfp4"
+    fp4pass.checkpoint.convert(src, nvfp4, format="compressed-tensors", scales=scales)
+    ours = fp4pass.checkpoint.diff(src, nvfp4, data, batch_size=BATCH, device="cpu")
+    ids = torch.from_numpy(np.load(data)["input_ids"])
+    oracle = figures(dequantized_copy(src, tmp_path / "bf16", "deepseek_v3"), nvfp4, "deepseek_v3", ids, BATCH,
+                     tmp_path)
+    _agree(ours, oracle)
+    routed = {e for layer, e in oracle["experts"]}
+    assert {1, 10} <= routed and max(routed) >= 100, sorted(routed)
