@@ -595,9 +595,10 @@ MUTANTS = [
          '    if engine == "trtllm" and hf_quant is not None and qc is None:'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("fused-shard-misspelt", "a shard of a fused module is misspelt (Qwen3-MoE v_porj, DeepSeek-V4 w_gate)", [
-        ("fp4pass/checkpoint/engines.py", '    "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj", "k_proj", "v_proj")',
-         '    "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj", "k_proj", "v_porj")'),
-        ("fp4pass/checkpoint/engines.py", '"fused_wkv_wgate": ("wkv", "wgate")', '"fused_wkv_wgate": ("wkv", "w_gate")'),
+        ("fp4pass/checkpoint/families/qwen3_moe.py", '    vllm_fused={"qkv_proj": ("q_proj", "k_proj", "v_proj")',
+         '    vllm_fused={"qkv_proj": ("q_proj", "k_proj", "v_porj")'),
+        ("fp4pass/checkpoint/families/deepseek_v4.py", '"fused_wkv_wgate": ("wkv", "wgate")',
+         '"fused_wkv_wgate": ("wkv", "w_gate")'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("dense-layer-wildcard-covers-later-layers", "a kept dense layer 1 is written as model.layers.1*, which "
            "also covers the NVFP4 layers 10..19 and 100..", [

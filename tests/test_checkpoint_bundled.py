@@ -24,13 +24,15 @@ def test_builder_rebuilds_the_committed_examples(tmp_path):
 
 
 @pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("kimi", "modelopt"), ("kimi", "compressed-tensors"),
-                                      ("deepseek", "modelopt"), ("deepseek", "compressed-tensors")])
+                                      ("deepseek", "modelopt"), ("deepseek", "compressed-tensors"),
+                                      ("kimi_k3", "modelopt"), ("kimi_k3", "compressed-tensors")])
 def test_bundled_examples_convert_and_check(tmp_path, name, fmt):
     pytest.importorskip("compressed_tensors")
     report = fp4pass.checkpoint.convert(ROOT / name, tmp_path / "out", format=fmt, input_scale=1.0, check=True)
     check = report["check"]
     assert check["passed"] and check["experts_checked"] == report["summary"]["experts_total"]
-    # one lossy expert (layer 1, expert 2: its w1, or its rows of both gpt-oss stacks); the rest identical
+    # one lossy expert (layer 1, expert 2: its w1, or its rows of both gpt-oss stacks; Kimi-K3: layer 2, expert
+    # 11, its w1); the rest identical
     lossy = 2 if name == "gpt_oss" else 1
     assert check["experts_identical"] == check["experts_checked"] - lossy
     assert report["summary"]["experts_lossless"] == report["summary"]["experts_total"] - lossy

@@ -153,8 +153,11 @@ DECLINES = {
          (f"{E}.6.w2.weight_packed", "U8", (64, 16)), (f"{E}.6.w2.weight_scale", "U8", (64,)),
          *_ct(f"{E}.7.w2", 64, 32)], {},
         {f"{E}.0.w2.weight_packed": f"MXFP4 codes without their scales tensor '{E}.0.w2.weight_scale'",
-         f"{E}.1.w2.weight_packed": "weight_packed I8 with weight_scale U8: not MXFP4 (E8M0 scales)",
-         f"{E}.2.w2.weight_packed": "weight_packed U8 with weight_scale F8_E4M3: not MXFP4 (E8M0 scales)",
+         f"{E}.1.w2.weight_packed": "weight_packed I8 with weight_scale U8: the names are compressed-tensors' MXFP4 form, the dtypes are not "
+                                               "(expected U8 codes with U8 E8M0 block scales)",
+         f"{E}.2.w2.weight_packed": "weight_packed U8 with weight_scale F8_E4M3: the names are compressed-tensors' (MXFP4 or NVFP4), the "
+                                               "F8_E4M3 block scale is NVFP4's, not MXFP4's U8 E8M0: this weight is NVFP4 "
+                                               "already (check the folder with fp4pass inspect)",
          f"{E}.3.w2.weight_packed": f"packed codes [64, 16] do not match scales '{E}.3.w2.weight_scale' [32, 1] "
                                     "(expected [N, K/2] and [N, K/32])",
          f"{E}.4.w2.weight_packed": f"packed codes [64, 16] do not match scales '{E}.4.w2.weight_scale' [64, 2] "
@@ -200,7 +203,8 @@ DECLINES = {
          "c.w3.weight_blocks": f"the other half of its gate/up pair, c.w1, is declined {BOTH}",
          "d.w1_blocks": "gpt-oss blocks of rank 5",
          "d.w3_blocks": f"the other half of its gate/up pair, d.w1, is declined {BOTH}",
-         "e.w1.weight_packed": "weight_packed I8 with weight_scale U8: not MXFP4 (E8M0 scales)",
+         "e.w1.weight_packed": "weight_packed I8 with weight_scale U8: the names are compressed-tensors' MXFP4 form, the dtypes are not "
+                                               "(expected U8 codes with U8 E8M0 block scales)",
          "e.w3.weight_packed": f"the other half of its gate/up pair, e.w1, is declined {BOTH}"}, ["x.w1", "x.w3"]),
     "deepseek scale missing, config says fp4": (
         [*_ds(f"{E}.0.gate_proj", 32, 64), (f"{E}.0.up_proj.weight", "I8", (32, 32)), *_ds(f"{E}.0.down_proj", 64, 32),

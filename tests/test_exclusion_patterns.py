@@ -236,12 +236,14 @@ def test_sglang_ancestor_is_a_whole_component_prefix():
 
 def _linear_leaves_of(architecture: str) -> set[str]:
     """The Linear names a model of ``architecture`` has in its checkpoints: from transformers' modeling code
-    (``self.NAME =``), or for DeepSeek-V4 (original naming) from the bundled checkpoint's tensor names."""
-    if architecture == engines.ARCH_DEEPSEEK_V4:
+    (``self.NAME =``), or for DeepSeek-V4 (original naming) and Kimi-K3 (no transformers model) from the bundled
+    checkpoint's tensor names."""
+    bundled = {engines.ARCH_DEEPSEEK_V4: "deepseek", "KimiK3ForConditionalGeneration": "kimi_k3"}
+    if architecture in bundled:
         from safetensors import safe_open
 
         leaves = set()
-        for path in (ROOT / "models" / "checkpoints" / "deepseek").glob("*.safetensors"):
+        for path in (ROOT / "models" / "checkpoints" / bundled[architecture]).glob("*.safetensors"):
             with safe_open(path, "pt") as f:
                 leaves |= {k.split(".")[-2] for k in f.keys() if k.endswith(".weight")}
         return leaves

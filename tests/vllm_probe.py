@@ -45,9 +45,14 @@ def vllm_path() -> list[str]:
 
 MODEL_CLASSES = {
     "GptOssForCausalLM": ("vllm.model_executor.models.gpt_oss", "GptOssForCausalLM"),
+    "KimiK3ForConditionalGeneration": ("vllm.models.kimi_k3.nvidia.model", "KimiK3ForConditionalGeneration"),
     "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "DeepseekV4ForCausalLM": ("vllm.models.deepseek_v4.nvidia.model", "DeepseekV4ForCausalLM"),
 }
+
+
+#: model classes whose packed_modules_mapping is their text model's (SupportsQuant collects the children's)
+PACKED_FROM = {"KimiK3ForConditionalGeneration": ("vllm.models.kimi_k3.nvidia.model", "KimiLinearModel")}
 
 
 def _stub_parallel_state() -> None:
@@ -139,17 +144,36 @@ def _moe_params(quant_config, experts: int, hidden: int, inter: int) -> list:
     return [[n, str(p.dtype).replace("torch.", ""), list(p.shape)] for n, p in layer.named_parameters()]
 
 
+def _hf_config(folder: Path, config: dict) -> dict:
+    """config.json as vLLM's own config loader reads it (transformers_utils/config.py ``get_config``), for a
+    nested config: Kimi-K3's ``KimiK3Config`` (transformers_utils/configs/kimi_k3.py) copies
+    ``text_config.quantization_config`` up to the top."""
+    if not any(isinstance(v, dict) and "quantization_config" in v for v in config.values()):
+        return config
+    from vllm.transformers_utils.config import get_config
+
+    parsed = get_config(str(folder), trust_remote_code=False)
+    out = dict(config)
+    qc = getattr(parsed, "quantization_config", None)
+    if qc is not None:
+        out["quantization_config"] = qc if isinstance(qc, dict) else qc.to_dict()
+    return out
+
+
 def probe(folder: Path) -> dict:
     import importlib
 
     from vllm.model_executor.layers.quantization import get_quantization_config
 
-    config = json.loads((folder / "config.json").read_text())
+    config = _hf_config(folder, json.loads((folder / "config.json").read_text()))
     arch = config["architectures"][0]
     module_name, class_name = MODEL_CLASSES[arch]
     model_cls = getattr(importlib.import_module(module_name), class_name)
     mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
     packed = dict(getattr(model_cls, "packed_modules_mapping", {}))
+    if arch in PACKED_FROM:  # a wrapper whose SupportsQuant takes its text model's mapping when it is built
+        packed = dict(getattr(importlib.import_module(PACKED_FROM[arch][0]), PACKED_FROM[arch][1])
+                      .packed_modules_mapping)
     if arch == "DeepseekV3ForCausalLM" and config.get("q_lora_rank") is not None:
         packed["fused_qkv_a_proj"] = ["q_a_proj", "kv_a_proj_with_mqa"]  # DeepseekV2ForCausalLM.__init__
     out: dict = {"architecture": arch}
@@ -298,9 +322,101 @@ def rules(cases: list[dict]) -> list:
     return out
 
 
+def load(folder: Path) -> dict:
+    """Build the folder's model with vLLM's own classes on CPU (``ModelConfig`` and ``VllmConfig`` from the
+    folder, ``initialize_model``) and give every tensor of the folder to the model's ``load_weights``, one at a
+    time: ``{"model", "params", "unloaded_params", "skipped_tensors", "errors"}``. ``skipped_tensors``: the
+    tensors ``load_weights`` took into no parameter (skipped in silence); ``errors``: those it raised on.
+
+    Stubs, beyond the probe's TP rank and size: CUDA streams and events (no CUDA here), the platform's device
+    (CPU, set after the config is checked), the NVFP4 MoE kernel choice (vLLM's EMULATION backend: no GPU
+    kernel is selectable on a CPU), and Kimi-K3's GEMM all-reduce flags off (they need NVLink)."""
+    import glob
+
+    import torch
+    from safetensors import safe_open
+
+    import vllm.platforms as platforms
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms.cpu import CpuPlatform
+
+    class _Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, *args):
+            pass
+
+    torch.cuda.Stream = torch.cuda.Event = _Stream
+    model_config = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="bfloat16", skip_tokenizer_init=True)
+    vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+    previous = platforms._current_platform
+    platforms._current_platform = CpuPlatform()
+    emulation = (NvFp4MoeBackend.EMULATION, None)
+    stubbed = []
+    for name in ("vllm.model_executor.layers.quantization.modelopt",
+                 "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                 "compressed_tensors_moe_w4a4_nvfp4"):
+        module = __import__(name, fromlist=["_"])
+        stubbed.append((module, module.select_nvfp4_moe_backend))
+        module.select_nvfp4_moe_backend = lambda **kwargs: emulation
+    for module_name in ("vllm.models.kimi_k3.nvidia.model",):
+        module = __import__(module_name, fromlist=["_"])
+        module.current_platform = platforms._current_platform
+    try:
+        with set_current_vllm_config(vllm_config), torch.device("cpu"):
+            _init_distributed()
+            model = initialize_model(vllm_config=vllm_config)
+            params = {n for n, _ in model.named_parameters()}
+            loaded: set[str] = set()
+            skipped, errors = [], []
+            for shard in sorted(glob.glob(str(folder / "*.safetensors"))):
+                with safe_open(shard, "pt") as f:
+                    for name in f.keys():
+                        try:
+                            got = set(model.load_weights([(name, f.get_tensor(name))]))
+                        except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the result
+                            errors.append({"tensor": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                            continue
+                        if not got:
+                            skipped.append(name)
+                        loaded |= got
+    finally:
+        platforms._current_platform = previous
+        for module, original in stubbed:
+            module.select_nvfp4_moe_backend = original
+    return {"model": type(model).__name__, "quantization": model_config.quantization, "params": len(params),
+            "unloaded_params": sorted(params - loaded), "skipped_tensors": skipped, "errors": errors}
+
+
+def _init_distributed() -> None:
+    """One process group of one CPU rank (gloo), as vLLM's own CPU tests make: the models' layers ask for it.
+    Once a process."""
+    import socket
+
+    import vllm.distributed.parallel_state as ps
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    if ps._PP is not None:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
+    os.environ.setdefault("VLLM_ENABLE_GEMM_RS", "0")
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel(1, 1)
+
+
 def main(args: list[str]) -> None:
     """``[--rules CASES.json] FOLDER...``: one JSON line, ``{FOLDER: probe, ..., "--rules": [answers]}`` (one
-    import of vLLM for everything)."""
+    import of vLLM for everything); ``--load FOLDER...``: ``{FOLDER: load}``."""
+    if args[:1] == ["--load"]:  # build each folder's model and load its tensors (needs a process of its own)
+        print(json.dumps({f: load(Path(f)) for f in args[1:]}))
+        return
     _stub_parallel_state()
     out = {}
     if args[:1] == ["--rules"]:

@@ -328,7 +328,7 @@ def _share(batches: list[Batch]) -> list[Batch]:
 
 def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
               seq_len: int | None = None, num_samples: int | None = None, hidden_budget_bytes: int | None = None,
-              show_progress: bool | None = False, report_detail: bool = False,
+              show_progress: bool | None = False, report_detail: bool = False, trust_remote_code: bool = False,
               **calibrator_options) -> CheckpointScales:
     """Calibrate the NVFP4 activation scales of the MXFP4 checkpoint ``src_dir`` on ``data`` (module docstring).
 
@@ -336,8 +336,10 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
     :func:`fp4pass.calib.make_calibrator`. ``device``: auto | cpu | cuda. ``hidden_budget_bytes``: hidden states
     kept in memory (the rest go to a temporary folder); default half the free GPU memory or a quarter of the
     available RAM. ``report_detail``: also the report's block fractions and SNR of every scale (a sample of blocks
-    kept per statistic, and a quantization of it per scale; SCALES.json is the same either way). Returns
-    :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as ``scales``.
+    kept per statistic, and a quantization of it per scale; SCALES.json is the same either way).
+    ``trust_remote_code``: a folder whose config.json has an ``auto_map`` runs through its own modeling code
+    (never without it). Returns :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as
+    ``scales``.
     """
     src_dir = resolve_checkpoint(src_dir)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
     start = time.perf_counter()
@@ -348,7 +350,7 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
         if not found.units:
             raise CheckpointError(f"{src_dir}: no MXFP4 weights found, so nothing to calibrate")
         check_config_fields(catalog.config, f"{src_dir}/config.json", catalog.tensors)  # before transformers reads it
-        model_type, cfg = resolve_architecture(catalog.config, src_dir)
+        model_type, cfg = resolve_architecture(catalog.config, src_dir, trust_remote_code)
         every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
                              batch_size=batch_size)  # the data's own errors first: the user's newest input
         check_fits_shards(catalog, found, model_type, cfg)  # before the model is allocated
@@ -356,7 +358,7 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
         batches = _share(every)  # this rank's; the report counts all of them, as its per-expert tokens do
         if not batches:
             raise CalibrationDataError(f"{data}: no calibration rows")
-        runner = LayerRunner(catalog, found, dev)
+        runner = LayerRunner(catalog, found, dev, trust_remote_code=trust_remote_code)
         store = HiddenStore(hidden_budget(dev, hidden_budget_bytes), dev)
         out = CheckpointScales(method.name, model_type=model_type, device=str(dev), layers=runner.num_layers,
                                batches=len(every), tokens=sum(b.tokens for b in every))

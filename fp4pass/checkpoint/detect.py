@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from fp4pass.checkpoint.forms import block_precision
 from fp4pass.checkpoint.safetensors_io import TensorEntry
 
 __all__ = ["Linear", "FusedExperts", "Detected", "detect", "GPT_OSS", "COMPRESSED_TENSORS", "DEEPSEEK"]
@@ -106,6 +107,18 @@ def _decline(declined: list[dict], gone: set[str], entry: TensorEntry, module: s
     gone.add(module)
 
 
+def _ct_dtype_mismatch(codes: TensorEntry, scales: TensorEntry) -> str:
+    """Why compressed-tensors names (``weight_packed`` + ``weight_scale``, shared by its MXFP4 and NVFP4
+    forms) are not an MXFP4 weight: the dtypes decide, and the message names both what the names and what the
+    dtypes say."""
+    if block_precision(scales.dtype) == "nvfp4":
+        return (f"weight_packed {codes.dtype} with weight_scale {scales.dtype}: the names are compressed-tensors' "
+                f"(MXFP4 or NVFP4), the {scales.dtype} block scale is NVFP4's, not MXFP4's U8 E8M0: this weight "
+                "is NVFP4 already (check the folder with fp4pass inspect)")
+    return (f"weight_packed {codes.dtype} with weight_scale {scales.dtype}: the names are compressed-tensors' "
+            "MXFP4 form, the dtypes are not (expected U8 codes with U8 E8M0 block scales)")
+
+
 def _packed_mismatch(codes: TensorEntry, scales: TensorEntry) -> str | None:
     """Why packed codes [N, K/2] and E8M0 scales [N, K/32] do not fit; None when they do."""
     if len(codes.shape) != 2 or len(scales.shape) != 2 or codes.shape[0] != scales.shape[0] \
@@ -161,8 +174,7 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
                          f"MXFP4 codes without their scales tensor {module + '.weight_scale'!r}")
                 continue
             if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
-                _decline(declined, gone, entry, module, f"weight_packed {entry.dtype} with weight_scale "
-                                                        f"{scales.dtype}: not MXFP4 (E8M0 scales)")
+                _decline(declined, gone, entry, module, _ct_dtype_mismatch(entry, scales))
                 continue
             mismatch = _packed_mismatch(entry, scales)
             if mismatch:

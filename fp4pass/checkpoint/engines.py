@@ -23,6 +23,9 @@ from __future__ import annotations
 import operator
 import re
 
+from fp4pass.checkpoint.configs import quantization_config
+from fp4pass.checkpoint.families import deepseek_v4, family_of, fused_shards, gpt_oss
+from fp4pass.checkpoint.forms import GATE_NAMES
 from fp4pass.checkpoint.patterns import BadPattern, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
 
 __all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions", "exclusions", "is_excluded",
@@ -30,37 +33,16 @@ __all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions",
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
-ARCH_GPT_OSS = "GptOssForCausalLM"
-ARCH_DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
+ARCH_GPT_OSS = gpt_oss.FAMILY.architectures[0]
+ARCH_DEEPSEEK_V4 = deepseek_v4.ARCHITECTURE
 
-# The engines' fused modules and their shards, per architecture (config.json ``architectures[0]``), as vLLM
-# 0.33.0 declares them in each model class's ``packed_modules_mapping``:
-#   model_executor/models/gpt_oss.py GptOssForCausalLM; model_executor/models/deepseek_v2.py
-#   DeepseekV2ForCausalLM.__init__ (``fused_qkv_a_proj`` only when config.q_lora_rank is set, ``qkv_proj``
-#   only for MHA); models/deepseek_v4/nvidia/model.py DeepseekV4ForCausalLM; models/kimi_k3/nvidia/model.py;
-#   model_executor/models/qwen3_moe.py.
-FUSED_SHARDS: dict[str, dict[str, tuple[str, ...]]] = {
-    ARCH_GPT_OSS: {"qkv_proj": ("q_proj", "k_proj", "v_proj")},
-    "DeepseekV3ForCausalLM": {"gate_up_proj": ("gate_proj", "up_proj"),
-                              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
-    "DeepseekV2ForCausalLM": {"gate_up_proj": ("gate_proj", "up_proj"),
-                              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
-    ARCH_DEEPSEEK_V4: {"gate_up_proj": ("w1", "w3"), "fused_wqa_wkv": ("wq_a", "wkv"),
-                       "fused_wkv_wgate": ("wkv", "wgate")},
-    "KimiLinearForCausalLM": {"gate_up_proj": ("gate_proj", "up_proj"),
-                              "in_proj_qkvgfab": ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"),
-                              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
-    "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
-}
+#: architecture -> the engines' fused modules and their shards (vLLM's ``packed_modules_mapping`` of each model
+#: class), from the family records (:mod:`fp4pass.checkpoint.families`)
+FUSED_SHARDS: dict[str, dict[str, tuple[str, ...]]] = fused_shards()
 
 # SGLang 0.5.23 layers/quantization/utils.py ``_FALLBACK_FUSED_SHARDS``: the fused modules SGLang splits when
 # the quantization config carries no ``packed_modules_mapping`` (ours never does).
 _SGLANG_FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-# vLLM 0.33.0 models/deepseek_v4/nvidia/model.py ``_make_deepseek_v4_weights_mapper``: the module renames of
-# DeepSeek-V4's ``hf_to_vllm_mapper`` (prefixes, then the substring and suffix renames that touch modules).
-_DSV4_PREFIX = (("layers.", "model.layers."), ("embed.", "model.embed."), ("norm.", "model.norm."),
-                ("hc_head", "model.hc_head"), ("mtp.", "model.mtp."))
 
 
 class MixedShards(ValueError):
@@ -68,23 +50,12 @@ class MixedShards(ValueError):
 
 
 def vllm_module_name(architecture: str | None, module: str) -> str:
-    """The name vLLM gives the module ``module`` of a checkpoint of ``architecture`` (its hf_to_vllm_mapper).
-
-    Only DeepSeek-V4 renames module paths (``layers.`` -> ``model.layers.``, ``head`` -> ``lm_head``, ``embed``
-    -> ``model.embed_tokens``, ``.shared_experts.w2`` -> ``.shared_experts.down_proj``); gpt-oss's
-    ``.self_attn.`` -> ``.attn.`` is applied to patterns and names alike, so it never changes a match.
+    """The name vLLM gives the module ``module`` of a checkpoint of ``architecture`` (its hf_to_vllm_mapper, as
+    the family record restates it: DeepSeek-V4's ``layers.`` -> ``model.layers.``, ``head`` -> ``lm_head``;
+    Kimi-K3's ``mm_projector.proj.0`` -> ``mm_projector.linear_1``). gpt-oss's ``.self_attn.`` -> ``.attn.`` is
+    applied to patterns and names alike, so it never changes a match and is not recorded.
     """
-    if architecture != ARCH_DEEPSEEK_V4:
-        return module
-    if module == "head":
-        return "lm_head"
-    if module == "embed":
-        return "model.embed_tokens"
-    for old, new in _DSV4_PREFIX:
-        if module.startswith(old):
-            module = new + module[len(old):]
-            break
-    return module.replace(".shared_experts.w2", ".shared_experts.down_proj")
+    return family_of(architecture).vllm_name(module)
 
 
 def _split_prefix_wildcards(patterns: list[str]) -> list[str]:
@@ -244,6 +215,85 @@ class _Trtllm:
         return self.globs.match(module)
 
 
+class SchemeTargets:
+    """compressed-tensors ``config_groups[*].targets``, as vLLM 0.33.0 reads them (compressed_tensors/utils.py
+    ``find_matched_target``; SGLang's copy of it likewise): a Linear that no target matches gets no scheme and
+    stays unquantized (``CompressedTensorsConfig.get_scheme`` returns None). A target matches a layer's name
+    exactly, or as a ``re:`` regex (``re.match``), or for a fused layer every shard's name, or the layer's class
+    name by containment, so ``Linear`` matches every Linear class (``QKVParallelLinear``, ``ReplicatedLinear``)."""
+
+    def __init__(self, targets: list[str], where: str):
+        targets = entries(targets, where)
+        self.every = any(not t.startswith("re:") and "." not in t and t.endswith("Linear") for t in targets)
+        self.names = {t for t in targets if not t.startswith("re:")}
+        self.regexes = RegexList([t[3:] for t in targets if t.startswith("re:")], where,
+                                 shown={t[3:]: t for t in targets if t.startswith("re:")})
+
+    def _one(self, name: str) -> bool:
+        return name in self.names or self.regexes.search(name)
+
+    def matches(self, name: str, shards: list[str] | None = None) -> bool:
+        return self.every or self._one(name) or (bool(shards) and all(self._one(s) for s in shards))
+
+
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+
+class QuantizedLayers:
+    """vLLM 0.33.0 modelopt.py ``ModelOptMixedPrecisionConfig`` (``quant_algo: MIXED_PRECISION``): a layer that
+    the exclusion list does not exclude takes the algorithm ``_resolve_quant_algo`` finds for it in
+    ``quantized_layers``, and stays unquantized where it finds none (``get_quant_method``):
+
+    1. the layer's name itself (or its candidates: ``lm_head`` for ``*.lm_head``, ``language_model.model.X`` <->
+       ``model.language_model.X``);
+    2. a fused layer: its shards' entries (all one algorithm);
+    3. an entry below the layer (``key`` starting with ``name + "."``): the first such entry's algorithm;
+    4. a routed-experts layer ``P.experts``: the first entry below ``P``.
+
+    Indexed once: every dotted ancestor of every key maps to the first key's algorithm under it."""
+
+    def __init__(self, layers: dict, packed: dict[str, tuple[str, ...]]):
+        self.algos = {str(k): str(v.get("quant_algo", "")).upper() for k, v in layers.items() if isinstance(v, dict)}
+        self.packed = packed
+        self.below: dict[str, str] = {}
+        for key, algo in self.algos.items():
+            parts = key.split(".")
+            for depth in range(1, len(parts)):
+                self.below.setdefault(".".join(parts[:depth]), algo)
+
+    @staticmethod
+    def _candidates(name: str) -> list[str]:
+        out = [name]
+        if name.endswith(".lm_head"):
+            out.append("lm_head")
+        for a, b in (("language_model.model.", "model.language_model."), ("model.language_model.", "language_model.model.")):
+            if name.startswith(a):
+                out.append(b + name[len(a):])
+                break
+        return out
+
+    def algo(self, name: str) -> str | None:
+        """The algorithm vLLM gives the layer ``name`` (upper case), None when it stays unquantized."""
+        for c in self._candidates(name):
+            if c in self.algos:
+                return self.algos[c]
+        base, _, last = name.rpartition(".")
+        if last in self.packed:
+            found = {self.algos[f"{b}.{s}"] for b in self._candidates(base) for s in self.packed[last]
+                     if f"{b}.{s}" in self.algos}
+            if len(found) > 1:
+                raise MixedShards(f"{name}: its shards take {', '.join(sorted(found))} in quantized_layers "
+                                  "(vLLM: mixed quant_algo within a fused layer)")
+            if found:
+                return found.pop()
+        for c in self._candidates(name):
+            if c in self.below:
+                return self.below[c]
+        if name.endswith(".experts"):
+            return self.below.get(name.rsplit(".experts", 1)[0])
+        return None
+
+
 class Exclusions:
     """How ``engine`` reads the exclusion list ``exclude``, indexed once for many modules.
 
@@ -255,7 +305,8 @@ class Exclusions:
     """
 
     def __init__(self, engine: str, exclude, form: str = "modelopt", architecture: str | None = None,
-                 where: str = "the exclusion list"):
+                 where: str = "the exclusion list", quantized_layers: dict | None = None,
+                 targets: list[str] | None = None):
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
         exclude = entries(exclude, where)
@@ -266,27 +317,57 @@ class Exclusions:
                           _SglangCompressedTensors(exclude, where))
         else:
             self._rule = _VllmModelopt(exclude, where) if engine == "vllm" else _SglangModelopt(exclude, where)
+        # SGLang looks modules up by its model's run-time names (Kimi-K3: ``model.layers.3.mlp.gate`` for the
+        # checkpoint's ``language_model.model.layers.3.block_sparse_moe.gate``); vLLM's renames are its rule's own
+        self._rename = family_of(architecture).sglang_name if engine == "sglang" else None
+        # MIXED_PRECISION (vLLM): a layer not excluded is NVFP4 only where quantized_layers says so
+        self._mixed = (QuantizedLayers(quantized_layers, family_of(architecture).vllm_fused)
+                       if quantized_layers is not None and engine == "vllm" else None)
+        # compressed-tensors: a Linear that no config group targets stays unquantized (vLLM and SGLang)
+        self._targets = (SchemeTargets(targets, f"{where} (config_groups targets)")
+                         if targets is not None and form == "compressed-tensors" and engine != "trtllm" else None)
+        self._vllm_name = (lambda n: vllm_module_name(architecture, n)) if engine == "vllm" else (lambda n: n)
+
+    def _targeted(self, module: str, shards: list[str] | None) -> bool:
+        """Whether a compressed-tensors config group targets ``module``. A routed-experts layer ``P.experts`` is
+        matched through its first expert's gate projection under vLLM's RoutedExperts module
+        (compressed_tensors_moe.py ``get_moe_method``: ``{layer}.0.{ckpt_gate_proj_name}``, the layer being
+        ``P.experts.routed_experts`` in 0.33), whichever gate name the family's checkpoints use."""
+        if module.endswith(".experts"):
+            return any(self._targets.matches(self._vllm_name(f"{module}.routed_experts.0.{gate}"))
+                       for gate in GATE_NAMES)
+        return self._targets.matches(self._vllm_name(module), [self._vllm_name(s) for s in shards] if shards else None)
 
     def excluded(self, module: str, shards: list[str] | None = None) -> bool:
-        """Whether the engine keeps ``module`` unquantized (see :func:`is_excluded`)."""
-        return self._rule(module, shards)
+        """Whether the engine keeps ``module`` out of NVFP4 (see :func:`is_excluded`); under
+        MIXED_PRECISION also a layer that ``quantized_layers`` leaves unquantized or gives another algorithm."""
+        if self._rename is not None:
+            module = self._rename(module)
+            shards = [self._rename(s) for s in shards] if shards else shards
+        if self._rule(module, shards):
+            return True
+        if self._targets is not None and not self._targeted(module, shards):
+            return True
+        return self._mixed is not None and self._mixed.algo(module) not in NVFP4_ALGOS
 
 
-_RECENT: list[tuple[tuple, list, Exclusions]] = []  # the last lists indexed: validate and its verdicts share them
+_RECENT: list[tuple[tuple, list, dict | None, Exclusions]] = []  # the last lists indexed: validate and its verdicts share them
 _RECENT_KEPT = 6
 
 
 def exclusions(engine: str, exclude, form: str = "modelopt", architecture: str | None = None,
-               where: str = "the exclusion list") -> Exclusions:
+               where: str = "the exclusion list", quantized_layers: dict | None = None,
+               targets: list[str] | None = None) -> Exclusions:
     """:class:`Exclusions` for the list object ``exclude``, reusing the index built for that very list (the
     same object, unchanged in length) by a recent call: a checkpoint's list is read once and judged twice,
     by the validator's checks and by the engine verdicts, and a 600,000-entry list takes a second to index."""
-    key = (engine, form, architecture, where, id(exclude), len(exclude) if isinstance(exclude, list) else -1)
-    for known, listed, rules in _RECENT:
-        if known == key and listed is exclude:
+    key = (engine, form, architecture, where, id(exclude), len(exclude) if isinstance(exclude, list) else -1,
+           id(quantized_layers), tuple(targets) if isinstance(targets, list) else None)
+    for known, listed, layers, rules in _RECENT:
+        if known == key and listed is exclude and layers is quantized_layers:
             return rules
-    rules = Exclusions(engine, exclude, form, architecture, where)
-    _RECENT.insert(0, (key, exclude, rules))
+    rules = Exclusions(engine, exclude, form, architecture, where, quantized_layers, targets)
+    _RECENT.insert(0, (key, exclude, quantized_layers, rules))
     del _RECENT[_RECENT_KEPT:]
     return rules
 
@@ -396,7 +477,7 @@ def _quant_config_for(engine: str, config: dict, hf_quant: dict | None) -> tuple
     configs/model_config.py: the same order. TensorRT-LLM _torch/model_config.py: hf_quant_config.json when
     present (authoritative), else config.json's ``quantization_config``.
     """
-    qc = config.get("quantization_config")
+    qc = quantization_config(config)  # a nested text_config's where the top has none (vLLM's KimiK3Config)
     if engine == "trtllm" and hf_quant is not None:
         return hf_quant, "hf_quant_config.json"
     if qc is not None:
@@ -425,11 +506,19 @@ def _modelopt_fields(qc: dict, source: str) -> tuple[str, list[str], bool, str]:
     return str(qc.get("quant_algo", "")).upper(), entries(qc.get(key), where), weight_only, where
 
 
+def _quantized_layers(qc: dict) -> dict | None:
+    """A ModelOpt MIXED_PRECISION description's ``quantized_layers`` (either layout), None when absent."""
+    q = qc["quantization"] if isinstance(qc.get("quantization"), dict) else qc
+    layers = q.get("quantized_layers")
+    return layers if isinstance(layers, dict) else None
+
+
 def _exclusion_problems(engine: str, architecture, kinds: dict[str, str], exclude: list[str], form: str,
-                        expert_quantized: bool = True, where: str = "the exclusion list") -> list[str]:
+                        expert_quantized: bool = True, where: str = "the exclusion list",
+                        quantized_layers: dict | None = None, targets: list[str] | None = None) -> list[str]:
     """Modules the exclusion list gets wrong for ``engine``: an NVFP4 module it excludes, a bf16 Linear it
     leaves to NVFP4, a fused module whose shards disagree."""
-    rules = exclusions(engine, exclude, form, architecture, where)
+    rules = exclusions(engine, exclude, form, architecture, where, quantized_layers, targets)
     linear = [m for m, k in kinds.items() if not _EXPERT.match(m) and _is_linear(m)]
     if engine == "sglang":
         fused = _SGLANG_FALLBACK_FUSED
@@ -473,14 +562,24 @@ def _first(problems: list[str]) -> str:
 
 def _modelopt_verdict(engine: str, qc: dict, source: str, architecture, kinds, names) -> dict:
     algo, exclude, weight_only_groups, where = _modelopt_fields(qc, source)
-    if algo not in {"NVFP4", "W4A16_NVFP4"}:
+    mixed = _quantized_layers(qc) if algo == "MIXED_PRECISION" else None
+    if algo == "MIXED_PRECISION":
+        if engine != "vllm":
+            return _verdict(False, None, f"{source}: ModelOpt MIXED_PRECISION; {engine}'s mixed-precision path was "
+                                         "not read: not claimed")
+        algos = {str(v.get("quant_algo", "")).upper() for v in (mixed or {}).values() if isinstance(v, dict)}
+        if not algos & set(NVFP4_ALGOS):  # ModelOptMixedPrecisionConfig._from_config raises on an empty map
+            return _verdict(False, None, f"{source}: MIXED_PRECISION whose quantized_layers name no NVFP4 layer")
+    elif algo not in NVFP4_ALGOS:
         return _verdict(False, None, f"{source}: quant_algo {algo!r} is not NVFP4 or W4A16_NVFP4")
     if isinstance(qc.get("quantization"), dict):
         missing = [k for k in ("group_size", "kv_cache_quant_algo", "exclude_modules") if k not in qc["quantization"]]
         if engine == "vllm" and missing:  # modelopt.py ModelOptNvFp4Config._from_config
             return _verdict(False, None, f"{source}: vLLM requires {', '.join(missing)} (ModelOptNvFp4Config)")
     nvfp4, have = _input_scales(kinds, names)
-    if engine == "vllm":
+    if mixed is not None:  # each layer's own algorithm: W4A4 where any NVFP4 layer is W4A4
+        mode = "W4A4" if "NVFP4" in algos else "W4A16"
+    elif engine == "vllm":
         # modelopt.py ModelOptNvFp4Config._from_config: NVFP4 with every config group's input_activations null
         # runs as W4A16_NVFP4
         mode = "W4A16" if algo == "W4A16_NVFP4" or weight_only_groups else "W4A4"
@@ -495,10 +594,26 @@ def _modelopt_verdict(engine: str, qc: dict, source: str, architecture, kinds, n
                          "activations; write quant_algo W4A16_NVFP4 for weight-only",
                "trtllm": "TensorRT-LLM's NVFP4 linear and MoE load an input_scale per module"}[engine]
         return _verdict(False, None, f"{lacking[0]}: no input_scale ({len(lacking)} module(s)): {why}")
-    problems = _exclusion_problems(engine, architecture, kinds, exclude, "modelopt", where=where)
+    problems = _exclusion_problems(engine, architecture, kinds, exclude, "modelopt", where=where,
+                                   quantized_layers=mixed)
     if problems:
         return _verdict(False, None, f"{source} exclusions: {_first(problems)}")
-    return _verdict(True, mode, f"{source}: ModelOpt {algo}, exclusions cover every bf16 Linear")
+    covered = "quantized_layers and exclusions leave" if mixed is not None else "exclusions cover"
+    return _verdict(True, mode, f"{source}: ModelOpt {algo}, {covered} every bf16 Linear")
+
+
+def ct_targets(qc: dict | None) -> list[str] | None:
+    """Every compressed-tensors config group's ``targets`` (one list), None when a group has none to read."""
+    groups = (qc or {}).get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return None
+    out: list[str] = []
+    for group in groups.values():
+        targets = group.get("targets") if isinstance(group, dict) else None
+        if not isinstance(targets, list):
+            return None
+        out += [t for t in targets if isinstance(t, str)]
+    return out
 
 
 def _ct_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
@@ -520,7 +635,7 @@ def _ct_verdict(engine: str, qc: dict, architecture, kinds, names) -> dict:
                                      "input_activations is set: W4A4 divides by an uninitialised scale")
     where = "config.json quantization_config.ignore"
     problems = _exclusion_problems(engine, architecture, kinds, entries(qc.get("ignore"), where),
-                                   "compressed-tensors", where=where)
+                                   "compressed-tensors", where=where, targets=ct_targets(qc))
     if problems:
         return _verdict(False, None, f"config.json ignore: {_first(problems)}")
     return _verdict(True, mode, "compressed-tensors nvfp4-pack-quantized, ignore covers every bf16 Linear")
@@ -607,6 +722,10 @@ def _engine_verdict(engine: str, qc: dict, source: str, architecture, kinds, nam
     method = str(qc.get("quant_method", "")).lower()
     if architecture == ARCH_DEEPSEEK_V4 and engine != "vllm":
         return _deepseek_v4_other(engine, method)
+    family = family_of(architecture)
+    if engine not in family.engines:
+        return _verdict(False, None, f"{engine}: its loader for {architecture} ({family.name}) was not read; "
+                        "not claimed")
     if architecture == ARCH_DEEPSEEK_V4 and method == "fp8":
         return _deepseek_v4_fp8_verdict(engine, qc, architecture, kinds, names)
     if method.startswith("modelopt") or isinstance(qc.get("quantization"), dict):

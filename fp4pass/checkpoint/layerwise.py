@@ -65,14 +65,24 @@ _FP8_DTYPES = ("F8_E4M3",)
 FP8_BLOCK = 128
 
 
-def resolve_architecture(config: dict, folder) -> tuple[str, object]:
+def resolve_architecture(config: dict, folder, trust_remote_code: bool = False) -> tuple[str, object]:
     """(model type, transformers config object) for ``config.json`` (module docstring's rule). A config from a
     stranger has its counts checked before this (:func:`fp4pass.checkpoint.model_limits.check_config_fields`);
-    what transformers' config class itself refuses is a :class:`CheckpointError` naming it."""
+    what transformers' config class itself refuses is a :class:`CheckpointError` naming it.
+
+    A folder that ships its own modeling code (config.json ``auto_map``) runs through that code only under
+    ``trust_remote_code`` (it executes the folder's Python files, as transformers, vLLM and ModelOpt do with the
+    same flag); then the folder's code is taken even where transformers has a model of that type. Without the
+    flag, and without a transformers model, it is a :class:`CheckpointError` naming the flag."""
     import transformers
     from transformers import CONFIG_MAPPING
 
     model_type = config.get("model_type")
+    auto_map = config.get("auto_map") if isinstance(config.get("auto_map"), dict) else {}
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config", "architectures",
+                                                           "transformers_version", "auto_map")}
+    if trust_remote_code and auto_map:
+        return _remote_architecture(auto_map, fields, folder)
     chosen = model_type if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
     if chosen is None:
         for arch in config.get("architectures") or []:
@@ -81,17 +91,47 @@ def resolve_architecture(config: dict, folder) -> tuple[str, object]:
             if config_class is not None and getattr(config_class, "model_type", None) in CONFIG_MAPPING:
                 chosen = config_class.model_type
                 break
+    if chosen is None and auto_map:
+        raise CheckpointError(f"{folder}: model_type {model_type!r} runs only through the folder's own modeling "
+                              f"code (config.json auto_map: {', '.join(sorted(map(str, auto_map.values())))}); "
+                              "give --trust-remote-code to run it (it executes that code), or convert without "
+                              "calibration: --input-scale X or --scales SCALES.json")
     if chosen is None:
         raise CheckpointError(f"{folder}: model_type {model_type!r} (architectures {config.get('architectures')}): "
                               f"transformers {transformers.__version__} has no such model, so its forward cannot "
-                              "run for calibration")
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config", "architectures",
-                                                           "transformers_version")}
+                              "run for calibration or a diff; convert it without one: --input-scale X (one "
+                              "activation scale for every expert) or --scales SCALES.json (calibrated elsewhere)")
     try:
         cfg = CONFIG_MAPPING[chosen](**fields)
     except (TypeError, ValueError, _config_validation_error()) as exc:
         raise CheckpointError(f"{folder}/config.json: transformers' {chosen} config refuses it ({exc})") from None
     return chosen, cfg
+
+
+def _remote_architecture(auto_map: dict, fields: dict, folder) -> tuple[str, object]:
+    """The folder's own config class (``auto_map["AutoConfig"]``) built from config.json's fields, remembering
+    the folder and the map so that :func:`build_skeleton` builds the folder's own causal LM."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    for key in ("AutoConfig", "AutoModelForCausalLM"):
+        if not isinstance(auto_map.get(key), str):
+            raise CheckpointError(f"{folder}/config.json: auto_map has no {key} entry, which calibration needs to "
+                                  "build the folder's model from its own code")
+    try:
+        config_class = get_class_from_dynamic_module(auto_map["AutoConfig"], str(folder))
+        cfg = config_class(**fields)
+    except (OSError, ImportError, AttributeError, TypeError, ValueError, SyntaxError,
+            _config_validation_error()) as exc:
+        raise CheckpointError(f"{folder}: its own config code ({auto_map['AutoConfig']}) fails: "
+                              f"{type(exc).__name__}: {exc}") from None
+    cfg._name_or_path = str(folder)  # where from_config finds the modeling code
+    cfg.auto_map = dict(auto_map)
+    return str(getattr(cfg, "model_type", "") or config_class.__name__), cfg
+
+
+def _is_remote(cfg) -> bool:
+    """A config object made by :func:`_remote_architecture` (its class loaded from a folder's own code)."""
+    return bool(getattr(cfg, "auto_map", None)) and type(cfg).__module__.startswith("transformers_modules")
 
 
 def _config_validation_error() -> type[Exception]:
@@ -108,9 +148,10 @@ def build_skeleton(model_type: str, cfg, dtype=torch.bfloat16):
     """The causal LM of ``cfg`` on the meta device (eager attention, eager experts); (model, base model)."""
     from transformers import AutoModelForCausalLM
 
+    remote = {"trust_remote_code": True} if _is_remote(cfg) else {}  # consent was given where cfg was made
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager",
-                                                 experts_implementation="eager")
+                                                 experts_implementation="eager", **remote)
     model.eval()
     base = getattr(model, model.base_model_prefix, model)
     if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
@@ -577,11 +618,13 @@ class LayerRunner:
     """The model of a checkpoint, run layer by layer on ``batches`` (module docstring)."""
 
     def __init__(self, catalog: Catalog, found, device: torch.device, dtype=torch.bfloat16,
-                 config: dict | None = None):
+                 config: dict | None = None, trust_remote_code: bool = False):
         """``found``: the checkpoint's quantized units (:func:`fp4pass.checkpoint.detect.detect`, or another
-        form's decoded units); ``config``: the model's config.json when it is not the catalog's own."""
+        form's decoded units); ``config``: the model's config.json when it is not the catalog's own;
+        ``trust_remote_code``: run the folder's own modeling code (:func:`resolve_architecture`)."""
         self.catalog, self.device = catalog, device
-        self.model_type, self.cfg = resolve_architecture(catalog.config if config is None else config, catalog.folder)
+        self.model_type, self.cfg = resolve_architecture(catalog.config if config is None else config, catalog.folder,
+                                                         trust_remote_code)
         self.model, self.base = build_skeleton(self.model_type, self.cfg, dtype)
         self.sources = WeightSources.build(catalog, found, self.model_type)
         self.loader = WeightLoader(catalog, self.sources, device)

@@ -32,12 +32,17 @@ import re
 
 from importlib import metadata
 
+from fp4pass.checkpoint.configs import quantization_config as source_quantization_config
+from fp4pass.checkpoint.configs import with_quantization_config
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.engines import ARCH_DEEPSEEK_V4, vllm_module_name
+from fp4pass.checkpoint.families import architecture_of, family_of
+from fp4pass.checkpoint.forms import CT_NVFP4, MODELOPT_LINEAR, MODELOPT_STACK, Form
 from fp4pass.checkpoint.safetensors_io import OutputSpec
 
 __all__ = ["MODELOPT", "COMPRESSED_TENSORS_FORMAT", "FORMATS", "linear_specs", "fused_specs", "exclude_list",
-           "hf_quant_config", "quantization_config", "side_configs", "output_style", "quant_algo", "PRODUCER"]
+           "hf_quant_config", "quantization_config", "side_configs", "output_style", "quant_algo", "PRODUCER",
+           "nvfp4_form"]
 
 MODELOPT, COMPRESSED_TENSORS_FORMAT = "modelopt", "compressed-tensors"
 FORMATS = (MODELOPT, COMPRESSED_TENSORS_FORMAT)
@@ -54,25 +59,34 @@ PRODUCER = {"name": "fp4pass", "version": _version()}
 GROUP_SIZE = 16
 
 
+def nvfp4_form(fmt: str) -> Form:
+    """The per-Linear NVFP4 form written for ``--format fmt`` (:mod:`fp4pass.checkpoint.forms`)."""
+    return MODELOPT_LINEAR if fmt == MODELOPT else CT_NVFP4
+
+
+def _spec(form: Form, module: str, role: str, shape: tuple) -> OutputSpec:
+    r = form.role(role)
+    return OutputSpec(r.name(module), r.dtypes[0], shape)
+
+
 def linear_specs(lin: Linear, fmt: str, with_input: bool) -> list[OutputSpec]:
-    """The output tensors of one converted Linear, in writing order."""
-    m, n, k = lin.module, lin.rows, lin.cols
-    if fmt == MODELOPT:
-        specs = [OutputSpec(f"{m}.weight", "U8", (n, k // 2)), OutputSpec(f"{m}.weight_scale", "F8_E4M3", (n, k // 16)),
-                 OutputSpec(f"{m}.weight_scale_2", "F32", ())]
-        return specs + ([OutputSpec(f"{m}.input_scale", "F32", ())] if with_input else [])
-    specs = [OutputSpec(f"{m}.weight_packed", "U8", (n, k // 2)),
-             OutputSpec(f"{m}.weight_scale", "F8_E4M3", (n, k // 16)),
-             OutputSpec(f"{m}.weight_global_scale", "F32", (1,))]
-    return specs + ([OutputSpec(f"{m}.input_global_scale", "F32", (1,))] if with_input else [])
+    """The output tensors of one converted Linear [N, K], in writing order: codes [N, K/2], block scales
+    [N, K/16], the global scale ([] for ModelOpt's multiplier, [1] for compressed-tensors' divisor) and, with
+    input scales, the activation scale of the same shape."""
+    form, m, n, k = nvfp4_form(fmt), lin.module, lin.rows, lin.cols
+    scalar = () if fmt == MODELOPT else (1,)
+    specs = [_spec(form, m, "codes", (n, k // 2)), _spec(form, m, "block_scales", (n, k // 16)),
+             _spec(form, m, "global_scale", scalar)]
+    return specs + ([_spec(form, m, "input_scale", scalar)] if with_input else [])
 
 
 def fused_specs(unit: FusedExperts, with_input: bool) -> list[OutputSpec]:
-    """The output tensors of a gpt-oss expert stack (ModelOpt only)."""
-    p, e, n, k = unit.name, unit.experts, unit.rows, unit.cols
-    specs = [OutputSpec(p, "U8", (e, k // 2, n)), OutputSpec(f"{p}_weight_scale", "F8_E4M3", (e, k // 16, n)),
-             OutputSpec(f"{p}_weight_scale_2", "F32", ())]
-    return specs + ([OutputSpec(f"{p}_input_scale", "F32", ())] if with_input else [])
+    """The output tensors of a gpt-oss expert stack (ModelOpt only): [E, K/2, N] codes, [E, K/16, N] block
+    scales, one global (and input) multiplier for all experts."""
+    form, p, e, n, k = MODELOPT_STACK, unit.name, unit.experts, unit.rows, unit.cols
+    specs = [_spec(form, p, "codes", (e, k // 2, n)), _spec(form, p, "block_scales", (e, k // 16, n)),
+             _spec(form, p, "global_scale", ())]
+    return specs + ([_spec(form, p, "input_scale", ())] if with_input else [])
 
 
 def _prefix_wildcard(module: str, converted: list[str]) -> str:
@@ -90,8 +104,8 @@ def output_style(fmt: str, source_config: dict | None) -> str:
     """"modelopt", "compressed-tensors", or "deepseek-v4-fp8": ModelOpt tensors under DeepSeek-V4's own FP8
     config with ``moe_quant_algo`` (what vLLM's DeepSeek-V4 loader reads; models/deepseek_v4/quant_config.py)."""
     config = source_config or {}
-    qc = config.get("quantization_config") or {}
-    if fmt == MODELOPT and (config.get("architectures") or [None])[0] == ARCH_DEEPSEEK_V4 \
+    qc = source_quantization_config(config) or {}
+    if fmt == MODELOPT and architecture_of(config) == ARCH_DEEPSEEK_V4 \
             and str(qc.get("quant_method", "")).lower() == "fp8":
         return "deepseek-v4-fp8"
     return fmt
@@ -114,7 +128,7 @@ def exclude_list(kept_modules: list[str], converted_modules: list[str], fmt: str
     an FP8 ``.scale`` (those stay FP8).
     """
     style = output_style(fmt, source_config)
-    architecture = ((source_config or {}).get("architectures") or [None])[0]
+    architecture = architecture_of(source_config)
     out: dict[str, None] = {}
     for module in kept_modules:
         if style == MODELOPT:
@@ -128,6 +142,41 @@ def exclude_list(kept_modules: list[str], converted_modules: list[str], fmt: str
             out.setdefault(f"re:^(?:{re.escape(module)}|{re.escape(renamed)})$")
         else:
             out.setdefault(module)
+    return list(out) + _sglang_aliases(list(out), kept_modules, converted_modules, architecture, style)
+
+
+def _sglang_aliases(listed: list[str], kept: list[str], converted: list[str], architecture: str | None,
+                    style: str) -> list[str]:
+    """SGLang's run-time spelling of the entries ``listed`` where the family's differs (Kimi-K3's
+    ``language_model.model.layers.3.block_sparse_moe.gate`` is ``model.layers.3.mlp.gate`` there), so that
+    SGLang's lookups find them too.
+
+    An alias must exclude nothing converted in any engine's reading: vLLM's ModelOpt rule takes an entry that
+    is a substring of a module's name, so ``model.layers.1*`` would cover ``...model.layers.10...``. An alias
+    that could is replaced by the exact aliases of the kept modules it stood for."""
+    family = family_of(architecture)
+    if style == "deepseek-v4-fp8" or all(family.sglang_name(m) == m for m in kept):
+        return []
+    targets = converted + [family.sglang_name(c) for c in converted]
+    have = set(listed)
+    out: dict[str, None] = {}
+
+    def safe(alias: str) -> bool:
+        stem = alias.rstrip("*")
+        return alias not in have and not any(stem in t for t in targets)
+
+    for entry in listed:
+        alias = family.sglang_name(entry)
+        if alias == entry or entry.startswith("re:"):
+            continue
+        if safe(alias):
+            out.setdefault(alias)
+            continue
+        stem = entry.rstrip("*")
+        for module in kept:
+            exact = family.sglang_name(module)
+            if module.startswith(stem) and exact != module and safe(exact):
+                out.setdefault(exact)
     return list(out)
 
 
@@ -174,7 +223,7 @@ def quantization_config(fmt: str, exclude: list[str], with_input: bool, source_c
     need input scales.
     """
     if output_style(fmt, source_config) == "deepseek-v4-fp8":
-        qc = dict(source_config["quantization_config"])
+        qc = dict(source_quantization_config(source_config))
         ignored = list(qc.get("ignored_layers") or [])
         qc["ignored_layers"] = ignored + [m for m in exclude if m not in ignored]
         qc["moe_quant_algo"] = "NVFP4"
@@ -200,10 +249,10 @@ def quantization_config(fmt: str, exclude: list[str], with_input: bool, source_c
 
 def side_configs(fmt: str, source_config: dict, exclude: list[str], with_input: bool) -> tuple[dict, dict | None]:
     """(config.json, hf_quant_config.json or None) of the output: the source's config.json with its
-    ``quantization_config`` replaced; hf_quant_config.json for the ModelOpt form (TensorRT-LLM reads it first),
+    ``quantization_config`` replaced, at the top and in a nested ``text_config`` that had one (Kimi-K3: no config
+    of the output describes the MXFP4 source; :mod:`fp4pass.checkpoint.configs`); hf_quant_config.json for the ModelOpt form (TensorRT-LLM reads it first),
     none for DeepSeek-V4's FP8 form (the FP8 Linears there are not NVFP4)."""
-    config = dict(source_config)
-    config["quantization_config"] = quantization_config(fmt, exclude, with_input, source_config)
+    config = with_quantization_config(source_config, quantization_config(fmt, exclude, with_input, source_config))
     if output_style(fmt, source_config) != MODELOPT:
         return config, None
     return config, hf_quant_config(exclude, with_input)

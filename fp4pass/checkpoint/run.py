@@ -36,7 +36,8 @@ from fp4pass.checkpoint.byte_transpose import transpose_bytes, transpose_read
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
-from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT
+from fp4pass.checkpoint.forms import CT_NVFP4, DIVISOR, MODELOPT_STACK
+from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT, nvfp4_form
 from fp4pass.checkpoint.safetensors_io import (DIRECT_ALIGN, CheckpointError, OutputSpec, SafetensorsFile, ShardWriter,
                                                aligned_view)
 from fp4pass.checkpoint.validate import validate_own_output
@@ -157,23 +158,19 @@ def _write_linears(catalog: Catalog, writer: ShardWriter, item: Item, conv: engi
             with catalog.shards[lin.codes.shard].opened() as fd:
                 writer.copy_from(name, fd, lin.codes.begin, lin.codes.nbytes, lin.codes.shard)
 
+    form = nvfp4_form(fmt)
+    divisor = form.convention == DIVISOR  # compressed-tensors stores the reciprocals of the multipliers
     for i, lin in enumerate(_members(item.unit)):
         m = lin.module
-        block = conv.scales[i]
-        if fmt == MODELOPT:
-            write_codes(f"{m}.weight", i, lin)
-            writer.write(f"{m}.weight_scale", block)
-            writer.write(f"{m}.weight_scale_2", _f32(conv.global_scale))
-            if scales.values:
-                writer.write(f"{m}.input_scale", _f32(scales.values[m]))
-        else:
-            write_codes(f"{m}.weight_packed", i, lin)
-            writer.write(f"{m}.weight_scale", block)
-            writer.write(f"{m}.weight_global_scale",
-                         _f32(_reciprocal(conv.global_scale, lin, f"{m}.weight_global_scale")).reshape(1))
-            if scales.values:
-                writer.write(f"{m}.input_global_scale",
-                             _f32(_reciprocal(scales.values[m], lin, f"{m}.input_global_scale")).reshape(1))
+        write_codes(form.tensor(m, "codes"), i, lin)
+        writer.write(form.tensor(m, "block_scales"), conv.scales[i])
+        for role, multiplier in (("global_scale", conv.global_scale),
+                                 ("input_scale", scales.values[m] if scales.values else None)):
+            if multiplier is None:
+                continue
+            name = form.tensor(m, role)
+            value = _f32(_reciprocal(multiplier, lin, name)).reshape(1) if divisor else _f32(multiplier)
+            writer.write(name, value)
 
 
 def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv: engine.Converted,
@@ -216,9 +213,9 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
                 pending = pool.submit(writer.write_part, name, out)
             pending.result()
             pending = None
-    writer.write(f"{p}_weight_scale_2", _f32(conv.global_scale))
+    writer.write(MODELOPT_STACK.tensor(p, "global_scale"), _f32(conv.global_scale))
     if scales.values:
-        writer.write(f"{p}_input_scale", _f32(scales.values[p]))
+        writer.write(MODELOPT_STACK.tensor(p, "input_scale"), _f32(scales.values[p]))
 
 
 def _fused_entry(unit: FusedExperts, conv: engine.Converted, scales: InputScales) -> dict:
@@ -370,7 +367,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                 for unit in found.units:
                     for lin in ([] if isinstance(unit, FusedExperts) else _members(unit)):
                         if lin.module in in_scales.values:
-                            _reciprocal(in_scales.values[lin.module], lin, f"{lin.module}.input_global_scale")
+                            _reciprocal(in_scales.values[lin.module], lin, CT_NVFP4.tensor(lin.module, "input_scale"))
             plan = _plan(catalog, found, fmt, with_input, max_shard_bytes)
             exclude = output_forms.exclude_list(_kept_modules(catalog, found), _converted_modules(found), fmt,
                                                 catalog.config, set(catalog.tensors))

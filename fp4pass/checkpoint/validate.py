@@ -48,6 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fp4pass.checkpoint.configs import quantization_config
+from fp4pass.checkpoint.families import family_of
+from fp4pass.checkpoint.forms import block_precision
 from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
 from fp4pass.hub import resolve_checkpoint
@@ -285,6 +288,7 @@ class _Configs:
     input_needed: dict[str, bool]  # per engine: W4A4 (input scales loaded) or W4A16
     exclude: dict[str, list[str] | None]  # per engine: the exclusion list it reads (None: not a list of strings)
     exclude_field: dict[str, str] = field(default_factory=dict)  # per engine: that list's file and field
+    quantized_layers: dict | None = None  # ModelOpt MIXED_PRECISION: layer -> {"quant_algo", ...}
 
 
 def _groups(qc: dict | None) -> dict:
@@ -293,8 +297,7 @@ def _groups(qc: dict | None) -> dict:
 
 
 def _read_configs(config: dict, quant_file: dict | None, problems: list[Problem]) -> _Configs:
-    qc = config.get("quantization_config")
-    qc = qc if isinstance(qc, dict) else None
+    qc = quantization_config(config)  # the top level's, else a nested text_config's (a multimodal wrapper)
     hq = None
     if quant_file is not None:
         hq = quant_file.get("quantization")
@@ -319,7 +322,13 @@ def _read_configs(config: dict, quant_file: dict | None, problems: list[Problem]
         algo = None
     algo = str(algo).upper() if algo else None
     input_needed = {name: False for name in ENGINE_NAMES}
-    if form == "modelopt":
+    mixed = None
+    if form == "modelopt" and algo == "MIXED_PRECISION":  # each layer's algorithm in quantized_layers (vLLM)
+        source = qc if isinstance((qc or {}).get("quantized_layers"), dict) else (hq or {})
+        mixed = source.get("quantized_layers") if isinstance(source.get("quantized_layers"), dict) else {}
+        input_needed["vllm"] = any(isinstance(v, dict) and str(v.get("quant_algo", "")).upper() == "NVFP4"
+                                   for v in mixed.values())
+    elif form == "modelopt":
         w4a4 = algo == "NVFP4"
         groups = _groups(qc)
         vllm_w4a16 = bool(groups) and all(isinstance(g, dict) and g.get("input_activations") is None
@@ -332,7 +341,7 @@ def _read_configs(config: dict, quant_file: dict | None, problems: list[Problem]
     elif form == "deepseek-fp8-moe-nvfp4":
         input_needed = {name: algo == "NVFP4" for name in ENGINE_NAMES}
     exclude, where = _exclusion_lists(qc, hq, problems)
-    return _Configs(form, algo, qc, hq, input_needed, exclude, where)
+    return _Configs(form, algo, qc, hq, input_needed, exclude, where, mixed)
 
 
 def _exclusion_lists(qc: dict | None, hq: dict | None, problems: list[Problem]
@@ -488,13 +497,16 @@ def _find_modules(tensors: dict[str, TensorEntry]) -> dict[str, Module]:
             mod.codes = tensors.get(f"{mod.name}.weight_packed") or tensors.get(f"{mod.name}.weight")
             if mod.convention is None:
                 mod.convention = "divisor" if f"{mod.name}.weight_packed" in tensors else "multiplier"
-    # a block scale alone is not NVFP4 (FP8 block-quantized weights carry a weight_scale too): keep a module when
-    # its block scale is E4M3 beside packed U8 codes, or it has an NVFP4 global scale
+    # a block scale alone is not NVFP4 (FP8 block-quantized weights carry a weight_scale too, and
+    # compressed-tensors' MXFP4 has the same weight_packed + weight_scale names): keep a module when its block
+    # scale is E4M3 beside packed U8 codes, or it has an NVFP4 global scale. An E8M0 (U8) block scale without a
+    # global scale is an MXFP4 weight, decided by its dtype, not its names.
     out = {}
     for name, mod in modules.items():
         nvfp4_codes = mod.codes is not None and mod.codes.dtype == "U8"
         fp8_weight = mod.codes is not None and mod.codes.dtype.startswith("F8")
-        if fp8_weight and mod.global_ is None:
+        mxfp4_block = mod.block is not None and block_precision(mod.block.dtype) == "mxfp4"
+        if (fp8_weight or mxfp4_block) and mod.global_ is None:
             continue
         if mod.global_ is not None or (nvfp4_codes and mod.block is not None) or mod.layout == "fused-experts":
             out[name] = mod
@@ -976,7 +988,8 @@ def _judged_layers(eng, engine: str, architecture, kept: list[str], cfg: _Config
     """(engine layer, its shards or None, excluded) for the Linears ``kept``, under the exclusion list
     ``engine`` reads, indexed once (:class:`fp4pass.checkpoint.engines.Exclusions`); a fused module whose
     shards disagree is not excluded, and ``why`` says so. Raises the engines' ``BadPattern``."""
-    rules = eng.exclusions(engine, cfg.exclude[engine], cfg.form, architecture, cfg.exclude_field[engine])
+    rules = eng.exclusions(engine, cfg.exclude[engine], cfg.form, architecture, cfg.exclude_field[engine],
+                           cfg.quantized_layers, eng.ct_targets(cfg.qc) if cfg.form == "compressed-tensors" else None)
     out = []
     for layer, shards in eng.engine_modules(architecture, kept, _fused_map(eng, engine, architecture)):
         try:
@@ -1010,6 +1023,8 @@ def _check_exclusions(folder: _Folder, modules: dict[str, Module], cfg: _Configs
     for engine in engines:
         if cfg.exclude.get(engine) is None:
             continue  # not a list of strings: a bad_config_value already
+        if cfg.quantized_layers is not None and engine != "vllm":
+            continue  # MIXED_PRECISION: only vLLM's reading was read; the others' verdicts say "not claimed"
         try:
             layers = _judged_layers(eng, engine, architecture, kept, cfg, why)
         except eng.BadPattern as exc:  # an invalid regex or glob, or one that runs too long: the engine fails
@@ -1045,15 +1060,13 @@ _FORM_TARGETS = {"compressed-tensors": ("vllm", "sglang"), "deepseek-fp8-moe-nvf
 
 
 def _targets(cfg: _Configs, config: dict, engine: str | None) -> list[str]:
-    """The engines whose rules the checkpoint is held to: ``engine`` when given, else the form's (DeepSeek-V4:
-    vLLM only, the one engine whose NVFP4 path for it was read)."""
+    """The engines whose rules the checkpoint is held to: ``engine`` when given, else the form's among those
+    whose loader for the family was read (DeepSeek-V4: vLLM only; Kimi-K3: vLLM and SGLang)."""
     if engine is not None:
         return [engine]
     eng = _engines()
-    names = [n for n in eng.ENGINES if n in _FORM_TARGETS.get(cfg.form, eng.ENGINES)]
-    if (config.get("architectures") or [None])[0] == getattr(eng, "ARCH_DEEPSEEK_V4", None):
-        names = [n for n in names if n == "vllm"]
-    return names
+    claimed = family_of(config).engines  # the engines whose loader for this family was read
+    return [n for n in eng.ENGINES if n in _FORM_TARGETS.get(cfg.form, eng.ENGINES) and n in claimed]
 
 _FAILS_LOAD = {"missing_shard", "unreadable_shard", "missing_tensor", "dtype_shape", "unexcluded_linear",
                "missing_config_field", "quantized_lm_head", "quantized_router", "bad_config_value"}
@@ -1201,7 +1214,7 @@ def is_nvfp4_folder(folder, follow_symlinks: bool = False) -> bool:
     algo = quant.get("quantization", {}).get("quant_algo") if isinstance(quant.get("quantization"), dict) else None
     if "NVFP4" in str(algo or "").upper():  # NVFP4, W4A16_NVFP4, W4A8_NVFP4_FP8
         return True
-    qc = config.get("quantization_config")
+    qc = quantization_config(config)  # the top level's, else a nested text_config's
     if isinstance(qc, dict):
         method = str(qc.get("quant_method", "")).lower()
         if method.startswith("modelopt") or qc.get("moe_quant_algo"):

@@ -11,11 +11,12 @@ from fp4pass.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
 #: flags that only a checkpoint folder's calibration reads (None unless given; refused for ONNX files)
-FOLDER_ONLY = ("device", "seq_len", "num_samples")
+FOLDER_ONLY = ("device", "seq_len", "num_samples", "trust_remote_code")
 
 
 def add_arguments(g, batch_size: bool = False) -> None:
-    """``--device``, ``--seq-len``, ``--num-samples`` (and ``--calib-batch-size`` for convert)."""
+    """``--device``, ``--seq-len``, ``--num-samples``, ``--trust-remote-code`` (and ``--calib-batch-size`` for
+    convert)."""
     g.add_argument("--device", choices=DEVICES, default=None,
                    help="checkpoint calibration: where each layer runs (auto: CUDA when torch has a GPU)")
     g.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
@@ -23,6 +24,9 @@ def add_arguments(g, batch_size: bool = False) -> None:
                         "512; longer .npz rows are cut)")
     g.add_argument("--num-samples", type=positive_int, default=None, metavar="N",
                    help="checkpoint calibration: at most N sequences (default: all of DATA)")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="checkpoint calibration: run the folder's own modeling code (config.json auto_map), as "
+                        "transformers and vLLM do with this flag; it executes that code")
     if batch_size:
         g.add_argument("--calib-batch-size", type=positive_int, default=None, metavar="B",
                        help="checkpoint calibration: sequences per forward batch (default 8)")
@@ -41,7 +45,7 @@ def run_calibration(args, data, batch_size, detail: bool = False):
     return calibrate(args.model, data, calibrator=args.calibrator, device=args.device or "auto",
                      batch_size=batch_size, seq_len=args.seq_len, num_samples=args.num_samples,
                      show_progress=None if not args.quiet else False, report_detail=detail,
-                     **calibrator_options(args))
+                     trust_remote_code=bool(args.trust_remote_code), **calibrator_options(args))
 
 
 def print_summary(scales, output: str) -> None:

@@ -30,62 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fp4pass.examples.kimi_k3 import build_kimi_k3
+from fp4pass.examples.tensors import (TOKENIZER_FILES, ShardedWriter, bf16_values, f32_values, mxfp4_codes,
+                                     save_shard)
+
 __all__ = ["build_checkpoint", "build_bundled", "BUNDLED", "FORMS", "main", "TOKENIZER_FILES"]
 
 FORMS = ("gpt-oss", "compressed-tensors", "deepseek")
-TOKENIZER_FILES = {
-    "tokenizer.json": json.dumps({
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": {"type": "Lowercase"}, "pre_tokenizer": None, "post_processor": None, "decoder": None,
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {tok: i for i, tok in enumerate(["<unk>", " ", ".", ","]
-                                                          + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-                                                          + ["<s>", "</s>"])},
-                  "merges": []}}),
-    "tokenizer_config.json": json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}),
-    "generation_config.json": json.dumps({"do_sample": False, "eos_token_id": 1}),
-    "chat_template.jinja": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}",
-}
-
-
-def _save(tensors: dict, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; a shard is a normal file, for everyone to read
-
-
-def _mx(rng, shape_rows: tuple, k: int, base: int, lossy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random packed codes [..., k/2] and E8M0 codes [..., k/32] around exponent ``base``."""
-    codes = rng.integers(0, 256, size=(*shape_rows, k // 2), dtype=np.uint8)
-    scales = (127 + base + rng.integers(-3, 4, size=(*shape_rows, k // 32))).astype(np.uint8)
-    if lossy:
-        flat = scales.reshape(-1, k // 32)
-        flat[0, 0] = 127 + base - 20  # 20 octaves below: spread > 17 within this weight
-        codes.reshape(-1, k // 2)[0, :16] = 0x77  # the block holds values (6.0)
-    return torch.from_numpy(codes), torch.from_numpy(scales)
-
-
-def _bf16(rng, *shape) -> torch.Tensor:
-    return torch.from_numpy((rng.standard_normal(shape) * 0.02).astype(np.float32)).to(torch.bfloat16)
-
-
-def _f32(rng, *shape, one: bool = False) -> torch.Tensor:
-    """float32 values around 0.02 (or around 1.0 with ``one``: norm weights and scales)."""
-    values = rng.standard_normal(shape) * 0.02 + (1.0 if one else 0.0)
-    return torch.from_numpy(values.astype(np.float32))
-
-
+KIMI_K3 = "kimi-k3"  # a family, not a form: the compressed-tensors MXFP4 experts of the Kimi-K3 release
 def _gpt_oss_heads(h: int) -> tuple[int, int, int]:
     """(attention heads, key/value heads, head dim) of a runnable gpt-oss example: 4, 2, 16 below hidden 1024;
     gpt-oss-20b's 64, 8, 64 from 1024 up."""
@@ -95,8 +53,8 @@ def _gpt_oss_heads(h: int) -> tuple[int, int, int]:
 def _norm(rng, h: int, form: str, runnable: bool) -> torch.Tensor:
     """An RMSNorm weight: around 1 in runnable examples (float32 in DeepSeek-V4's), else around 0.02 in bf16."""
     if not runnable:
-        return _bf16(rng, h)
-    weight = _f32(rng, h, one=True)
+        return bf16_values(rng, h)
+    weight = f32_values(rng, h, one=True)
     return weight if form == "deepseek" else weight.to(torch.bfloat16)
 
 
@@ -130,72 +88,32 @@ def _runnable_attention(out, rng, form: str, prefix: str, attn: str, layer: int,
         heads, kv_heads, head_dim = _gpt_oss_heads(h)
         for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
                            ("v_proj", kv_heads * head_dim)):
-            out.add(f"{attn}.{proj}.weight", _bf16(rng, rows, h))
-            out.add(f"{attn}.{proj}.bias", _bf16(rng, rows))
+            out.add(f"{attn}.{proj}.weight", bf16_values(rng, rows, h))
+            out.add(f"{attn}.{proj}.bias", bf16_values(rng, rows))
     elif form == "compressed-tensors":  # multi-head latent attention: 4 heads, kv rank 32, rope 8, nope 8, v 16
-        out.add(f"{attn}.q_proj.weight", _bf16(rng, 4 * 16, h))
-        out.add(f"{attn}.kv_a_proj_with_mqa.weight", _bf16(rng, 32 + 8, h))
-        out.add(f"{attn}.kv_a_layernorm.weight", _bf16(rng, 32) + 1)
-        out.add(f"{attn}.kv_b_proj.weight", _bf16(rng, 4 * (8 + 16), 32))
+        out.add(f"{attn}.q_proj.weight", bf16_values(rng, 4 * 16, h))
+        out.add(f"{attn}.kv_a_proj_with_mqa.weight", bf16_values(rng, 32 + 8, h))
+        out.add(f"{attn}.kv_a_layernorm.weight", bf16_values(rng, 32) + 1)
+        out.add(f"{attn}.kv_b_proj.weight", bf16_values(rng, 4 * (8 + 16), 32))
     else:  # DeepSeek-V4 native names: q rank 32, 4 heads of 32, one kv head, 2 output groups of rank 32
-        out.add(f"{attn}.attn_sink", _f32(rng, 4))
-        out.add(f"{attn}.wq_a.weight", _bf16(rng, 32, h))
-        out.add(f"{attn}.q_norm.weight", _f32(rng, 32, one=True))
-        out.add(f"{attn}.wq_b.weight", _bf16(rng, 4 * 32, 32))
-        out.add(f"{attn}.wkv.weight", _bf16(rng, 32, h))
-        out.add(f"{attn}.kv_norm.weight", _f32(rng, 32, one=True))
-        out.add(f"{attn}.wo_a.weight", _bf16(rng, 2 * 32, 4 * 32 // 2))
+        out.add(f"{attn}.attn_sink", f32_values(rng, 4))
+        out.add(f"{attn}.wq_a.weight", bf16_values(rng, 32, h))
+        out.add(f"{attn}.q_norm.weight", f32_values(rng, 32, one=True))
+        out.add(f"{attn}.wq_b.weight", bf16_values(rng, 4 * 32, 32))
+        out.add(f"{attn}.wkv.weight", bf16_values(rng, 32, h))
+        out.add(f"{attn}.kv_norm.weight", f32_values(rng, 32, one=True))
+        out.add(f"{attn}.wo_a.weight", bf16_values(rng, 2 * 32, 4 * 32 // 2))
         if layer % 2 == 1:  # compressed sparse attention (rate 4): a compressor and its indexer
-            out.add(f"{attn}.compressor.ape", _f32(rng, 4, 64))
-            out.add(f"{attn}.compressor.wkv.weight", _bf16(rng, 64, h))
-            out.add(f"{attn}.compressor.wgate.weight", _bf16(rng, 64, h))
-            out.add(f"{attn}.compressor.norm.weight", _f32(rng, 32, one=True))
-            out.add(f"{attn}.indexer.compressor.ape", _f32(rng, 4, 32))
-            out.add(f"{attn}.indexer.compressor.wkv.weight", _bf16(rng, 32, h))
-            out.add(f"{attn}.indexer.compressor.wgate.weight", _bf16(rng, 32, h))
-            out.add(f"{attn}.indexer.compressor.norm.weight", _f32(rng, 16, one=True))
-            out.add(f"{attn}.indexer.wq_b.weight", _bf16(rng, 2 * 16, 32))
-            out.add(f"{attn}.indexer.weights_proj.weight", _bf16(rng, 2, h))
-
-
-class _ShardedWriter:
-    """Collects tensors, writing a shard whenever ``shard_bytes`` is reached; ``finish`` writes the index."""
-
-    def __init__(self, folder: Path, shard_bytes: int | None):
-        self.folder, self.shard_bytes = folder, shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.files: list[tuple[str, list[str]]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.pending[name] = tensor.contiguous()
-        self.size += tensor.numel() * tensor.element_size()
-        if self.shard_bytes is not None and self.size >= self.shard_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        name = f"part-{len(self.files):05d}.safetensors"
-        _save(self.pending, self.folder / name)
-        self.files.append((name, list(self.pending)))
-        self.pending, self.size = {}, 0
-
-    def finish(self) -> None:
-        self.flush()
-        if self.shard_bytes is None and len(self.files) == 1:
-            (self.folder / self.files[0][0]).rename(self.folder / "model.safetensors")
-            return
-        n = len(self.files)
-        weight_map = {}
-        total = 0
-        for i, (old, names) in enumerate(self.files):
-            new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.folder / old).rename(self.folder / new)
-            total += (self.folder / new).stat().st_size
-            weight_map.update({t: new for t in names})
-        (self.folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            out.add(f"{attn}.compressor.ape", f32_values(rng, 4, 64))
+            out.add(f"{attn}.compressor.wkv.weight", bf16_values(rng, 64, h))
+            out.add(f"{attn}.compressor.wgate.weight", bf16_values(rng, 64, h))
+            out.add(f"{attn}.compressor.norm.weight", f32_values(rng, 32, one=True))
+            out.add(f"{attn}.indexer.compressor.ape", f32_values(rng, 4, 32))
+            out.add(f"{attn}.indexer.compressor.wkv.weight", bf16_values(rng, 32, h))
+            out.add(f"{attn}.indexer.compressor.wgate.weight", bf16_values(rng, 32, h))
+            out.add(f"{attn}.indexer.compressor.norm.weight", f32_values(rng, 16, one=True))
+            out.add(f"{attn}.indexer.wq_b.weight", bf16_values(rng, 2 * 16, 32))
+            out.add(f"{attn}.indexer.weights_proj.weight", bf16_values(rng, 2, h))
 
 
 def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts: int = 4, hidden: int = 64,
@@ -216,10 +134,10 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=False)
     rng = np.random.default_rng(seed)
-    out = _ShardedWriter(folder, shard_bytes)
+    out = ShardedWriter(folder, shard_bytes)
     h, i = hidden, intermediate
     top = "model." if form != "deepseek" else ""
-    out.add(f"{top}embed_tokens.weight" if form != "deepseek" else "embed.weight", _bf16(rng, vocab, h))
+    out.add(f"{top}embed_tokens.weight" if form != "deepseek" else "embed.weight", bf16_values(rng, vocab, h))
     for layer in range(layers):
         prefix = f"model.layers.{layer}" if form != "deepseek" else f"layers.{layer}"
         attn = f"{prefix}.self_attn" if form != "deepseek" else f"{prefix}.attn"
@@ -230,10 +148,10 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
             _runnable_attention(out, rng, form, prefix, attn, layer, h, vocab)
         else:
             for proj in ("q_proj", "k_proj", "v_proj") if form != "deepseek" else ("wq", "wkv"):
-                out.add(f"{attn}.{proj}.weight", _bf16(rng, h, h))
+                out.add(f"{attn}.{proj}.weight", bf16_values(rng, h, h))
         o_name = f"{attn}.o_proj" if form != "deepseek" else f"{attn}.wo" + ("_b" if runnable else "")
         if dense:
-            codes, scales = _mx(rng, (h,), h, -6, False)
+            codes, scales = mxfp4_codes(rng, (h,), h, -6, False)
             if form == "gpt-oss":
                 out.add(f"{o_name}.weight_blocks", codes.reshape(h, h // 32, 16))
                 out.add(f"{o_name}.weight_scales", scales)
@@ -245,39 +163,39 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
                 out.add(f"{o_name}.scale", scales.view(torch.float8_e8m0fnu))
         else:
             heads, _, head_dim = _gpt_oss_heads(h) if runnable and form == "gpt-oss" else (1, 0, h)
-            out.add(f"{o_name}.weight", _bf16(rng, h, heads * head_dim))
+            out.add(f"{o_name}.weight", bf16_values(rng, h, heads * head_dim))
         if runnable and form == "gpt-oss":
-            out.add(f"{o_name}.bias", _bf16(rng, h))
+            out.add(f"{o_name}.bias", bf16_values(rng, h))
         out.add(f"{prefix}.{norm_names[1]}.weight", _norm(rng, h, form, runnable))
         if form == "gpt-oss":
-            out.add(f"{attn}.sinks", _bf16(rng, _gpt_oss_heads(h)[0] if runnable else 4))
+            out.add(f"{attn}.sinks", bf16_values(rng, _gpt_oss_heads(h)[0] if runnable else 4))
             mlp = f"{prefix}.mlp"
-            out.add(f"{mlp}.router.weight", _bf16(rng, experts, h))
-            out.add(f"{mlp}.router.bias", _bf16(rng, experts))
+            out.add(f"{mlp}.router.weight", bf16_values(rng, experts, h))
+            out.add(f"{mlp}.router.bias", bf16_values(rng, experts))
             for proj, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
                 codes = torch.empty((experts, rows, k // 2), dtype=torch.uint8)
                 scales = torch.empty((experts, rows, k // 32), dtype=torch.uint8)
                 for e in range(experts):
                     lossy = lossy_expert == (layer, e)
-                    codes[e], scales[e] = _mx(rng, (rows,), k, -8 + (expert_step * e) % 12, lossy)
+                    codes[e], scales[e] = mxfp4_codes(rng, (rows,), k, -8 + (expert_step * e) % 12, lossy)
                 out.add(f"{mlp}.experts.{proj}_blocks", codes.reshape(experts, rows, k // 32, 16))
                 out.add(f"{mlp}.experts.{proj}_scales", scales)
-                out.add(f"{mlp}.experts.{proj}_bias", _bf16(rng, experts, rows))
+                out.add(f"{mlp}.experts.{proj}_bias", bf16_values(rng, experts, rows))
             continue
         mlp = f"{prefix}.mlp" if form != "deepseek" else f"{prefix}.ffn"
-        out.add(f"{mlp}.gate.weight", _bf16(rng, experts, h))
+        out.add(f"{mlp}.gate.weight", bf16_values(rng, experts, h))
         if runnable and form == "compressed-tensors":
-            out.add(f"{mlp}.gate.e_score_correction_bias", _f32(rng, experts))
+            out.add(f"{mlp}.gate.e_score_correction_bias", f32_values(rng, experts))
         elif runnable and layer == 0:  # hash routing: token t -> experts (t % 2, 1 - t % 2); the last one unrouted
             table = np.stack([np.arange(vocab) % 2, 1 - np.arange(vocab) % 2], axis=1)
             out.add(f"{mlp}.gate.tid2eid", torch.from_numpy(table.astype(np.int64)))
         elif runnable:
-            out.add(f"{mlp}.gate.bias", _f32(rng, experts))
+            out.add(f"{mlp}.gate.bias", f32_values(rng, experts))
         for e in range(experts):
             for proj, rows, k in (("w1", i, h), ("w2", h, i), ("w3", i, h)):
                 lossy = lossy_expert == (layer, e) and proj == "w1"
                 base = -8 + (expert_step * e) % 12 + (1 if proj == "w3" else 0)
-                codes, scales = _mx(rng, (rows,), k, base, lossy)
+                codes, scales = mxfp4_codes(rng, (rows,), k, base, lossy)
                 name = f"{mlp}.experts.{e}.{proj}"
                 if form == "compressed-tensors":
                     out.add(f"{name}.weight_packed", codes)
@@ -288,18 +206,18 @@ def build_checkpoint(folder, form: str = "gpt-oss", *, layers: int = 2, experts:
         shared = (("gate_proj", "down_proj", "up_proj") if runnable and form == "compressed-tensors"
                   else ("w1", "w2", "w3"))
         for proj, rows, k in zip(shared, (i, h, i), (h, i, h)):
-            out.add(f"{mlp}.shared_experts.{proj}.weight", _bf16(rng, rows, k))
+            out.add(f"{mlp}.shared_experts.{proj}.weight", bf16_values(rng, rows, k))
         if runnable and form == "deepseek":
             for site in ("attn", "ffn"):  # hyper-connections: (2 + hc) * hc mixing rows over hc * hidden
-                out.add(f"{prefix}.hc_{site}_fn", _f32(rng, (2 + _HC) * _HC, _HC * h))
-                out.add(f"{prefix}.hc_{site}_base", _f32(rng, (2 + _HC) * _HC))
-                out.add(f"{prefix}.hc_{site}_scale", _f32(rng, 3, one=True))
+                out.add(f"{prefix}.hc_{site}_fn", f32_values(rng, (2 + _HC) * _HC, _HC * h))
+                out.add(f"{prefix}.hc_{site}_base", f32_values(rng, (2 + _HC) * _HC))
+                out.add(f"{prefix}.hc_{site}_scale", f32_values(rng, 3, one=True))
     out.add(f"{top}norm.weight" if form != "deepseek" else "norm.weight", _norm(rng, h, form, runnable))
     if runnable and form == "deepseek":
-        out.add("hc_head_fn", _f32(rng, _HC, _HC * h))
-        out.add("hc_head_base", _f32(rng, _HC))
-        out.add("hc_head_scale", _f32(rng, 1, one=True))
-    out.add("lm_head.weight" if form != "deepseek" else "head.weight", _bf16(rng, vocab, h))
+        out.add("hc_head_fn", f32_values(rng, _HC, _HC * h))
+        out.add("hc_head_base", f32_values(rng, _HC))
+        out.add("hc_head_scale", f32_values(rng, 1, one=True))
+    out.add("lm_head.weight" if form != "deepseek" else "head.weight", bf16_values(rng, vocab, h))
     out.finish()
     config = _config(form, layers, experts, h, i, vocab)
     if runnable:
@@ -337,15 +255,18 @@ def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) ->
 
 
 #: the tiny examples committed under models/checkpoints/ (folder name -> form); each has one lossy expert
-#: (layer 1, expert 2) and, except gpt-oss, a dense MXFP4 Linear per layer; the DeepSeek one is sharded
-BUNDLED = {"gpt_oss": "gpt-oss", "kimi": "compressed-tensors", "deepseek": "deepseek"}
+#: (layer 1, expert 2) and, except gpt-oss, a dense MXFP4 Linear per layer; the DeepSeek one is sharded.
+#: "kimi-k3" is the Kimi-K3 release's structure (:mod:`fp4pass.examples.kimi_k3`: compressed-tensors MXFP4
+#: experts, 12 a layer, the lossy one layer 2's expert 11)
+BUNDLED = {"gpt_oss": "gpt-oss", "kimi": "compressed-tensors", "deepseek": "deepseek", "kimi_k3": KIMI_K3}
 
 
 def build_bundled(root) -> list[Path]:
     """Write the committed tiny examples into ``root`` (``python -m fp4pass.examples.checkpoints --bundled DIR``
     rebuilds models/checkpoints/ byte for byte)."""
     root = Path(root)
-    return [build_checkpoint(root / name, form, layers=2, experts=3, hidden=64, intermediate=32, seed=0,
+    return [build_kimi_k3(root / name) if form == KIMI_K3 else
+            build_checkpoint(root / name, form, layers=2, experts=3, hidden=64, intermediate=32, seed=0,
                              dense=form != "gpt-oss", lossy_expert=(1, 2), vocab=32,
                              shard_bytes=60_000 if form == "deepseek" else None, runnable=True)
             for name, form in BUNDLED.items()]
@@ -354,7 +275,8 @@ def build_bundled(root) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp4pass.examples.checkpoints", description=__doc__.split("\n")[0])
     p.add_argument("folder")
-    p.add_argument("--form", choices=FORMS, default="gpt-oss")
+    p.add_argument("--form", choices=FORMS + (KIMI_K3,), default="gpt-oss",
+                   help=f"the MXFP4 input form, or {KIMI_K3} (the Kimi-K3 release's structure)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
@@ -379,8 +301,12 @@ def _build(args) -> int:
     hidden, inter, experts = args.hidden, args.intermediate, args.experts
     if args.gpt_oss_20b_shapes:
         hidden, inter, experts = 2880, 2880, 32
-    build_checkpoint(args.folder, args.form, layers=args.layers, experts=experts, hidden=hidden, intermediate=inter,
-                     seed=args.seed, dense=args.dense, shard_bytes=args.shard_bytes)
+    if args.form == KIMI_K3:
+        build_kimi_k3(args.folder, layers=max(args.layers, 2), experts=experts, hidden=hidden, latent=inter,
+                      seed=args.seed, shard_bytes=args.shard_bytes)
+    else:
+        build_checkpoint(args.folder, args.form, layers=args.layers, experts=experts, hidden=hidden,
+                         intermediate=inter, seed=args.seed, dense=args.dense, shard_bytes=args.shard_bytes)
     print(args.folder)
     return 0
 
