@@ -201,3 +201,113 @@ def test_the_scales_dtype_decides_where_no_config_says(tmp_path, capsys):
     assert main(["inspect", str(folder), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["input_forms"] == ["compressed-tensors"] and info["summary"]["weights"] == 108
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the published layouts: NVIDIA's (ModelOpt MIXED_PRECISION) and an llm-compressor one (compressed-tensors)
+
+def _aliases(name: str) -> list[str]:
+    """Model-Optimizer examples/kimi/kimi_k3/quantize_to_nvfp4.py ``_module_name_aliases``: the checkpoint's
+    name, ``block_sparse_moe`` -> ``mlp``, and both without ``language_model.`` / ``language_model.model.``."""
+    names = {name} | ({name.replace("block_sparse_moe", "mlp")} if "block_sparse_moe" in name else set())
+    for n in list(names):
+        if n.startswith("language_model.model."):
+            names |= {"model." + n[len("language_model.model."):], n[len("language_model.model."):]}
+    return sorted(names)
+
+
+NVIDIA_EXCLUDE = ["*block_sparse_moe.gate*", "*block_sparse_moe.routed_expert_up_proj*",
+                  "*block_sparse_moe.routed_expert_down_proj*", "*block_sparse_moe.routed_expert_norm*",
+                  "*block_sparse_moe.shared_experts*", "*self_attn.q_conv1d*", "*self_attn.k_conv1d*",
+                  "*self_attn.v_conv1d*", "*self_attn.f_b_proj*", "*self_attn.o_norm*", "*self_attn.q_a_layernorm*",
+                  "*self_attn.kv_a_layernorm*", "*_res_proj*", "*_res_norm*", "*layernorm*",
+                  "language_model.model.layers.0.mlp.*", "language_model.lm_head", "vision_tower*", "mm_projector*"]
+
+
+def nvidia_layout(folder: Path) -> Path:
+    """A ModelOpt W4A4 output (input_scale 1.0) rewritten as NVIDIA's converter writes its configs: quant_algo
+    MIXED_PRECISION with the expert banks in quantized_layers under every alias, its exclusion patterns under
+    every alias, ``quant_method: modelopt_mixed``, producer modelopt, and text_config's description dropped
+    (``_build_hf_quant_config``, ``_rewrite_config_json``). Attention stays bf16 here (its FP8 recipe aside)."""
+    layers = {a: {"quant_algo": "NVFP4", "group_size": 16}
+              for bank in sorted({EXPERT.match(m).group(1) for m in _expert_modules(Folder(folder), ".weight_scale")})
+              for a in _aliases(f"language_model.model.layers.{bank}.block_sparse_moe.experts")}
+    exclude = list(dict.fromkeys(a for pattern in NVIDIA_EXCLUDE for a in _aliases(pattern)))
+    producer = {"name": "modelopt", "version": "0.47.0"}
+    quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": 16,
+             "quantized_layers": layers, "exclude_modules": exclude}
+    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": quant}))
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].pop("quantization_config")
+    config["quantization_config"] = {"quant_method": "modelopt_mixed", **quant, "ignore": exclude,
+                                     "producer": producer}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def llmcompressor_layout(folder: Path, targets=("Linear",)) -> Path:
+    """A compressed-tensors W4A4 output with llm-compressor's usual description: ``targets: ["Linear"]`` and an
+    ``ignore`` of ``re:`` patterns for everything left in bf16."""
+    config = json.loads((folder / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["config_groups"]["group_0"]["targets"] = list(targets)
+    qc["ignore"] = ["lm_head", "language_model.lm_head", "re:vision_tower.*", "re:mm_projector.*", "re:.*self_attn.*",
+                    r"re:.*\.gate$", "re:.*shared_experts.*", r"re:.*routed_expert_(up|down)_proj$",
+                    r"re:.*layers\.0\.mlp\..*", r"re:.*_res_proj$"]
+    config["text_config"]["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """{name: folder}: NVIDIA's layout, the llm-compressor one, and one whose targets miss vLLM's MoE names."""
+    root = tmp_path_factory.mktemp("published")
+    out = {}
+    fp4pass.checkpoint.convert(KIMI_K3, root / "nvidia", format="modelopt", input_scale=1.0)
+    out["nvidia"] = nvidia_layout(root / "nvidia")
+    for name, targets in (("llmcompressor", ("Linear",)),
+                          ("expert-names", (r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$",))):
+        fp4pass.checkpoint.convert(KIMI_K3, root / name, format="compressed-tensors", input_scale=INPUT_SCALE)
+        out[name] = llmcompressor_layout(root / name, targets)
+    return out
+
+
+def test_inspect_takes_the_published_layouts_with_no_false_alarm(published, capsys):
+    for name in ("nvidia", "llmcompressor"):
+        assert main(["inspect", str(published[name]), "--json"]) == 0, name
+        info = json.loads(capsys.readouterr().out)
+        assert [p for p in info["problems"] if p["severity"] == "error"] == [], (name, info["problems"])
+        assert info["engines"]["vllm"]["loads"] and info["engines"]["vllm"]["mode"] == "W4A4", name
+    nvidia = json.loads((published["nvidia"] / "config.json").read_text())
+    assert nvidia["quantization_config"]["quant_algo"] == "MIXED_PRECISION"
+
+
+def test_targets_that_miss_vllms_moe_names_leave_the_experts_unquantized(published, capsys):
+    """vLLM 0.33 matches a routed-experts layer through ``P.experts.routed_experts.0.w1``, which a regex on the
+    checkpoint's ``experts.\\d+.w1`` names never matches: the MoE gets no NVFP4 method."""
+    main(["inspect", str(published["expert-names"]), "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert not info["engines"]["vllm"]["loads"] and "block_sparse_moe.experts" in info["engines"]["vllm"]["why"]
+
+
+@pytest.mark.engines
+def test_vllm_loads_the_published_layouts_and_not_the_one_its_moe_misses(published):
+    import os
+    import subprocess
+    import sys
+
+    from vllm_probe import vllm_path
+
+    if not vllm_path():
+        pytest.skip("the unpacked vLLM 0.33.0 wheel is absent (~/.cache/fp4pass-test; bash .ci/install fetches it)")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_probe.py"), "--load",
+                           *(str(published[n]) for n in ("nvidia", "llmcompressor", "expert-names"))],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    nvidia, llmc, missed = (result[str(published[n])] for n in ("nvidia", "llmcompressor", "expert-names"))
+    assert nvidia["quantization"] == "modelopt_mixed"
+    for loaded in (nvidia, llmc):
+        assert loaded["errors"] == [] and loaded["skipped_tensors"] == [] and loaded["unloaded_params"] == []
+    assert "build_error" in missed or missed["errors"], missed

@@ -326,7 +326,8 @@ def load(folder: Path) -> dict:
     """Build the folder's model with vLLM's own classes on CPU (``ModelConfig`` and ``VllmConfig`` from the
     folder, ``initialize_model``) and give every tensor of the folder to the model's ``load_weights``, one at a
     time: ``{"model", "params", "unloaded_params", "skipped_tensors", "errors"}``. ``skipped_tensors``: the
-    tensors ``load_weights`` took into no parameter (skipped in silence); ``errors``: those it raised on.
+    tensors ``load_weights`` took into no parameter (skipped in silence); ``errors``: those it raised on;
+    ``{"build_error"}`` where vLLM cannot build the model from the folder's config.
 
     Stubs, beyond the probe's TP rank and size: CUDA streams and events (no CUDA here), the platform's device
     (CPU, set after the config is checked), the NVFP4 MoE kernel choice (vLLM's EMULATION backend: no GPU
@@ -368,7 +369,11 @@ def load(folder: Path) -> dict:
     try:
         with set_current_vllm_config(vllm_config), torch.device("cpu"):
             _init_distributed()
-            model = initialize_model(vllm_config=vllm_config)
+            try:
+                model = initialize_model(vllm_config=vllm_config)
+            except Exception as exc:  # noqa: BLE001 - vLLM's refusal to build the model is the result
+                return {"build_error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                        "quantization": model_config.quantization}
             params = {n for n, _ in model.named_parameters()}
             loaded: set[str] = set()
             skipped, errors = [], []
