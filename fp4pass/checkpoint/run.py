@@ -735,10 +735,14 @@ def format_report(report: dict) -> str:
                if t["snr_db"] is None else f"snr {t['snr_db']:.2f} dB")
         lines.append(f"{t['name']:<60} {t['experts_lossless']}/{t['experts']} lossless  S={t['global_scale'][0]:.6g}"
                      f"  {snr}")
-    for d in report.get("declined", []):
-        lines.append(f"declined, left in its MXFP4 form: {d['tensor']} ({d['shard']}): {d['reason']}")
+    lines.extend(declined_line(d) for d in report.get("declined", []))
     lines.append(summary_line(report))
     return "\n".join(lines)
+
+
+def declined_line(d: dict) -> str:
+    """An ``--allow-partial`` decline: the weight left in MXFP4, its shard and why (a warning in the CLI)."""
+    return f"declined, left in its MXFP4 form: {d['tensor']} ({d['shard']}): {d['reason']}"
 
 
 def summary_line(report: dict) -> str:

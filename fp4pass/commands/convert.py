@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fp4pass import messages
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
 from fp4pass.commands import _safety, checkpoint
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
@@ -171,14 +172,22 @@ def run(args) -> int:
     )
     if args.report:
         write_json(args.report, report)
-    if not args.quiet:
-        print(format_report(report))
-    print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
+    _print_report(report, format_report)
+    messages.info(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
     check = report.get("check")
     if check is not None:
         print_notes("convert", check.get("notes", ()), args, check.get("provider_notes", ()))
     verdict = _check_verdict(check) if check is not None else None
     if verdict:
         kept = "kept (--keep-unchecked)" if args.keep_unchecked else "removed (--keep-unchecked keeps it)"
-        print(f"fp4pass convert: {verdict}; {args.output} {kept}", file=sys.stderr)
+        messages.error(f"fp4pass convert: {verdict}; {args.output} {kept}")
     return 1 if check is not None and not check.get("passed", False) else 0
+
+
+def _print_report(report: dict, format_report) -> None:
+    """The tables (info), then each declined pattern (a warning: its weight stays MXFP4), on stdout."""
+    from fp4pass.onnx.patterns import declined_line
+
+    messages.info(format_report({**report, "declined": []}))
+    for entry in report.get("declined", []):
+        messages.warning(declined_line(entry), file=sys.stdout)

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from fp4pass import messages
 from fp4pass.commands import _safety
 from fp4pass.extras import require
 from fp4pass.errors import UsageError
@@ -166,6 +167,8 @@ def _run_folders(args) -> int:
 def _report(args, table: str, result, plot) -> int:
     """Print the table, write --json and --plot (``plot(result, path)``); exit 0 when it passed, else 1."""
     print(table)
+    if not result.passed and messages.quiet():  # the table (info) is hidden; its last line, the verdict, is an error
+        messages.error(f"fp4pass diff: {table.splitlines()[-1]}")
     if args.json:
         write_json(args.json, result.to_json())
     if args.plot:
@@ -197,7 +200,8 @@ def run(args) -> int:
         return _run_folders(args)
     for name in _FOLDER_ONLY:
         if getattr(args, name) is not None:
-            raise UsageError(f"{_flag(name)} applies to checkpoint folders; {args.original} is not one")
+            raise UsageError(f"{_flag(name)} applies to checkpoint folders; {args.original} is not one"
+                             + (" (ONNX models take their inputs as --inputs DATA.npz)" if name == "data" else ""))
     if os.path.isdir(args.rewritten):
         raise UsageError(f"{args.rewritten}: a folder, but A ({args.original}) is not: give two ONNX files, or the "
                          "source checkpoint folder and the NVFP4 checkpoint folder")
