@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None, *, _sigint_after=None) -> int:
         try:
             parser = build_parser()
             args = parser.parse_args(argv)
+            args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # for the JSON files' provenance
+            args.given_model = getattr(args, "model", None)  # as given: a Hub ID is replaced by its snapshot folder
         except KeyboardInterrupt:
             print("fp4pass: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -128,6 +128,57 @@ MUTANTS = [
     Mutant("folder-inputs-no-hint", "convert CKPT_DIR --inputs does not point at --calib", [
         ("fp4pass/commands/checkpoint.py", 'if flag == "inputs" else ""', 'if flag == "none" else ""'),
     ], ROUND5_TESTS),
+    Mutant("ckpt-convert-progress-stalls", "the folder convert's bar never advances", [
+        ("fp4pass/checkpoint/run.py", "                    advance(item.nbytes)\n", ""),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-check-progress-off", "--check reading back shows no bar on a terminal", [
+        ("fp4pass/checkpoint/check.py", 'enabled=show_progress, unit="unit"', 'enabled=False, unit="unit"'),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-progress-never-on-terminal", "the folder convert passes no terminal default to the bars", [
+        ("fp4pass/commands/checkpoint.py", "show_progress=False if messages.quiet() else None",
+         "show_progress=False"),
+    ], ROUND5_TESTS),
+    Mutant("strict-not-refused-for-folders", "calibrate CKPT_DIR --strict is accepted and does nothing", [
+        ("fp4pass/commands/_checkpoint_calib.py", '("provider", "strict", "activation", "allow_invalid")',
+         '("provider", "activation", "allow_invalid")'),
+    ], ROUND5_TESTS),
+    Mutant("allow-invalid-not-refused-for-folders", "inspect CKPT_DIR --allow-invalid is accepted and does nothing", [
+        ("fp4pass/commands/checkpoint.py", '    if getattr(args, "allow_invalid", False):  # the ONNX checker',
+         '    if False:  # the ONNX checker'),
+    ], ROUND5_TESTS),
+    Mutant("scales-report-not-recognized", "--scales given a calibration report says only what it expected", [
+        ("fp4pass/calib/scales.py", 'if isinstance(data, dict) and isinstance(data.get("tensors"), list):',
+         "if False:"),
+    ], ROUND5_TESTS),
+    Mutant("onnx-output-folder-late", "convert -o NEWDIR/ of an ONNX model speaks of its external data", [
+        ("fp4pass/commands/convert.py", "    _refuse_folder_output(args.output, args.model)\n", ""),
+    ], ROUND5_TESTS),
+    Mutant("hub-hint-drops-revision", "the offline Hub hint fetches the default branch, not the @rev asked for", [
+        ("fp4pass/hub.py", '(f" --revision {revision}" if revision else "")', '""'),
+    ], ROUND5_TESTS),
+    Mutant("json-without-provenance", "a JSON file fp4pass writes does not say which fp4pass and command wrote it", [
+        ("fp4pass/commands/_provenance.py", "    return {KEY: provenance(args, with_source), **data}",
+         "    return data"),
+    ], ROUND5_TESTS),
+    Mutant("provenance-local-revision", "a local folder is given its folder name as a Hub revision", [
+        ("fp4pass/commands/_provenance.py", "resolved.name if from_hub else None", "resolved.name"),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-table-without-header", "the folder convert table has no header", [
+        ("fp4pass/checkpoint/run.py", 'SNR vs MXFP4"] if report["tensors"] else []', 'SNR vs MXFP4"] if False else []'),
+    ], ROUND5_TESTS),
+    Mutant("left-out-not-named", "sub-folders left out of the output (original/) are not mentioned", [
+        ("fp4pass/commands/checkpoint.py", '    if report.get("not_copied"):  # original/', "    if False:  # original/"),
+    ], ROUND5_TESTS),
+    Mutant("examples-error-prefix", "python -m fp4pass.examples.checkpoints EXISTING has no fp4pass error line", [
+        ("fp4pass/examples/checkpoints.py", 'f"fp4pass examples.checkpoints: error: ', 'f"{p.prog}: error: '),
+    ], ROUND5_TESTS),
+    Mutant("docs-exit-status-attribute", "docs/checkpoint.md names exit_status as an attribute of the function", [
+        ("docs/checkpoint.md", "(after `from fp4pass.checkpoint.validate import exit_status`, `exit_status(result, ",
+         "(`fp4pass.checkpoint.validate.exit_status(result, "),
+    ], ROUND5_TESTS),
+    Mutant("docs-checkpoint-without-overwrite", "docs/checkpoint.md converts into the README's OUT_DIR again", [
+        ("docs/checkpoint.md", "--scales scales.json --overwrite\n", "--scales scales.json\n"),
+    ], ROUND5_TESTS),
     Mutant("quiet-diff-verdict-dropped", "diff --quiet exits 1 without saying it failed", [
         ("fp4pass/commands/diff.py", "    if not result.passed and messages.quiet():", "    if False:"),
     ], ROUND5_TESTS),

@@ -211,3 +211,234 @@ def test_the_data_flag_of_the_other_input_kind_says_which_to_give(work, capsys):
     code, err = cli(capsys, "convert", KIMI, "-o", "out", "--inputs", CALIB, "--check")
     assert code == 2 and one_line(err).endswith("(a checkpoint folder's calibration data is --calib DATA)")
     assert not (work / "out").exists()
+
+
+# -- progress on folder work: bars on a terminal, a summary line without one ---------------------------------------
+
+
+def _shard_data_bytes(folder: Path) -> int:
+    """The bytes of every tensor in the folder's shards: each file less its 8-byte length and JSON header."""
+    import struct
+
+    total = 0
+    for shard in folder.glob("*.safetensors"):
+        with open(shard, "rb") as f:
+            (header,) = struct.unpack("<Q", f.read(8))
+        total += shard.stat().st_size - 8 - header
+    return total
+
+
+class _Bars:
+    """Stands in for tqdm in fp4pass.progress: records each bar's description, total, updates and items."""
+
+    made: list = []
+
+    def __init__(self, iterable=None, total=None, desc="", disable=False, **kwargs):
+        self.iterable, self.total, self.desc, self.disable, self.updates, self.items = (
+            iterable, total, desc, disable, [], 0)
+        _Bars.made.append(self)
+
+    def __iter__(self):
+        for item in self.iterable:
+            self.items += 1
+            yield item
+
+    def update(self, n):
+        self.updates.append(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_folder_convert_and_check_count_every_byte_and_unit(work, monkeypatch):
+    import fp4pass.checkpoint
+    import fp4pass.progress
+
+    monkeypatch.setattr(fp4pass.progress, "tqdm", _Bars)
+    monkeypatch.setattr(_Bars, "made", [])
+    report = fp4pass.checkpoint.convert(KIMI, work / "out", check=True, show_progress=True)
+    bars = {bar.desc: bar for bar in _Bars.made}
+    assert sorted(bars) == ["check", "convert"] and not any(bar.disable for bar in bars.values())
+    written = _shard_data_bytes(work / "out")
+    assert bars["convert"].total == written == sum(bars["convert"].updates)
+    assert bars["check"].total == bars["check"].items > 0
+    assert report["check"]["experts_checked"] >= bars["check"].items  # a unit holds one expert or more
+
+
+def test_progress_bars_on_a_terminal_and_a_summary_line_without(work, capsys, monkeypatch):
+    code, out, err = run_cli(capsys, "convert", KIMI, "-o", "plain", "--check")
+    assert code == 0 and "%|" not in err
+    summary = [line for line in err.splitlines() if "weights converted" in line]
+    assert len(summary) == 1 and summary[0].rpartition("; ")[2].endswith(" s")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run_cli(capsys, "convert", KIMI, "-o", "tty", "--check")
+    assert code == 0 and "convert: 100%|" in err and "check: 100%|" in err
+    assert err.index("convert: 100%|") < err.index("check:"), "the bytes are written before they are read back"
+    code, out, err = run_cli(capsys, "convert", KIMI, "-o", "quiet", "--check", "--quiet")
+    assert (code, out, err) == (0, "", "")
+
+
+# -- the smaller items -----------------------------------------------------------------------------------------------
+
+
+def _bundled_commands(doc: Path) -> list[list[str]]:
+    """The words of each ``fp4pass calibrate|convert models/checkpoints/...`` line of ``doc``, in order."""
+    import shlex
+
+    found = []
+    for line in doc.read_text().splitlines():
+        line = line.strip().removeprefix(".venv/bin/")
+        words = shlex.split(line, comments=True) if line.startswith("fp4pass ") else []
+        if words[:1] == ["fp4pass"] and len(words) > 2 and words[2].startswith("models/checkpoints/"):
+            found.append(words)
+    return found
+
+
+def test_docs_checkpoint_commands_run_after_the_readmes():
+    """A reader runs the README's commands, then docs/checkpoint.md's, in one folder: a convert into an OUT_DIR
+    that an earlier one wrote needs --overwrite (OUT_DIR must not exist otherwise)."""
+    written, refused = set(), []
+    commands = _bundled_commands(ROOT / "README.md") + _bundled_commands(ROOT / "docs" / "checkpoint.md")
+    for words in commands:
+        if words[1] != "convert":
+            continue
+        out = words[words.index("-o") + 1]
+        if out in written and "--overwrite" not in words:
+            refused.append(" ".join(words))
+        written.add(out)
+    assert len(commands) >= 6 and refused == []
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (("calibrate", KIMI, "--data", TOKENS, "-o", "s.json", "--strict"), "--strict"),
+    (("inspect", KIMI, "--allow-invalid"), "--allow-invalid"),
+    (("inspect", THIRD_PARTY / "modelopt_qwen3_moe", "--allow-invalid"), "--allow-invalid"),
+])
+def test_onnx_only_flags_are_refused_for_folders(work, capsys, argv, flag):
+    code, err = cli(capsys, *argv)
+    assert code == 2 and one_line(err).startswith(f"fp4pass {argv[0]}: error: {flag} applies to ONNX models")
+    assert not (work / "s.json").exists()
+
+
+def test_a_calibration_report_given_as_scales_says_what_it_is(work, capsys):
+    for model, data, out in ((MOE, CALIB, "x.onnx"), (KIMI, TOKENS, "out")):
+        assert cli(capsys, "calibrate", model, "--data", data, "-o", "s.json", "--report", "r.json", "--quiet")[0] == 0
+        code, err = cli(capsys, "convert", model, "-o", out, "--scales", "r.json")
+        line = one_line(err)
+        assert code == 2 and "r.json: a calibration report (what `fp4pass calibrate --report` writes" in line
+        assert "pass the SCALES.json that calibrate wrote with -o" in line and not (work / out).exists()
+        assert cli(capsys, "convert", model, "-o", out, "--scales", "s.json", "--quiet")[0] == 0  # the right one
+        (work / "s.json").unlink()
+
+
+def test_an_onnx_output_named_as_a_folder_says_to_name_the_file(work, capsys):
+    code, err = cli(capsys, "convert", MOE, "-o", "newdir/")
+    assert code == 2 and one_line(err) == ("fp4pass convert: error: -o newdir/: names a folder (it ends in /); an ONNX "
+                                           "model converts into one file: give its name, e.g. -o newdir/moe.nvfp4.onnx, "
+                                           "in a folder that exists")
+    assert not (work / "newdir").exists()
+
+
+@pytest.mark.parametrize("given, fetch", [("acme/absent@v2.1", "hf download acme/absent --revision v2.1 where"),
+                                          ("acme/absent", "hf download acme/absent where")])
+def test_the_offline_hub_hint_keeps_the_revision(work, capsys, monkeypatch, given, fetch):
+    (work / "hub-cache").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(work / "hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = cli(capsys, "inspect", given)
+    assert code == 2 and fetch in one_line(err)
+
+
+def _provenance(path: Path) -> dict:
+    import json
+    from importlib.metadata import version
+
+    who = json.loads(Path(path).read_text())["fp4pass"]
+    assert who["version"] == version("fp4pass")
+    return who
+
+
+def test_every_json_written_names_fp4pass_the_command_and_the_source(work, capsys, monkeypatch):
+    runs = [
+        (("convert", MOE, "-o", "x.onnx", "--report", "c.json"), ["c.json"], str(MOE)),
+        (("calibrate", MOE, "--data", CALIB, "-o", "s.json", "--report", "cr.json"), ["s.json", "cr.json"], str(MOE)),
+        (("convert", KIMI, "-o", "out", "--report", "k.json"), ["k.json"], str(KIMI)),
+        (("calibrate", KIMI, "--data", TOKENS, "-o", "ks.json", "--report", "kr.json"), ["ks.json", "kr.json"],
+         str(KIMI)),
+        (("diff", MOE, "x.onnx", "--json", "d.json"), ["d.json"], None),
+    ]
+    for argv, files, source in runs:
+        assert cli(capsys, *argv, "--quiet")[0] == 0, argv
+        for name in files:
+            who = _provenance(work / name)
+            assert who["command"] == "fp4pass " + " ".join(map(str, argv)) + " --quiet"
+            assert (who.get("source"), who.get("revision")) == (source, None), name
+    from fp4pass.commands import study
+
+    monkeypatch.setattr(study, "run_study", lambda device, show_progress=None: {"device": "cpu", "scenarios": []})
+    assert cli(capsys, "study", "--json", "st.json", "--device", "cpu")[0] == 0
+    assert _provenance(work / "st.json")["command"] == "fp4pass study --json st.json --device cpu"
+
+
+def test_a_hub_snapshot_is_named_by_its_id_and_commit():
+    """The source as given (``org/name@rev``) and the commit of the snapshot folder it resolved to."""
+    import argparse
+
+    from fp4pass.commands._provenance import provenance
+
+    args = argparse.Namespace(argv=["inspect", "acme/kimi@v2"], given_model="acme/kimi@v2",
+                              model="/cache/models--acme--kimi/snapshots/0123abcd")
+    assert provenance(args) == {"version": provenance(args)["version"], "command": "fp4pass inspect acme/kimi@v2",
+                                "source": "acme/kimi@v2", "revision": "0123abcd"}
+    args.given_model = args.model = "/data/kimi"
+    assert provenance(args)["revision"] is None
+
+
+def test_the_folder_convert_table_has_a_header_over_its_columns(work, capsys):
+    code, out, _ = run_cli(capsys, "convert", KIMI, "-o", "out")
+    header, first = out.splitlines()[:2]
+    assert header.split()[:3] == ["weight", "experts", "global"] and header.endswith("SNR vs MXFP4")
+    assert header.index("experts") == first.index("1/1 lossless")
+    assert header.index("global scale") == first.index("S=")
+
+
+def test_sub_folders_left_out_are_named(work, capsys):
+    src = work / "kimi"
+    shutil.copytree(KIMI, src)
+    (src / "original").mkdir()
+    (src / "original" / "consolidated.00.pth").write_bytes(b"x")
+    code, out, err = run_cli(capsys, "convert", src, "-o", "out")
+    assert code == 0 and "fp4pass convert: left out, not copied (sub-folders and special files): original/" in err
+    assert not (work / "out" / "original").exists()
+
+
+def test_the_documented_exit_status_is_importable_and_is_the_clis(work, capsys):
+    """docs/checkpoint.md names ``exit_status``: the import it gives runs, and its value is inspect's exit code."""
+    import re
+
+    text = " ".join((ROOT / "docs" / "checkpoint.md").read_text().split())
+    (statement,) = re.findall(r"`(from fp4pass\.checkpoint\.validate import exit_status)`", text)
+    scope: dict = {}
+    exec(statement, scope)  # noqa: S102 - the documentation's own line
+    from fp4pass.checkpoint import validate
+
+    for folder in (THIRD_PARTY / "modelopt_qwen3_moe", THIRD_PARTY / "modelopt_gpt_oss"):
+        for strict in (False, True):
+            code = cli(capsys, "inspect", folder, *(["--strict"] if strict else []))[0]
+            assert scope["exit_status"](validate(folder), strict=strict) == code
+    assert "fp4pass.checkpoint.validate.exit_status" not in text
+
+
+def test_the_example_checkpoints_into_an_existing_folder_is_an_fp4pass_error_line(work, capsys):
+    from fp4pass.examples.checkpoints import main
+
+    (work / "taken").mkdir()
+    (work / "taken" / "x").write_text("mine")
+    with pytest.raises(SystemExit) as exited:
+        main(["taken"])
+    assert exited.value.code == 2
+    assert one_line(capsys.readouterr().err) == "fp4pass examples.checkpoints: error: taken exists; give a new folder"
+    assert (work / "taken" / "x").read_text() == "mine"

@@ -7,6 +7,7 @@ import sys
 
 from fp4pass import messages
 from fp4pass.commands._calibrator_flags import calibrator_options
+from fp4pass.commands._provenance import stamped
 from fp4pass.commands._safety import positive_int
 from fp4pass.errors import UsageError
 
@@ -58,15 +59,15 @@ def calibrate_folder(args) -> int:
     from fp4pass.commands import _safety
     from fp4pass.io import RESULT, write_json
 
-    for flag in ("provider", "activation", "allow_invalid"):
+    for flag in ("provider", "strict", "activation", "allow_invalid"):  # ONNX-only: never silently ignored
         value = getattr(args, flag)
         if value not in (None, False, "auto"):
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
     _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
     scales = run_calibration(args, args.data, args.batch_size, detail=bool(args.report))
-    write_json(args.output, scales.to_json(), kind=RESULT)
+    write_json(args.output, stamped(scales.to_json(), args), kind=RESULT)
     if args.report:
-        write_json(args.report, scales.report_json())
+        write_json(args.report, stamped(scales.report_json(), args))
     rows = [f"{'module':<52} {'tokens':>8} {'amax':>11} {'input_scale':>12}"]
     tokens = {}
     for row in scales.experts:

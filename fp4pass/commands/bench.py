@@ -7,6 +7,7 @@ import argparse
 from fp4pass import messages
 from fp4pass.bench import AREAS, HEADER, RATIO_NOTE, format_row, run_benchmarks
 from fp4pass.choices import Device, values
+from fp4pass.commands._provenance import KEY, provenance
 from fp4pass.errors import FP4PassError
 from fp4pass.io import check_outputs, write_json
 
@@ -61,8 +62,8 @@ def run(args) -> int:
         results += _benchmarks_own_input(lambda: measured(device, _row))
     print(RATIO_NOTE)
     if args.json:
-        write_json(args.json, {"devices": [str(d) for d in devices], "quick": args.quick,
-                               "results": [r.to_json() for r in results]})
+        write_json(args.json, {KEY: provenance(args, with_source=False), "devices": [str(d) for d in devices],
+                               "quick": args.quick, "results": [r.to_json() for r in results]})
     return 0
 
 

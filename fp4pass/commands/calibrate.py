@@ -9,6 +9,7 @@ import sys
 from fp4pass import messages
 from fp4pass.commands import _checkpoint_calib, _safety
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
+from fp4pass.commands._provenance import KEY, provenance, stamped
 from fp4pass.io import RESULT, write_json
 
 EPILOG = """examples:
@@ -69,9 +70,9 @@ def run(args) -> int:
     scales = calibrate_model(model, args.data, calibrator=args.calibrator, provider=args.provider,
                              activations=args.activation, batch_size=args.batch_size,
                              show_progress=None if not messages.quiet() else False, **options)
-    write_json(args.output, scales.to_json(), kind=RESULT)
+    write_json(args.output, stamped(scales.to_json(), args), kind=RESULT)
     if args.report:
-        write_json(args.report, {"calibrator": scales.calibrator, "provider": scales.provider,
+        write_json(args.report, {KEY: provenance(args), "calibrator": scales.calibrator, "provider": scales.provider,
                                  "batches": scales.batches, "tensors": scales.report()})
     rows = [f"{'activation':<32} {'g_amax':>11} {'B_min':>10} {'B_max':>10} {'subnorm':>8} {'satur':>7} {'SNR dB':>7}"]
     for row in scales.report():

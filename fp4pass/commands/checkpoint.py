@@ -13,6 +13,7 @@ from pathlib import Path
 from fp4pass import messages
 from fp4pass.commands import _checkpoint_calib, _safety
 from fp4pass.commands._calibrator_flags import check_calibrator_flags
+from fp4pass.commands._provenance import stamped
 from fp4pass.errors import UsageError
 from fp4pass.io import json_text
 
@@ -170,11 +171,11 @@ def _convert(args) -> int:
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
                          threads=args.threads, allow_partial=bool(args.allow_partial),
                          follow_symlinks=bool(args.follow_symlinks), engine=getattr(args, "engine", None),
-                         overwrite=bool(args.overwrite),
-                         before_rename=(lambda report: write_json(args.report, report)) if args.report else None)
+                         overwrite=bool(args.overwrite), show_progress=False if messages.quiet() else None,
+                         before_rename=(lambda r: write_json(args.report, stamped(r, args))) if args.report else None)
     except CheckFailed as failed:
         if args.report:
-            write_json(args.report, failed.report)
+            write_json(args.report, stamped(failed.report, args))
         first = failed.report["check"]["failures"][0]
         messages.error(f"fp4pass convert: check FAILED: {len(failed.report['check']['failures'])} expert(s), "
                        f"first {first['expert']}: {first['reason']}; {args.output} not written")
@@ -202,7 +203,10 @@ def _print_report(report: dict, format_report, summary: str) -> None:
         messages.info("\n".join(table))
     for d in report.get("declined", []):
         messages.warning(declined_line(d), file=sys.stdout)
-    messages.info(f"fp4pass convert: {summary}", file=sys.stderr)
+    messages.info(f"fp4pass convert: {summary}; {report['summary'].get('seconds', 0):.1f} s", file=sys.stderr)
+    if report.get("not_copied"):  # original/ (a release's own weights in another form), special files
+        messages.info(f"fp4pass convert: left out, not copied (sub-folders and special files): "
+                      f"{', '.join(report['not_copied'])}", file=sys.stderr)
 
 
 def check_line(check: dict) -> str:
@@ -230,6 +234,8 @@ def inspect_if_folder(args) -> int | None:
         if getattr(args, "follow_symlinks", None):
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None
+    if getattr(args, "allow_invalid", False):  # the ONNX checker's; a folder has no ONNX file to check
+        raise UsageError(f"--allow-invalid applies to ONNX models, not to checkpoint folders ({args.model} is one)")
     from fp4pass.checkpoint import format_inspection, inspect
     from fp4pass.checkpoint.validate import exit_status, format_validation, is_nvfp4_folder, validate
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fp4pass import messages
 from fp4pass.commands import _safety
+from fp4pass.commands._provenance import stamped
 from fp4pass.extras import require
 from fp4pass.errors import UsageError
 from fp4pass.io import REPORT, atomic_output, write_json
@@ -170,7 +171,7 @@ def _report(args, table: str, result, plot) -> int:
     if not result.passed and messages.quiet():  # the table (info) is hidden; its last line, the verdict, is an error
         messages.error(f"fp4pass diff: {table.splitlines()[-1]}")
     if args.json:
-        write_json(args.json, result.to_json())
+        write_json(args.json, stamped(result.to_json(), args))
     if args.plot:
         with atomic_output(args.plot, suffix=Path(args.plot).suffix, kind=REPORT) as tmp:
             plot(result, tmp)

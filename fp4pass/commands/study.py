@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+
 from fp4pass import messages
 from fp4pass.choices import Device, values
+from fp4pass.commands._provenance import stamped
 from fp4pass.io import check_outputs, write_json
 
 EPILOG = """examples:
@@ -22,10 +24,17 @@ def register(sub, common) -> None:
     p.set_defaults(run=run)
 
 
+def run_study(device, show_progress=None):
+    """:func:`fp4pass.study.run_study`, imported when the command runs (and torch with it)."""
+    from fp4pass.study import run_study as study
+
+    return study(device, show_progress=show_progress)
+
+
 def run(args) -> int:
     import torch  # here, not at import: `fp4pass --help` and every other command's start do not pay for it
 
-    from fp4pass.study import format_study_table, run_study
+    from fp4pass.study import format_study_table
 
     check_outputs({"--json": args.json})
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -35,5 +44,5 @@ def run(args) -> int:
     study = run_study(device, show_progress=None if not messages.quiet() else False)
     messages.info(format_study_table(study))
     if args.json:
-        write_json(args.json, study)
+        write_json(args.json, stamped(study, args, with_source=False))
     return 0
