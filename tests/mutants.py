@@ -179,6 +179,9 @@ MUTANTS = [
     Mutant("docs-checkpoint-without-overwrite", "docs/checkpoint.md converts into the README's OUT_DIR again", [
         ("docs/checkpoint.md", "--scales scales.json --overwrite\n", "--scales scales.json\n"),
     ], ROUND5_TESTS),
+    Mutant("quiet-onnx-problems-hidden", "inspect NVFP4.onnx --quiet exits 1 without naming the problem", [
+        ("fp4pass/commands/inspect.py", "    if problems and not args.json and messages.quiet():", "    if False:"),
+    ], ROUND5_TESTS),
     Mutant("quiet-diff-verdict-dropped", "diff --quiet exits 1 without saying it failed", [
         ("fp4pass/commands/diff.py", "    if not result.passed and messages.quiet():", "    if False:"),
     ], ROUND5_TESTS),

@@ -442,3 +442,21 @@ def test_the_example_checkpoints_into_an_existing_folder_is_an_fp4pass_error_lin
     assert exited.value.code == 2
     assert one_line(capsys.readouterr().err) == "fp4pass examples.checkpoints: error: taken exists; give a new folder"
     assert (work / "taken" / "x").read_text() == "mine"
+
+
+def test_quiet_inspect_of_a_broken_nvfp4_onnx_model_names_its_problem(work, capsys):
+    """The ONNX side of the same: one expert's global scale planted at 0 (through onnx alone) in a W4A4 model
+    fp4pass wrote; --quiet still prints the problem, and nothing else."""
+    import onnx
+    from onnx import numpy_helper
+
+    assert cli(capsys, "convert", MOE, "-o", "clean.onnx", "--calib", CALIB, "--quiet")[0] == 0
+    model = onnx.load("clean.onnx")
+    (scale,) = [t for t in model.graph.initializer if t.name == "experts.w1_global_scale"]
+    array = numpy_helper.to_array(scale).copy()
+    array.reshape(-1)[2] = 0.0
+    scale.CopyFrom(numpy_helper.from_array(array, scale.name))
+    onnx.save(model, "planted.onnx")
+    code, out, err = run_cli(capsys, "inspect", "planted.onnx", "--quiet")
+    assert code == 1 and err == "" and out.startswith("1 problem(s):\n  zero_scale: experts.w1 global scale: 0.0 is 0")
+    assert len(out.strip().splitlines()) == 2

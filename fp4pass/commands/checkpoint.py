@@ -252,7 +252,10 @@ def inspect_if_folder(args) -> int | None:
         if getattr(args, flag, None):
             raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not one")
     info = inspect(args.model, follow_symlinks=follow)
-    messages.result(json_text(info)) if args.json else messages.info(format_inspection(info))
+    if args.json:
+        messages.result(json_text(info))
+    else:
+        messages.info(format_inspection(info))
     return 0
 
 

@@ -46,7 +46,10 @@ def run(args) -> int:
 
     _safety.check_model(args, args.model)
     info = inspect(args.model)
-    messages.result(json_text(info)) if args.json else messages.info(format_inspection(info))
+    if args.json:
+        messages.result(json_text(info))
+    else:
+        messages.info(format_inspection(info))
     problems = info.get("nvfp4", {}).get("problems")  # NVFP4 scales that break the validator's rules
     if problems and not args.json and messages.quiet():  # the table (info) that lists them is hidden: errors
         lines = [f"{len(problems)} problem(s):", *(f"  {p['kind']}: {p['message']}" for p in problems)]
