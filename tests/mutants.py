@@ -167,7 +167,8 @@ MUTANTS = [
         ("fp4pass/checkpoint/run.py", 'SNR vs MXFP4"] if report["tensors"] else []', 'SNR vs MXFP4"] if False else []'),
     ], ROUND5_TESTS),
     Mutant("left-out-not-named", "sub-folders left out of the output (original/) are not mentioned", [
-        ("fp4pass/commands/checkpoint.py", '    if report.get("not_copied"):  # original/', "    if False:  # original/"),
+        ("fp4pass/commands/checkpoint.py", '    if report.get("not_copied"):  # original/',
+         "    if False:  # original/"),
     ], ROUND5_TESTS),
     Mutant("examples-error-prefix", "python -m fp4pass.examples.checkpoints EXISTING has no fp4pass error line", [
         ("fp4pass/examples/checkpoints.py", 'f"fp4pass examples.checkpoints: error: ', 'f"{p.prog}: error: '),

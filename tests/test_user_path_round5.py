@@ -160,7 +160,8 @@ def test_version_help_and_typos_import_nothing_heavy():
     import json
 
     argvs = [["--version"], ["--help"], ["convert", "--help"], ["convrt", "x"],
-             ["convert", "m.onnx", "-o", "x.onnx", "--chek"], *([c, "--help"] for c in ("inspect", "calibrate", "diff", "study", "bench", "clean"))]
+             ["convert", "m.onnx", "-o", "x.onnx", "--chek"],
+             *([c, "--help"] for c in ("inspect", "calibrate", "diff", "study", "bench", "clean"))]
     probe = f"HEAVY = {HEAVY!r}\n" + STARTUP_PROBE
     done = subprocess.run([sys.executable, "-c", probe, json.dumps(argvs)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
@@ -336,9 +337,9 @@ def test_a_calibration_report_given_as_scales_says_what_it_is(work, capsys):
 
 def test_an_onnx_output_named_as_a_folder_says_to_name_the_file(work, capsys):
     code, err = cli(capsys, "convert", MOE, "-o", "newdir/")
-    assert code == 2 and one_line(err) == ("fp4pass convert: error: -o newdir/: names a folder (it ends in /); an ONNX "
-                                           "model converts into one file: give its name, e.g. -o newdir/moe.nvfp4.onnx, "
-                                           "in a folder that exists")
+    assert code == 2 and one_line(err) == ("fp4pass convert: error: -o newdir/: names a folder (it ends in /); an "
+                                           "ONNX model converts into one file: give its name, e.g. -o "
+                                           "newdir/moe.nvfp4.onnx, in a folder that exists")
     assert not (work / "newdir").exists()
 
 
