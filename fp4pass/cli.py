@@ -30,7 +30,7 @@ import sys
 import threading
 import traceback
 
-from fp4pass import __version__
+from fp4pass import __version__, messages
 from fp4pass import io as fio
 from fp4pass.errors import CheckError, FP4PassError
 
@@ -96,15 +96,44 @@ class _TopParser(_Parser):
         return super().parse_known_args(args, namespace)
 
 
+#: the three names calibration data goes by, one per command: given to a command that takes another, the error
+#: names the one it takes
+DATA_FLAGS = ("--calib", "--data", "--inputs")
+DATA_FLAG_HINTS = {
+    "convert": "convert takes calibration data as --calib DATA, and the inputs of --check on an ONNX model as "
+               "--inputs DATA.npz",
+    "calibrate": "calibrate takes its calibration data as --data DATA",
+    "diff": "diff takes its data as --data DATA for checkpoint folders, --inputs DATA.npz for ONNX models",
+}
+
+
 class _CommandParser(_Parser):
     """A subcommand's parser: an argument it does not know is its own error (its usage, ``fp4pass convert:``),
-    with the closest flag it has, rather than the top-level parser's after the fact."""
+    with the closest flag it has, rather than the top-level parser's after the fact.
+
+    Flags are named whole (``allow_abbrev=False``): ``calibrate --calib X`` is not read as ``--calibrator X``,
+    and a flag added later never changes what a shortened one meant. Another command's name for calibration
+    data (:data:`DATA_FLAGS`) gets the name this command takes, whatever the error it leads to."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._given: list[str] = []
 
     def parse_known_args(self, args=None, namespace=None):
+        self._given = sys.argv[1:] if args is None else list(args)
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}{self._suggestion(extras)}")
         return namespace, extras
+
+    def error(self, message: str):
+        wrong = [a.split("=", 1)[0] for a in self._given if a.split("=", 1)[0] in DATA_FLAGS]
+        wrong = [flag for flag in wrong if flag not in self._option_string_actions]
+        hint = DATA_FLAG_HINTS.get(self.prog.rpartition(" ")[2])
+        if wrong and hint:
+            message = f"{message.split(' (did you mean ')[0]} ({wrong[0]} is not a flag of this command: {hint})"
+        super().error(message)
 
     def _suggestion(self, extras: list[str]) -> str:
         flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
@@ -236,37 +265,6 @@ class _QuietPipe:
         return getattr(self._stream, name)
 
 
-class _WarningsOnly:
-    """A stream that, under ``--quiet``, passes on only the lines that are warnings or errors (:data:`LOUD`):
-    the same rule for every command, whatever it prints. Partial lines (progress bars) wait for their end."""
-
-    LOUD = re.compile(r"\b(error|warning|FAILED|interrupted|terminated)\b", re.IGNORECASE)
-
-    def __init__(self, stream, keep_all: bool = False):
-        self._stream = stream
-        self._keep_all = keep_all
-        self._pending = ""
-
-    def write(self, text):
-        if self._keep_all:
-            return self._stream.write(text)
-        lines = (self._pending + text).split("\n")
-        self._pending = lines.pop()
-        for line in lines:
-            if self.LOUD.search(line):
-                self._stream.write(line + "\n")
-        return len(text)
-
-    def flush(self):
-        self._stream.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
@@ -282,10 +280,10 @@ def _run(args) -> tuple[int, BaseException | None]:
     """Run the command; returns (exit code, the exception that ended it or None). Prints the one line."""
     name = args.command
 
-    def fail(code, message, exc):
+    def fail(code, message, exc):  # errors: shown whole at every level, --quiet included
         if args.debug:
-            traceback.print_exception(exc, file=sys.stderr)
-        print(f"fp4pass {name}: {message}", file=sys.stderr)
+            messages.error("".join(traceback.format_exception(exc)).rstrip("\n"))
+        messages.error(f"fp4pass {name}: {message}")
         return code, exc
 
     try:
@@ -342,6 +340,8 @@ def main(argv: list[str] | None = None, *, _sigint_after=None) -> int:
         try:
             parser = build_parser()
             args = parser.parse_args(argv)
+            args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # for the JSON files' provenance
+            args.given_model = getattr(args, "model", None)  # as given: a Hub ID is replaced by its snapshot folder
         except KeyboardInterrupt:
             print("fp4pass: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -359,16 +359,14 @@ def _main(parser, args) -> int:
     logging.getLogger().setLevel(libraries)
     logging.getLogger("fp4pass").setLevel(own)
     stdout, stderr = sys.stdout, sys.stderr
-    if args.quiet and not args.debug:  # after logging took its stream (fp4pass's logger is at WARNING already);
-        sys.stderr = _WarningsOnly(stderr)  # --debug's tracebacks stay whole
-    shown = _WarningsOnly(stdout, keep_all=getattr(args, "json", None) is True) if args.quiet else stdout
-    sys.stdout = guard = _QuietPipe(shown)
+    sys.stdout = guard = _QuietPipe(stdout)
+    lowest = messages.Level.WARNING if args.quiet else messages.Level.INFO  # after logging took its stream
     try:
-        with _sigterm_handled(), fio.output_session() as session:
+        with messages.shown_from(lowest), _sigterm_handled(), fio.output_session() as session:
             try:
                 code, exc = _run(args)
                 if code == 0 and _Interrupts.pending:  # Ctrl-C came before the end; it waited for an import
-                    print(f"fp4pass {args.command}: interrupted", file=sys.stderr)
+                    messages.error(f"fp4pass {args.command}: interrupted")
                     code, exc = EXIT_INTERRUPTED, None
             except (KeyboardInterrupt, Terminated) as late:  # arrived outside the command, while unwinding
                 code, exc = (EXIT_TERMINATED if isinstance(late, Terminated) else EXIT_INTERRUPTED), late

@@ -188,8 +188,9 @@ def resolve_checkpoint(path_or_id, *, show_progress: bool | None = None):
         log.info("%s: the Hugging Face cache's %s", name, folder)
         return folder
     if _offline():
+        fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")  # the @rev asked for
         raise _not_available(name, cache_dir, folder, missing, "HF_HUB_OFFLINE is set, so it is not downloaded "
-                             "(unset it, or run hf download " + repo_id + " where the Hub can be reached)")
+                             f"(unset it, or run {fetch} where the Hub can be reached)")
     folder = _download(repo_id, revision, cache_dir, show_progress)
     missing = missing_files(folder)
     if missing:

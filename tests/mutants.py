@@ -61,6 +61,7 @@ CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests
 
 
 USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
+ROUND5_TESTS = ["tests/test_user_path_round5.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 
@@ -80,12 +81,111 @@ class Mutant:
 
 MUTANTS = [
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
-    Mutant("quiet-passes-everything", "--quiet passes every line on", [
-        ("fp4pass/cli.py", "        if self._keep_all:\n", "        if True:\n"),
+    Mutant("quiet-passes-everything", "--quiet passes every bare print on", [
+        ("fp4pass/messages.py", "    if lowest > Level.INFO:\n        _real.update",
+         "    if False:\n        _real.update"),
     ], USER_PATH_TESTS),
-    Mutant("quiet-drops-errors", "--quiet drops the error lines too", [
-        ("fp4pass/cli.py", 'r"\\b(error|warning|FAILED|interrupted|terminated)\\b"', 'r"\\b(warning|interrupted)\\b"'),
+    Mutant("quiet-drops-errors", "--quiet drops the command's error line too", [
+        ("fp4pass/cli.py", '        messages.error(f"fp4pass {name}: {message}")',
+         '        messages.info(f"fp4pass {name}: {message}")'),
     ], USER_PATH_TESTS),
+    Mutant("quiet-problems-hidden", "inspect NVFP4_DIR --quiet hides the problems and warnings it counts", [
+        ("fp4pass/commands/checkpoint.py", "    if not messages.quiet():\n        return  # the report",
+         "    if True:\n        return  # the report"),
+    ], ROUND5_TESTS),
+    Mutant("quiet-declined-as-info", "--allow-partial's weights left in MXFP4 are info (hidden under --quiet)", [
+        ("fp4pass/commands/checkpoint.py", "messages.warning(declined_line(d), file=sys.stdout)",
+         "messages.info(declined_line(d), file=sys.stdout)"),
+    ], ROUND5_TESTS),
+    Mutant("quiet-check-passed-shown", "--check's PASSED line is a warning (shown under --quiet)", [
+        ("fp4pass/commands/checkpoint.py", 'messages.info(f"fp4pass convert: {check_line(',
+         'messages.warning(f"fp4pass convert: {check_line('),
+    ], ROUND5_TESTS),
+    Mutant("quiet-engines-verdict-info", "no engine loading the output is info (hidden under --quiet)", [
+        ("fp4pass/commands/checkpoint.py", "(messages.info if loads else messages.warning)(", "messages.info("),
+    ], ROUND5_TESTS),
+    Mutant("quiet-bare-print-shown", "a bare print passes the quiet level", [
+        ("fp4pass/messages.py", "    def write(self, text: str) -> int:\n        return len(text)",
+         "    def write(self, text: str) -> int:\n        return self._stream.write(text)"),
+    ], ROUND5_TESTS),
+    Mutant("quiet-python-warnings-hidden", "Python's warnings are dropped under --quiet", [
+        ("fp4pass/messages.py", "        warnings.showwarning = _show_python_warning",
+         "        warnings.showwarning = lambda *a, **k: None"),
+    ], ROUND5_TESTS),
+    Mutant("startup-imports-torch", "fp4pass study's module imports torch, so every command's start does", [
+        ("fp4pass/commands/study.py", "from fp4pass import messages\n",
+         "import torch  # noqa: F401\nfrom fp4pass import messages\n"),
+    ], ROUND5_TESTS),
+    Mutant("data-flag-no-hint", "another command's calibration-data flag gets no hint naming this command's", [
+        ("fp4pass/cli.py", "        if wrong and hint:", "        if False:"),
+    ], ROUND5_TESTS),
+    Mutant("flags-abbreviated", "a shortened flag is taken for the one it starts (calibrate --calib as --calibrator)", [
+        ("fp4pass/cli.py", 'kwargs.setdefault("allow_abbrev", False)', 'kwargs.setdefault("allow_abbrev", True)'),
+    ], ROUND5_TESTS),
+    Mutant("diff-onnx-data-no-hint", "diff A.onnx B.onnx --data does not point at --inputs", [
+        ("fp4pass/commands/diff.py", 'if name == "data" else ""', 'if name == "none" else ""'),
+    ], ROUND5_TESTS),
+    Mutant("folder-inputs-no-hint", "convert CKPT_DIR --inputs does not point at --calib", [
+        ("fp4pass/commands/checkpoint.py", 'if flag == "inputs" else ""', 'if flag == "none" else ""'),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-convert-progress-stalls", "the folder convert's bar never advances", [
+        ("fp4pass/checkpoint/run.py", "                    advance(item.nbytes)\n", ""),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-check-progress-off", "--check reading back shows no bar on a terminal", [
+        ("fp4pass/checkpoint/check.py", 'enabled=show_progress, unit="unit"', 'enabled=False, unit="unit"'),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-progress-never-on-terminal", "the folder convert passes no terminal default to the bars", [
+        ("fp4pass/commands/checkpoint.py", "show_progress=False if messages.quiet() else None",
+         "show_progress=False"),
+    ], ROUND5_TESTS),
+    Mutant("strict-not-refused-for-folders", "calibrate CKPT_DIR --strict is accepted and does nothing", [
+        ("fp4pass/commands/_checkpoint_calib.py", '("provider", "strict", "activation", "allow_invalid")',
+         '("provider", "activation", "allow_invalid")'),
+    ], ROUND5_TESTS),
+    Mutant("allow-invalid-not-refused-for-folders", "inspect CKPT_DIR --allow-invalid is accepted and does nothing", [
+        ("fp4pass/commands/checkpoint.py", '    if getattr(args, "allow_invalid", False):  # the ONNX checker',
+         '    if False:  # the ONNX checker'),
+    ], ROUND5_TESTS),
+    Mutant("scales-report-not-recognized", "--scales given a calibration report says only what it expected", [
+        ("fp4pass/calib/scales.py", 'if isinstance(data, dict) and isinstance(data.get("tensors"), list):',
+         "if False:"),
+    ], ROUND5_TESTS),
+    Mutant("onnx-output-folder-late", "convert -o NEWDIR/ of an ONNX model speaks of its external data", [
+        ("fp4pass/commands/convert.py", "    _refuse_folder_output(args.output, args.model)\n", ""),
+    ], ROUND5_TESTS),
+    Mutant("hub-hint-drops-revision", "the offline Hub hint fetches the default branch, not the @rev asked for", [
+        ("fp4pass/hub.py", '(f" --revision {revision}" if revision else "")', '""'),
+    ], ROUND5_TESTS),
+    Mutant("json-without-provenance", "a JSON file fp4pass writes does not say which fp4pass and command wrote it", [
+        ("fp4pass/commands/_provenance.py", "    return {KEY: provenance(args, with_source), **data}",
+         "    return data"),
+    ], ROUND5_TESTS),
+    Mutant("provenance-local-revision", "a local folder is given its folder name as a Hub revision", [
+        ("fp4pass/commands/_provenance.py", "resolved.name if from_hub else None", "resolved.name"),
+    ], ROUND5_TESTS),
+    Mutant("ckpt-table-without-header", "the folder convert table has no header", [
+        ("fp4pass/checkpoint/run.py", 'SNR vs MXFP4"] if report["tensors"] else []', 'SNR vs MXFP4"] if False else []'),
+    ], ROUND5_TESTS),
+    Mutant("left-out-not-named", "sub-folders left out of the output (original/) are not mentioned", [
+        ("fp4pass/commands/checkpoint.py", '    if report.get("not_copied"):  # original/',
+         "    if False:  # original/"),
+    ], ROUND5_TESTS),
+    Mutant("examples-error-prefix", "python -m fp4pass.examples.checkpoints EXISTING has no fp4pass error line", [
+        ("fp4pass/examples/checkpoints.py", 'f"fp4pass examples.checkpoints: error: ', 'f"{p.prog}: error: '),
+    ], ROUND5_TESTS),
+    Mutant("docs-exit-status-attribute", "docs/checkpoint.md names exit_status as an attribute of the function", [
+        ("docs/checkpoint.md", "(after `from fp4pass.checkpoint.validate import exit_status`, `exit_status(result, ",
+         "(`fp4pass.checkpoint.validate.exit_status(result, "),
+    ], ROUND5_TESTS),
+    Mutant("docs-checkpoint-without-overwrite", "docs/checkpoint.md converts into the README's OUT_DIR again", [
+        ("docs/checkpoint.md", "--scales scales.json --overwrite\n", "--scales scales.json\n"),
+    ], ROUND5_TESTS),
+    Mutant("quiet-onnx-problems-hidden", "inspect NVFP4.onnx --quiet exits 1 without naming the problem", [
+        ("fp4pass/commands/inspect.py", "    if problems and not args.json and messages.quiet():", "    if False:"),
+    ], ROUND5_TESTS),
+    Mutant("quiet-diff-verdict-dropped", "diff --quiet exits 1 without saying it failed", [
+        ("fp4pass/commands/diff.py", "    if not result.passed and messages.quiet():", "    if False:"),
+    ], ROUND5_TESTS),
     Mutant("calibrator-flag-without-data", "a calibrator flag without --calib is ignored", [
         ("fp4pass/commands/_calibrator_flags.py", "    if given and not data_given:", "    if False:"),
     ], USER_PATH_TESTS),

@@ -95,3 +95,15 @@ def test_peers_rows_are_printed_once(monkeypatch, capsys):
     captured = capsys.readouterr()
     (row,) = [line for line in captured.out.splitlines() if line.startswith("peers auto")]
     assert (captured.out + captured.err).count(row) == 1 and "not judged at --quick size" in row
+
+
+def test_startup_bench_times_both_commands_against_a_bare_interpreter():
+    """The start-up rows: ``fp4pass --version`` and ``fp4pass convert --help``, each against ``python -c pass``
+    run the same number of times in turns; none on CUDA (the same thing timed again)."""
+    from fp4pass.bench import startup
+
+    rows = startup.bench_startup(torch.device("cpu"), quick=True)
+    assert [r.name for r in rows] == ["startup fp4pass --version", "startup fp4pass convert --help"]
+    assert all(r.baseline == "python -c pass" and r.seconds > 0 and r.baseline_seconds > 0 for r in rows)
+    assert len({r.baseline_seconds for r in rows}) == 1
+    assert startup.bench_startup(torch.device("meta"), quick=True) == []

@@ -32,8 +32,8 @@ def test_identical_exit_0_with_json(models, tmp_path, capsys):
     report = tmp_path / "r.json"
     assert main(["diff", models["a"], models["a"], "--json", str(report), "--snr-min", "300"]) == 0
     data = json.loads(report.read_text())
-    assert set(data) == {"provider", "outputs", "intermediates", "first_divergent", "passed", "notes",
-                         "provider_options", "placement"}
+    assert set(data) == {"fp4pass", "provider", "outputs", "intermediates", "first_divergent", "passed", "notes",
+                         "provider_options", "placement"}  # fp4pass: the version and command that wrote it
     assert data["passed"] is True and data["outputs"][0]["snr_db"] is None and data["outputs"][0]["max_abs_err"] == 0
     assert "PASSED" in capsys.readouterr().out
 

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "fp4pass"
 # lowest first; a module belongs to the longest prefix listed (fp4pass.fx.calibration before fp4pass.fx)
 LAYERS = [
     ("base", ["fp4pass.errors", "fp4pass.io", "fp4pass.npz", "fp4pass.metrics", "fp4pass.progress", "fp4pass.choices",
-              "fp4pass.extras", "fp4pass.hub"]),
+              "fp4pass.extras", "fp4pass.hub", "fp4pass.messages"]),
     ("formats", ["fp4pass.formats"]),
     ("convert", ["fp4pass.convert"]),
     ("passes", ["fp4pass.onnx", "fp4pass.fx"]),  # ONNX and fx passes are peers

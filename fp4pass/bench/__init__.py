@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the benchmarks that run: `fp4pass bench --help` does not load it
+    import torch
 
 __all__ = ["BenchResult", "measure", "run_benchmarks", "format_row", "format_table", "AREAS", "HEADER", "RATIO_NOTE"]
 
-AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx", "calibrate-checkpoint", "diff-checkpoint")
+AREAS = ("formats", "convert", "onnx", "diff", "calib", "checkpoint", "fx", "calibrate-checkpoint", "diff-checkpoint",
+         "startup")
 
 
 @dataclass
@@ -54,6 +56,8 @@ def measure(fn: Callable[[], object], repeat: int = 5, device: torch.device | No
 
     def sync():
         if device is not None and device.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(device)
 
     fn()

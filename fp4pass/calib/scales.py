@@ -150,6 +150,10 @@ class ActivationScales:
 
     @classmethod
     def from_json(cls, data: dict, where: str = "SCALES.json") -> "ActivationScales":
+        if isinstance(data, dict) and isinstance(data.get("tensors"), list):  # its rows: what --report writes
+            raise ScalesFileError(f"{where}: a calibration report (what `fp4pass calibrate --report` writes: one row "
+                                  "per tensor, for reading), not the scales; pass the SCALES.json that calibrate "
+                                  "wrote with -o")
         if not isinstance(data, dict) or "tensors" not in data or not isinstance(data["tensors"], dict):
             raise ScalesFileError(f"{where}: expected {{\"calibrator\": ..., \"tensors\": {{...}}}}")
         tensors = {name: ActivationScale.from_json(entry, name, where) for name, entry in data["tensors"].items()}

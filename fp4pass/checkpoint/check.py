@@ -50,6 +50,7 @@ from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.errors import FP4PassError
 from fp4pass.extras import require
 from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS, LOSSLESS_SPREAD
+from fp4pass.progress import progress
 
 __all__ = ["check_checkpoint", "decode_mxfp4"]
 
@@ -237,10 +238,13 @@ def _above_bound(names: list[str], errors: list[float], baseline: float, in_stac
             "the pair shares")
 
 
-def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") -> dict:
+def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto",
+                     show_progress: bool | None = None) -> dict:
     """Compare every converted expert of ``out_dir`` with its source in ``catalog`` (module docstring).
 
     ``method`` "requant" promises no exact expert: every one is held to the requantization bound.
+    ``show_progress``: a bar over the converted units on stderr (:mod:`fp4pass.progress`; None: on a terminal);
+    reading back takes about as long as the conversion.
     """
     reader = _Reader()
     safe_open = require("safetensors", "checkpoint", "--check").safe_open
@@ -255,7 +259,7 @@ def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto") ->
         handles[path.name] = safe_open(str(path), framework="pt")
         for key in handles[path.name].keys():
             index[key] = handles[path.name]
-    for unit in found.units:
+    for unit in progress(found.units, total=len(found.units), desc="check", enabled=show_progress, unit="unit"):
         if isinstance(unit, FusedExperts):
             _check_fused(unit, catalog, index, reader, result)
             continue

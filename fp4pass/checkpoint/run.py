@@ -47,6 +47,7 @@ from fp4pass.errors import UsageError
 from fp4pass.formats.constants import E8M0_BIAS
 from fp4pass.hub import resolve_checkpoint
 from fp4pass.io import atomic_folder
+from fp4pass.progress import byte_progress
 
 __all__ = ["convert", "inspect", "CheckFailed", "DEFAULT_SHARD_BYTES"]
 
@@ -313,7 +314,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
             effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
             follow_symlinks: bool = False, before_rename=None, engine: str | None = None,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, show_progress: bool | None = None) -> dict:
     """Convert the MXFP4 checkpoint folder ``src_dir`` into an NVFP4 checkpoint folder ``out_dir``; the report.
 
     ``engine``: "vllm", "sglang" or "trtllm": refuse (before anything is written) an output that engine's
@@ -340,7 +341,8 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
     beside the folder) is in place first, and when it fails no ``out_dir`` appears. ``src_dir`` may be a Hugging
     Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`). ``overwrite``: an
     existing ``out_dir`` that fp4pass wrote (it holds :data:`fp4pass.io.OUTPUT_MARKER`) is replaced by that
-    rename, and only then removed; any other non-empty ``out_dir`` is refused.
+    rename, and only then removed; any other non-empty ``out_dir`` is refused. ``show_progress``: bars on
+    stderr over the bytes written and the units checked (:mod:`fp4pass.progress`; None: on a terminal).
     """
     src_dir = resolve_checkpoint(src_dir)
     fmt = format
@@ -375,8 +377,9 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
             entries: list[dict] = []
             try:
                 with atomic_folder(out_dir, inputs=(src_dir,), overwrite=overwrite) as tmp:
-                    weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
-                                               {"effort": effort, "threads": threads})
+                    with byte_progress(sum(i.nbytes for i in plan.items), "convert", show_progress) as bar:
+                        weight_map = _write_shards(catalog, plan, tmp, fmt, method, in_scales, entries,
+                                                   {"effort": effort, "threads": threads}, bar.update)
                     _no_undeclined_mxfp4(tmp, plan, found)
                     _write_side_files(catalog, tmp, fmt, exclude, with_input, weight_map, plan)
                     report = _report(src_dir, out_dir, fmt, method, found, entries, plan, in_scales, exclude,
@@ -389,7 +392,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
                     if check:
                         from fp4pass.checkpoint.check import check_checkpoint
 
-                        report["check"] = check_checkpoint(catalog, found, tmp, fmt, method)
+                        report["check"] = check_checkpoint(catalog, found, tmp, fmt, method, show_progress)
                         _finite_figures(report)
                         if not report["check"]["passed"]:
                             raise CheckFailed(report)
@@ -480,7 +483,7 @@ def _no_undeclined_mxfp4(tmp: Path, plan: Plan, found) -> None:
 
 
 def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scales: InputScales,
-                  entries: list[dict], options: dict) -> dict[str, str]:
+                  entries: list[dict], options: dict, advance=lambda nbytes: None) -> dict[str, str]:
     """Write every shard of the plan; the weight map (output tensor -> shard file).
 
     Two stages overlap: this thread reads and converts unit i + 1 while one writer thread writes unit i (its
@@ -504,6 +507,7 @@ def _write_shards(catalog, plan: Plan, tmp: Path, fmt: str, method: str, in_scal
                     if pending is not None:
                         pending.result()  # the writer is free: at most one unit in flight
                     pending = pool.submit(job) if job is not None else None
+                    advance(item.nbytes)
                 if pending is not None:
                     pending.result()
                 pending = None
@@ -725,17 +729,21 @@ def _matrices(matrices: int, weights: int) -> str:
 
 
 def format_report(report: dict) -> str:
-    """One line per converted weight and a summary line."""
-    lines = []
+    """A header, one line per converted weight and a summary line."""
+    lines = [f"{'weight':<60} {'experts':<12}  {'global scale':<12}  SNR vs MXFP4"] if report["tensors"] else []
     for t in report["tensors"]:
         snr = ("lossless" if t["lossless"] else "snr not finite (see the report's not_finite)"
                if t["snr_db"] is None else f"snr {t['snr_db']:.2f} dB")
         lines.append(f"{t['name']:<60} {t['experts_lossless']}/{t['experts']} lossless  S={t['global_scale'][0]:.6g}"
                      f"  {snr}")
-    for d in report.get("declined", []):
-        lines.append(f"declined, left in its MXFP4 form: {d['tensor']} ({d['shard']}): {d['reason']}")
+    lines.extend(declined_line(d) for d in report.get("declined", []))
     lines.append(summary_line(report))
     return "\n".join(lines)
+
+
+def declined_line(d: dict) -> str:
+    """An ``--allow-partial`` decline: the weight left in MXFP4, its shard and why (a warning in the CLI)."""
+    return f"declined, left in its MXFP4 form: {d['tensor']} ({d['shard']}): {d['reason']}"
 
 
 def summary_line(report: dict) -> str:

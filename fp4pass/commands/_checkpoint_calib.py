@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 
+from fp4pass import messages
 from fp4pass.commands._calibrator_flags import calibrator_options
+from fp4pass.commands._provenance import stamped
 from fp4pass.commands._safety import positive_int
 from fp4pass.errors import UsageError
 
@@ -44,16 +46,16 @@ def run_calibration(args, data, batch_size, detail: bool = False):
 
     return calibrate(args.model, data, calibrator=args.calibrator, device=args.device or "auto",
                      batch_size=batch_size, seq_len=args.seq_len, num_samples=args.num_samples,
-                     show_progress=None if not args.quiet else False, report_detail=detail,
+                     show_progress=None if not messages.quiet() else False, report_detail=detail,
                      trust_remote_code=bool(args.trust_remote_code), **calibrator_options(args))
 
 
 def print_summary(scales, output: str) -> None:
     unrouted = len(scales.unrouted)
-    print(f"fp4pass calibrate: {len(scales.tensors)} module scales from {scales.tokens} tokens "
-          f"({scales.batches} batches) through {scales.layers} layers of {scales.model_type} on {scales.device} in "
-          f"{scales.seconds:.1f} s; {unrouted} expert(s) unrouted (they take their layer's max) -> {output}",
-          file=sys.stderr)
+    messages.info(f"fp4pass calibrate: {len(scales.tensors)} module scales from {scales.tokens} tokens "
+                  f"({scales.batches} batches) through {scales.layers} layers of {scales.model_type} on "
+                  f"{scales.device} in {scales.seconds:.1f} s; {unrouted} expert(s) unrouted (they take their "
+                  f"layer's max) -> {output}", file=sys.stderr)
 
 
 def calibrate_folder(args) -> int:
@@ -61,27 +63,27 @@ def calibrate_folder(args) -> int:
     from fp4pass.commands import _safety
     from fp4pass.io import RESULT, write_json
 
-    for flag in ("provider", "activation", "allow_invalid"):
+    for flag in ("provider", "strict", "activation", "allow_invalid"):  # ONNX-only: never silently ignored
         value = getattr(args, flag)
         if value not in (None, False, "auto"):
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
     _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
     scales = run_calibration(args, args.data, args.batch_size, detail=bool(args.report))
-    write_json(args.output, scales.to_json(), kind=RESULT)
+    write_json(args.output, stamped(scales.to_json(), args), kind=RESULT)
     if args.report:
-        write_json(args.report, scales.report_json())
-    if not args.quiet:
-        print(f"{'module':<52} {'tokens':>8} {'amax':>11} {'input_scale':>12}")
-        tokens = {}
-        for row in scales.experts:
-            for module in row.get("checkpoint_modules", []):
-                tokens[module] = tokens.get(module, 0) + row["tokens"]
-        for name, scale in scales.tensors.items():
-            count = tokens.get(name, "-") if name in tokens else "all"
-            print(f"{name:<52} {count!s:>8} {scale.amax:>11.5g} {scale.input_scale:>12.5g}")
-        for row in scales.unrouted:  # a gpt-oss stack's modules are the whole stack's: say which expert
-            print(f"unrouted (no token routed; the layer's max fills it): expert {row['expert']} of "
-                  f"{', '.join(row['checkpoint_modules']) or row['module']}")
+        write_json(args.report, stamped(scales.report_json(), args))
+    rows = [f"{'module':<52} {'tokens':>8} {'amax':>11} {'input_scale':>12}"]
+    tokens = {}
+    for row in scales.experts:
+        for module in row.get("checkpoint_modules", []):
+            tokens[module] = tokens.get(module, 0) + row["tokens"]
+    for name, scale in scales.tensors.items():
+        count = tokens.get(name, "-") if name in tokens else "all"
+        rows.append(f"{name:<52} {count!s:>8} {scale.amax:>11.5g} {scale.input_scale:>12.5g}")
+    for row in scales.unrouted:  # a gpt-oss stack's modules are the whole stack's: say which expert
+        rows.append(f"unrouted (no token routed; the layer's max fills it): expert {row['expert']} of "
+                    f"{', '.join(row['checkpoint_modules']) or row['module']}")
+    messages.info("\n".join(rows))
     print_summary(scales, args.output)
     return 0
 

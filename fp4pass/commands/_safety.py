@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from pathlib import Path
 
+from fp4pass import messages
 from fp4pass.choices import CheckProvider, Provider, values
 from fp4pass.errors import UsageError
 from fp4pass.io import check_outputs
@@ -96,8 +96,8 @@ def check_provider(args) -> None:
         return
     if args.strict:
         raise UsageError(f"--provider cuda --strict: {why}")
-    print(f"fp4pass {args.command}: warning: --provider cuda: {why}; falling back to CPU (--strict to refuse)",
-          file=sys.stderr)
+    messages.warning(f"fp4pass {args.command}: warning: --provider cuda: {why}; falling back to CPU "
+                     "(--strict to refuse)")
 
 
 #: files of a safetensors checkpoint, which is read as a whole folder

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-import torch
-
+from fp4pass import messages
 from fp4pass.bench import AREAS, HEADER, RATIO_NOTE, format_row, run_benchmarks
 from fp4pass.choices import Device, values
+from fp4pass.commands._provenance import KEY, provenance
 from fp4pass.errors import FP4PassError
 from fp4pass.io import check_outputs, write_json
 
@@ -34,16 +33,18 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
+    import torch  # here, not at import: `fp4pass --help` and every other command's start do not pay for it
+
     check_outputs({"--json": args.json})
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("fp4pass bench: note: CUDA requested but not available; running on CPU", file=sys.stderr)
+        messages.warning("fp4pass bench: warning: --device cuda: CUDA is not available; running on CPU")
     use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if use_cuda else [])
     if args.peers:
         from fp4pass.bench import peers
 
         if not peers.peers_available():
-            print(f"fp4pass bench: {peers.INSTALL_HINT}", file=sys.stderr)
+            messages.error(f"fp4pass bench: {peers.INSTALL_HINT}")
             return 2
 
         def measured(device, log):
@@ -61,8 +62,8 @@ def run(args) -> int:
         results += _benchmarks_own_input(lambda: measured(device, _row))
     print(RATIO_NOTE)
     if args.json:
-        write_json(args.json, {"devices": [str(d) for d in devices], "quick": args.quick,
-                               "results": [r.to_json() for r in results]})
+        write_json(args.json, {KEY: provenance(args, with_source=False), "devices": [str(d) for d in devices],
+                               "quick": args.quick, "results": [r.to_json() for r in results]})
     return 0
 
 

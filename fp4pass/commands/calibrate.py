@@ -6,8 +6,10 @@ import argparse
 import os
 import sys
 
+from fp4pass import messages
 from fp4pass.commands import _checkpoint_calib, _safety
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
+from fp4pass.commands._provenance import KEY, provenance, stamped
 from fp4pass.io import RESULT, write_json
 
 EPILOG = """examples:
@@ -67,17 +69,18 @@ def run(args) -> int:
     model = load(args.model).model
     scales = calibrate_model(model, args.data, calibrator=args.calibrator, provider=args.provider,
                              activations=args.activation, batch_size=args.batch_size,
-                             show_progress=None if not args.quiet else False, **options)
-    write_json(args.output, scales.to_json(), kind=RESULT)
+                             show_progress=None if not messages.quiet() else False, **options)
+    write_json(args.output, stamped(scales.to_json(), args), kind=RESULT)
     if args.report:
-        write_json(args.report, {"calibrator": scales.calibrator, "provider": scales.provider,
+        write_json(args.report, {KEY: provenance(args), "calibrator": scales.calibrator, "provider": scales.provider,
                                  "batches": scales.batches, "tensors": scales.report()})
-    print(f"{'activation':<32} {'g_amax':>11} {'B_min':>10} {'B_max':>10} {'subnorm':>8} {'satur':>7} {'SNR dB':>7}")
+    rows = [f"{'activation':<32} {'g_amax':>11} {'B_min':>10} {'B_max':>10} {'subnorm':>8} {'satur':>7} {'SNR dB':>7}"]
     for row in scales.report():
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{row['name']:<32} {row['g_amax']:>11.5g} {row['b_min']:>10.4g} {row['b_max']:>10.4g} "
-              f"{fmt(row['subnormal_fraction'], '>8.2%')} {fmt(row['saturated_fraction'], '>7.2%')} "
-              f"{fmt(row['snr_db'], '>7.2f')}")
-    print(f"fp4pass calibrate: {len(scales.tensors)} activations, {scales.batches} batches on {scales.provider} "
-          f"-> {args.output}", file=sys.stderr)
+        rows.append(f"{row['name']:<32} {row['g_amax']:>11.5g} {row['b_min']:>10.4g} {row['b_max']:>10.4g} "
+                    f"{fmt(row['subnormal_fraction'], '>8.2%')} {fmt(row['saturated_fraction'], '>7.2%')} "
+                    f"{fmt(row['snr_db'], '>7.2f')}")
+    messages.info("\n".join(rows))
+    messages.info(f"fp4pass calibrate: {len(scales.tensors)} activations, {scales.batches} batches on "
+                  f"{scales.provider} -> {args.output}", file=sys.stderr)
     return 0

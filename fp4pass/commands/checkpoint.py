@@ -10,8 +10,10 @@ import os
 import sys
 from pathlib import Path
 
+from fp4pass import messages
 from fp4pass.commands import _checkpoint_calib, _safety
 from fp4pass.commands._calibrator_flags import check_calibrator_flags
+from fp4pass.commands._provenance import stamped
 from fp4pass.errors import UsageError
 from fp4pass.io import json_text
 
@@ -117,7 +119,8 @@ def _check_flags(args) -> None:
     check_output_folder(args.output, overwrite=bool(args.overwrite))  # before a calibration that may take hours
     for flag, default in _ONNX_ONLY.items():
         if getattr(args, flag, default) != default:
-            raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
+            data = " (a checkpoint folder's calibration data is --calib DATA)" if flag == "inputs" else ""
+            raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders{data}")
     if args.input_scale is not None and args.scales:
         raise UsageError("give --input-scale or --scales, not both")
     if args.input_scale is not None and not args.input_scale > 0:
@@ -168,30 +171,42 @@ def _convert(args) -> int:
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
                          threads=args.threads, allow_partial=bool(args.allow_partial),
                          follow_symlinks=bool(args.follow_symlinks), engine=getattr(args, "engine", None),
-                         overwrite=bool(args.overwrite),
-                         before_rename=(lambda report: write_json(args.report, report)) if args.report else None)
+                         overwrite=bool(args.overwrite), show_progress=False if messages.quiet() else None,
+                         before_rename=(lambda r: write_json(args.report, stamped(r, args))) if args.report else None)
     except CheckFailed as failed:
         if args.report:
-            write_json(args.report, failed.report)
+            write_json(args.report, stamped(failed.report, args))
         first = failed.report["check"]["failures"][0]
-        print(f"fp4pass convert: check FAILED: {len(failed.report['check']['failures'])} expert(s), first "
-              f"{first['expert']}: {first['reason']}; {args.output} not written", file=sys.stderr)
+        messages.error(f"fp4pass convert: check FAILED: {len(failed.report['check']['failures'])} expert(s), "
+                       f"first {first['expert']}: {first['reason']}; {args.output} not written")
         return 1
-    summary = summary_line(report)
-    if not args.quiet:  # --report was written before OUT_DIR was renamed into place (before_rename)
-        table = format_report(report).splitlines()
-        if table and table[-1] == summary:  # the summary goes to stderr, once, as for ONNX models
-            table.pop()
-        if table:
-            print("\n".join(table))
-    print(f"fp4pass convert: {summary}", file=sys.stderr)
+    _print_report(report, format_report, summary_line(report))
     if report.get("engines"):
         from fp4pass.checkpoint.engines import verdict_line
 
-        print(f"fp4pass convert: engines: {verdict_line(report['engines'])}", file=sys.stderr)
-    if report.get("check") is not None:
-        print(f"fp4pass convert: {check_line(report['check'])}", file=sys.stderr)
+        loads = any(v.get("loads") for v in report["engines"].values())  # none: a warning, it serves nowhere yet
+        (messages.info if loads else messages.warning)(f"fp4pass convert: engines: {verdict_line(report['engines'])}",
+                                                        file=sys.stderr)
+    if report.get("check") is not None:  # a failed check raised CheckFailed: this one passed
+        messages.info(f"fp4pass convert: {check_line(report['check'])}", file=sys.stderr)
     return 0
+
+
+def _print_report(report: dict, format_report, summary: str) -> None:
+    """The table of converted weights (info, stdout), each weight --allow-partial left in MXFP4 (a warning,
+    stdout), then the summary (info, stderr, once, as for ONNX models). --report was written before OUT_DIR
+    was renamed into place (before_rename)."""
+    from fp4pass.checkpoint.run import declined_line
+
+    table = format_report({**report, "declined": []}).splitlines()[:-1]  # its last line: the summary
+    if table:
+        messages.info("\n".join(table))
+    for d in report.get("declined", []):
+        messages.warning(declined_line(d), file=sys.stdout)
+    messages.info(f"fp4pass convert: {summary}; {report['summary'].get('seconds', 0):.1f} s", file=sys.stderr)
+    if report.get("not_copied"):  # original/ (a release's own weights in another form), special files
+        messages.info(f"fp4pass convert: left out, not copied (sub-folders and special files): "
+                      f"{', '.join(report['not_copied'])}", file=sys.stderr)
 
 
 def check_line(check: dict) -> str:
@@ -219,17 +234,42 @@ def inspect_if_folder(args) -> int | None:
         if getattr(args, "follow_symlinks", None):
             raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
         return None
+    if getattr(args, "allow_invalid", False):  # the ONNX checker's; a folder has no ONNX file to check
+        raise UsageError(f"--allow-invalid applies to ONNX models, not to checkpoint folders ({args.model} is one)")
     from fp4pass.checkpoint import format_inspection, inspect
     from fp4pass.checkpoint.validate import exit_status, format_validation, is_nvfp4_folder, validate
 
     follow = bool(getattr(args, "follow_symlinks", False))
     if is_nvfp4_folder(args.model, follow_symlinks=follow):  # an NVFP4 checkpoint: check it against the engines
         result = validate(args.model, engine=getattr(args, "engine", None), follow_symlinks=follow)
-        print(json_text(result) if args.json else format_validation(result))
+        if args.json:
+            messages.result(json_text(result))
+        else:
+            messages.info(format_validation(result))
+            _problems_when_quiet(result)
         return exit_status(result, strict=bool(getattr(args, "strict", False)))
     for flag in ("engine", "strict"):
         if getattr(args, flag, None):
             raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not one")
     info = inspect(args.model, follow_symlinks=follow)
-    print(json_text(info) if args.json else format_inspection(info))
+    if args.json:
+        messages.result(json_text(info))
+    else:
+        messages.info(format_inspection(info))
     return 0
+
+
+def _problems_when_quiet(result: dict) -> None:
+    """The validation's problems (errors) and warnings, as its report lists them, where the report itself (info)
+    is hidden: ``inspect NVFP4_DIR --quiet`` exits 1 naming what is wrong, and shows every warning it counts."""
+    if not messages.quiet():
+        return  # the report, shown, holds these lines already
+    from fp4pass.checkpoint.validate import _problem_line
+
+    errors = [p for p in result["problems"] if p.get("severity") != "warning"]
+    warnings = [p for p in result["problems"] if p.get("severity") == "warning"]
+    if errors:
+        messages.error("\n".join([f"{len(errors)} problem(s):", *map(_problem_line, errors)]), file=sys.stdout)
+    if warnings:
+        messages.warning("\n".join([f"{len(warnings)} warning(s) (exit 0 unless --strict):",
+                                    *map(_problem_line, warnings)]), file=sys.stdout)

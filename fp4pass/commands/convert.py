@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
+from fp4pass import messages
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
 from fp4pass.commands import _safety, checkpoint
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
 from fp4pass.commands.diff import add_input_arguments, parse_shape, print_notes
+from fp4pass.commands._provenance import stamped
 from fp4pass.errors import UsageError
 
 # --check thresholds, in dB, when --snr-min is not given (docs/bad-input.md has the measurements behind them).
@@ -79,6 +83,7 @@ def _add_safety_arguments(p) -> None:
 
 def _check_before_work(args) -> float | None:
     """Everything that can be refused before converting; returns the --check threshold."""
+    _refuse_folder_output(args.output, args.model)
     inputs = {**_safety.model_inputs("the input model", args.model), "--calib": args.calib, "--scales": args.scales,
               "--inputs": args.inputs}
     outputs = {"-o": args.output, "--report": args.report}
@@ -99,6 +104,18 @@ def _check_before_work(args) -> float | None:
     if args.snr_min is not None:
         return args.snr_min
     return SNR_MIN_WITH_ACTIVATIONS if (args.calib or args.scales) else SNR_MIN_WEIGHT_ONLY
+
+
+def _refuse_folder_output(output: str, model: str) -> None:
+    """``-o NEWDIR/`` or ``-o EXISTING_DIR`` for an ONNX model: it converts into one file (and its external data
+    beside it), never into a folder; said before the external-data name built from it (``NEWDIR/.data``)."""
+    example = os.path.join(output, Path(model).stem + ".nvfp4.onnx")
+    if os.path.isdir(output):
+        raise UsageError(f"-o {output}: is a directory; an ONNX model converts into one file: give its name, e.g. "
+                         f"-o {example}")
+    if output.endswith(("/", os.sep)):
+        raise UsageError(f"-o {output}: names a folder (it ends in /); an ONNX model converts into one file: give "
+                         f"its name, e.g. -o {example}, in a folder that exists")
 
 
 def _refuse_nvfp4_model(args) -> None:
@@ -170,15 +187,23 @@ def run(args) -> int:
         past_length=args.past_length, effort=args.effort, threads=args.threads,
     )
     if args.report:
-        write_json(args.report, report)
-    if not args.quiet:
-        print(format_report(report))
-    print(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
+        write_json(args.report, stamped(report, args))
+    _print_report(report, format_report)
+    messages.info(f"fp4pass convert: {summary_line(report)}", file=sys.stderr)
     check = report.get("check")
     if check is not None:
         print_notes("convert", check.get("notes", ()), args, check.get("provider_notes", ()))
     verdict = _check_verdict(check) if check is not None else None
     if verdict:
         kept = "kept (--keep-unchecked)" if args.keep_unchecked else "removed (--keep-unchecked keeps it)"
-        print(f"fp4pass convert: {verdict}; {args.output} {kept}", file=sys.stderr)
+        messages.error(f"fp4pass convert: {verdict}; {args.output} {kept}")
     return 1 if check is not None and not check.get("passed", False) else 0
+
+
+def _print_report(report: dict, format_report) -> None:
+    """The tables (info), then each declined pattern (a warning: its weight stays MXFP4), on stdout."""
+    from fp4pass.onnx.patterns import declined_line
+
+    messages.info(format_report({**report, "declined": []}))
+    for entry in report.get("declined", []):
+        messages.warning(declined_line(entry), file=sys.stdout)

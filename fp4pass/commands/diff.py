@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from fp4pass import messages
 from fp4pass.commands import _safety
+from fp4pass.commands._provenance import stamped
 from fp4pass.extras import require
 from fp4pass.errors import UsageError
 from fp4pass.io import REPORT, atomic_output, write_json
@@ -166,8 +168,10 @@ def _run_folders(args) -> int:
 def _report(args, table: str, result, plot) -> int:
     """Print the table, write --json and --plot (``plot(result, path)``); exit 0 when it passed, else 1."""
     print(table)
+    if not result.passed and messages.quiet():  # the table (info) is hidden; its last line, the verdict, is an error
+        messages.error(f"fp4pass diff: {table.splitlines()[-1]}")
     if args.json:
-        write_json(args.json, result.to_json())
+        write_json(args.json, stamped(result.to_json(), args))
     if args.plot:
         with atomic_output(args.plot, suffix=Path(args.plot).suffix, kind=REPORT) as tmp:
             plot(result, tmp)
@@ -197,7 +201,8 @@ def run(args) -> int:
         return _run_folders(args)
     for name in _FOLDER_ONLY:
         if getattr(args, name) is not None:
-            raise UsageError(f"{_flag(name)} applies to checkpoint folders; {args.original} is not one")
+            raise UsageError(f"{_flag(name)} applies to checkpoint folders; {args.original} is not one"
+                             + (" (ONNX models take their inputs as --inputs DATA.npz)" if name == "data" else ""))
     if os.path.isdir(args.rewritten):
         raise UsageError(f"{args.rewritten}: a folder, but A ({args.original}) is not: give two ONNX files, or the "
                          "source checkpoint folder and the NVFP4 checkpoint folder")

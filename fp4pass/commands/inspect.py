@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from fp4pass import messages
 from fp4pass.commands import _safety, checkpoint
 from fp4pass.errors import UsageError
 from fp4pass.io import json_text
@@ -44,5 +46,12 @@ def run(args) -> int:
 
     _safety.check_model(args, args.model)
     info = inspect(args.model)
-    print(json_text(info) if args.json else format_inspection(info))
-    return 1 if info.get("nvfp4", {}).get("problems") else 0  # NVFP4 scales that break the validator's rules
+    if args.json:
+        messages.result(json_text(info))
+    else:
+        messages.info(format_inspection(info))
+    problems = info.get("nvfp4", {}).get("problems")  # NVFP4 scales that break the validator's rules
+    if problems and not args.json and messages.quiet():  # the table (info) that lists them is hidden: errors
+        lines = [f"{len(problems)} problem(s):", *(f"  {p['kind']}: {p['message']}" for p in problems)]
+        messages.error("\n".join(lines), file=sys.stdout)
+    return 1 if problems else 0

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-import torch
-
+from fp4pass import messages
 from fp4pass.choices import Device, values
+from fp4pass.commands._provenance import stamped
 from fp4pass.io import check_outputs, write_json
-from fp4pass.study import format_study_table, run_study
 
 EPILOG = """examples:
   fp4pass study                      # the table on stdout (CPU: well under a minute)
@@ -26,14 +24,25 @@ def register(sub, common) -> None:
     p.set_defaults(run=run)
 
 
+def run_study(device, show_progress=None):
+    """:func:`fp4pass.study.run_study`, imported when the command runs (and torch with it)."""
+    from fp4pass.study import run_study as study
+
+    return study(device, show_progress=show_progress)
+
+
 def run(args) -> int:
+    import torch  # here, not at import: `fp4pass --help` and every other command's start do not pay for it
+
+    from fp4pass.study import format_study_table
+
     check_outputs({"--json": args.json})
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("fp4pass study: note: CUDA requested but not available; running on CPU", file=sys.stderr)
+        messages.warning("fp4pass study: warning: --device cuda: CUDA is not available; running on CPU")
     use_cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
-    study = run_study(device, show_progress=None if not args.quiet else False)
-    print(format_study_table(study))
+    study = run_study(device, show_progress=None if not messages.quiet() else False)
+    messages.info(format_study_table(study))
     if args.json:
-        write_json(args.json, study)
+        write_json(args.json, stamped(study, args, with_source=False))
     return 0

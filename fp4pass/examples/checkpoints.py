@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _build(args)
     except FileExistsError as exc:  # folders are made new (mkdir exist_ok=False): one line, exit 2
-        p.exit(2, f"{p.prog}: error: {exc.filename or args.folder} exists; give a new folder\n")
+        p.exit(2, f"fp4pass examples.checkpoints: error: {exc.filename or args.folder} exists; give a new folder\n")
 
 
 def _build(args) -> int:
