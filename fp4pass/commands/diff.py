@@ -135,7 +135,8 @@ def _flag(name: str) -> str:
 
 def _run_folders(args) -> int:
     """``fp4pass diff SRC_DIR NVFP4_DIR --data DATA``."""
-    from fp4pass.checkpoint.numerics import diff as checkpoint_diff, plot_checkpoint_diff
+    from fp4pass.checkpoint.diff_plot import plot_checkpoint_diff
+    from fp4pass.checkpoint.numerics import diff as checkpoint_diff
 
     for name, default in _ONNX_ONLY.items():
         if getattr(args, name, default) != default:
