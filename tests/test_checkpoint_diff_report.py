@@ -26,8 +26,9 @@ def _layers(*snrs) -> list[dict]:
 
 
 def _experts(count: int) -> list[dict]:
-    rows = [{"layer": i % 3, "expert": i, "snr_db": 40.0 - i * 0.5, "tokens": 7 + i, "module": f"layers.{i % 3}.mlp.experts",
-             "checkpoint_module": f"model.layers.{i % 3}.mlp.experts.{i}"} for i in range(count)]
+    rows = [{"layer": i % 3, "expert": i, "snr_db": 40.0 - i * 0.5, "tokens": 7 + i,
+             "module": f"layers.{i % 3}.mlp.experts", "checkpoint_module": f"model.layers.{i % 3}.mlp.experts.{i}"}
+            for i in range(count)]
     return sorted(rows, key=lambda r: r["snr_db"])
 
 
@@ -75,7 +76,8 @@ def test_nonfinite_scales_outputs_and_kl_fail_without_any_limit():
     layers[1].update(nonfinite_local=96, nonfinite_end_to_end=128, nonfinite_module="model.layers.1.mlp.experts",
                      nonfinite_expert=3)
     layers[2].update(nonfinite_local=5, nonfinite_end_to_end=5, nonfinite_module="model.layers.2.self_attn.o_proj")
-    scales = [{"layer": 1, "tensor": "model.layers.1.mlp.experts.3.w2.weight_global_scale", "found": "global scale NaN"},
+    scales = [{"layer": 1, "tensor": "model.layers.1.mlp.experts.3.w2.weight_global_scale",
+               "found": "global scale NaN"},
               {"layer": 2, "tensor": "model.layers.2.self_attn.o_proj.input_global_scale", "found": "input scale inf"}]
     result = _result(layers, logits={**LOGITS, "kl_mean": math.inf, "kl_max": math.inf}, scales=scales)
     assert not result.passed

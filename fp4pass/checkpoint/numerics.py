@@ -23,7 +23,15 @@ not padding (``None`` where the two are identical), ``a`` the source's:
 - at the logits (the model's own final norm and ``lm_head``, in float32): ``kl_mean`` / ``kl_max`` of
   KL(source || nvfp4) per token over the vocabulary (natural log), ``top1_agreement``, and the perplexity of
   each on the data's next tokens (the first position of each row is not scored);
-- ``first_below``: the first layer whose local SNR is under ``snr_min``.
+- ``first_below``: the first layer whose local SNR is under ``snr_min``;
+- ``failed``: each check that failed, for scripts: ``snr_min``, ``kl_max``, and ``finite`` (NaN/Inf in an NVFP4
+  global or input scale, a layer's output or the KL, always checked), each with its value, threshold, layer and
+  where in the checkpoint (the first module whose output held NaN/Inf, found by forward hooks on the NVFP4
+  layer; its scales, read before the run). Layers and experts are named by their checkpoint module
+  (:class:`~fp4pass.checkpoint.diff_checks.CheckpointNames`): what a script looks up in the folder.
+
+Before anything is read, every tensor either side will read is checked against the model on the shard headers
+alone (:func:`~fp4pass.checkpoint.diff_checks.check_stored_shapes`): exit 2 naming the tensor.
 
 Under ``torch.distributed`` each rank runs its share of the batches and the sums are all-reduced, as in
 calibration.
@@ -57,7 +65,7 @@ __all__ = ["diff", "CheckpointDiff", "WORST_EXPERTS", "SHAPE_FIELDS"]
 
 log = logging.getLogger(__name__)
 
-#: experts listed in the report, the worst first (every routed expert when fewer)
+#: experts the table lists, the worst first (every routed expert when fewer); the JSON lists every one
 WORST_EXPERTS = 10
 #: config fields two checkpoints must agree on to be the same architecture
 SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "moe_intermediate_size",
@@ -136,33 +144,38 @@ class CheckpointDiff:
         """Each check that failed, once: ``{"limit", "value", "threshold", "layer", "where", "found"}``. ``limit``:
         ``finite`` (NaN/Inf in a scale, a layer's outputs or the KL: always checked), ``snr_min`` (the first
         layer under it), ``kl_max``; ``where``: the checkpoint's tensor or module (``logits`` for the KL)."""
+        return self._nonfinite_failures() + self._limit_failures()
+
+    def _nonfinite_failures(self) -> list[dict]:
         out = []
         if self.nonfinite_scales:
-            first = self.nonfinite_scales[0]
-            more = len(self.nonfinite_scales) - 1
-            out.append({"limit": "finite", "value": None, "threshold": None, "layer": first["layer"],
-                        "where": first["tensor"], "found": first["found"] + (f" (and {more} more)" if more else "")})
+            first, more = self.nonfinite_scales[0], len(self.nonfinite_scales) - 1
+            out.append(_failure("finite", first["layer"], first["tensor"],
+                                first["found"] + (f" (and {more} more)" if more else "")))
         bad = next((r for r in self.layers if r.get("nonfinite_local") or r.get("nonfinite_end_to_end")), None)
         if bad is not None:
             count = max(bad.get("nonfinite_local", 0), bad.get("nonfinite_end_to_end", 0))
-            out.append({"limit": "finite", "value": None, "threshold": None, "layer": bad["index"],
-                        "where": bad.get("nonfinite_module") or bad.get("checkpoint_module"),
-                        "found": f"{count} NaN/Inf values in the layer's output" + (
-                            f" (first from expert {bad['nonfinite_expert']})" if "nonfinite_expert" in bad else "")})
+            expert = f" (first from expert {bad['nonfinite_expert']})" if "nonfinite_expert" in bad else ""
+            out.append(_failure("finite", bad["index"], bad.get("nonfinite_module") or bad.get("checkpoint_module"),
+                                f"{count} NaN/Inf values in the layer's output{expert}"))
         kl = self.logits.get("kl_mean")
-        finite_kl = kl is not None and math.isfinite(kl)
-        if self.logits and not finite_kl:
-            out.append({"limit": "finite", "value": None, "threshold": None, "layer": None, "where": "logits",
-                        "found": f"KL mean {kl}"})
+        if self.logits and not (kl is not None and math.isfinite(kl)):
+            out.append(_failure("finite", None, "logits", f"KL mean {kl}"))
+        return out
+
+    def _limit_failures(self) -> list[dict]:
+        out = []
         below = self.first_below
         if below is not None:
-            row = self.layers[below]
-            out.append({"limit": "snr_min", "value": _json_db(row["snr_db_local"]), "threshold": self.snr_min,
-                        "layer": below, "where": row.get("checkpoint_module"),
-                        "found": f"local SNR {_db(row['snr_db_local'])} dB under {self.snr_min:g} dB"})
+            row = next(r for r in self.layers if r["index"] == below)
+            out.append(_failure("snr_min", below, row.get("checkpoint_module"),
+                                f"local SNR {_db(row['snr_db_local'])} dB under {self.snr_min:g} dB",
+                                _json_db(row["snr_db_local"]), self.snr_min))
+        kl = self.logits.get("kl_mean")
+        finite_kl = kl is not None and math.isfinite(kl)
         if self.kl_max is not None and (not finite_kl or kl > self.kl_max):
-            out.append({"limit": "kl_max", "value": kl if finite_kl else None, "threshold": self.kl_max,
-                        "layer": None, "where": "logits", "found": f"KL mean {_num(kl)} over {self.kl_max:g} nats"})
+            out.append(_failure("kl_max", None, "logits", f"KL mean {_num(kl)} over {self.kl_max:g} nats",
+                                kl if finite_kl else None, self.kl_max))
         return out
 
     @property
@@ -220,6 +233,10 @@ class CheckpointDiff:
         if limits and not failed:
             lines.append(f"passed ({', '.join(limits)})")
         return "\n".join(lines)
+
+
+def _failure(limit: str, layer: int | None, where: str | None, found: str, value=None, threshold=None) -> dict:
+    return {"limit": limit, "value": value, "threshold": threshold, "layer": layer, "where": where, "found": found}
 
 
 def _db(value) -> str:
