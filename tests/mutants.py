@@ -860,28 +860,28 @@ MUTANTS = [
     ], DIFF_ORACLE_TESTS),
     # -- the checkpoint diff's report, its checks before the run, its plot -----------------------------------
     Mutant("diff-json-worst-only", "diff --json keeps only the worst experts", [
-        ("fp4pass/checkpoint/numerics.py", '"experts": [row(r) for r in self.experts],',
+        ("fp4pass/checkpoint/diff_report.py", '"experts": [row(r) for r in self.experts],',
          '"experts": [row(r) for r in self.worst_experts()],'),
     ], DIFF_REPORT_TESTS),
     Mutant("diff-no-ppl-formatted", "a perplexity of None (--seq-len 1) formatted as a number", [
-        ("fp4pass/checkpoint/numerics.py", 'return "n/a" if value is None else f"{value:.4g}"', 'return f"{value:.4g}"'),
+        ("fp4pass/checkpoint/diff_report.py", 'return "n/a" if value is None else f"{value:.4g}"', 'return f"{value:.4g}"'),
     ], DIFF_REPORT_TESTS),
     Mutant("diff-kl-max-inclusive", "a KL mean equal to --kl-max fails", [
-        ("fp4pass/checkpoint/numerics.py", "(not finite_kl or kl > self.kl_max)", "(not finite_kl or kl >= self.kl_max)"),
+        ("fp4pass/checkpoint/diff_report.py", "(not finite_kl or kl > self.kl_max)", "(not finite_kl or kl >= self.kl_max)"),
     ], DIFF_REPORT_TESTS),
     Mutant("diff-snr-min-inclusive", "a local SNR equal to --snr-min fails", [
-        ("fp4pass/checkpoint/numerics.py", "if snr is not None and snr < self.snr_min:",
+        ("fp4pass/checkpoint/diff_report.py", "if snr is not None and snr < self.snr_min:",
          "if snr is not None and snr <= self.snr_min:"),
     ], DIFF_REPORT_TESTS),
     Mutant("diff-failed-value-threshold-swapped", "the failed SNR entry gives the threshold as the value", [
-        ("fp4pass/checkpoint/numerics.py", '_json_db(row["snr_db_local"]), self.snr_min))',
+        ("fp4pass/checkpoint/diff_report.py", '_json_db(row["snr_db_local"]), self.snr_min))',
          'self.snr_min, _json_db(row["snr_db_local"])))'),
     ], DIFF_REPORT_TESTS),
     Mutant("diff-failed-line-no-where", "a FAILED line without the checkpoint module", [
-        ("fp4pass/checkpoint/numerics.py", """at = f"layer {f['layer']} ({f['where']})" if""", """at = f"layer {f['layer']}" if"""),
+        ("fp4pass/checkpoint/diff_report.py", """at = f"layer {f['layer']} ({f['where']})" if""", """at = f"layer {f['layer']}" if"""),
     ], DIFF_REPORT_TESTS),
     Mutant("diff-nonfinite-outputs-pass", "NaN/Inf in a layer's output is no failure", [
-        ("fp4pass/checkpoint/numerics.py",
+        ("fp4pass/checkpoint/diff_report.py",
          'bad = next((r for r in self.layers if r.get("nonfinite_local") or r.get("nonfinite_end_to_end")), None)',
          "bad = None"),
     ], DIFF_REPORT_TESTS),
@@ -920,6 +920,9 @@ MUTANTS = [
         ("fp4pass/checkpoint/numerics.py", "return next((name for name in self.order if bool(self.flags[name])), None)",
          "return next((name for name in reversed(self.order) if bool(self.flags[name])), None)"),
     ], DIFF_CHECKS_TESTS),
+    Mutant("diff-model-named-by-snapshot", "a Hub model's name is its cache snapshot's commit folder", [
+        ("fp4pass/checkpoint/numerics.py", 'if len(parts) >= 3 and parts[-2] == "snapshots" and', "if False and"),
+    ], DIFF_TESTS),
     Mutant("diff-plot-legend-inside", "the plot's legend inside the axes, at the lower left", [
         ("fp4pass/checkpoint/diff_plot.py",
          'ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)',

@@ -405,8 +405,10 @@ def test_hub_model_ids_diff_offline_from_the_cache(clean, tmp_path, capsys, monk
     code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/kimi-tiny-nvfp4", "--data", TOKENS, "--batch-size", BATCH,
                     "--json", report)
     assert code == 0, err
-    layers = json.loads(report.read_text())["layers"]
+    data = json.loads(report.read_text())
+    layers = data["layers"]
     assert [r["snr_db_local"] for r in layers] == [round(r["snr_db_local"], 4) for r in before.layers]
+    assert data["run"]["model"] == "acme/kimi-tiny"  # as the user named it, not the snapshot's commit folder
     code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/not-cached", "--data", TOKENS)
     assert code == 2 and "acme/not-cached" in one_line(err)
 

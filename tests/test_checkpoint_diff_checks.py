@@ -45,6 +45,7 @@ def test_json_names_every_expert_and_layer_by_its_checkpoint_module(clean, name,
         assert r["checkpoint_module"] == expert_module.format(l=r["layer"], e=r["expert"]), r
         assert any(t.startswith(r["checkpoint_module"] + ".") for t in stored), r
     assert [r["checkpoint_module"] for r in data["layers"]] == [layer_prefix.format(l=i) for i in range(2)]
+    assert (data["run"]["model"], data["run"]["config_model_type"]) == (name, config["model_type"])
 
 
 def test_cli_json_says_which_limit_failed(clean, tmp_path, capsys):

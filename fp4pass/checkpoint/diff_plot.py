@@ -4,8 +4,8 @@ Per decoder layer its local and end-to-end SNR, and its routed experts' spread b
 worst ringed). What a reader needs to read it at 1 layer as at 60: the layer axis in whole layers; the legend
 outside the axes, so it never hides a point (layer 0's least of all); values that are no number drawn where
 they can be seen and said what they are in the legend: identical outputs (SNR infinite) and SNRs above
-:data:`PLOT_SNR_CAP` at the top (a labelled line, 10 dB over the highest SNR drawn), NaN/Inf at the bottom, each
-with its own marker and no line through it; the title names the model as
+:data:`PLOT_SNR_CAP` at the top (a line 10 dB over the highest SNR drawn, its tick labelled ``identical``, not a
+number), NaN/Inf at the bottom, each with its own marker and no line through it; the title names the model as
 its user knows it (the source's folder or Hub ID, and its config's own model type: Kimi, not deepseek_v3).
 
 :func:`plot_series` computes what is drawn (tested without matplotlib); :func:`plot_checkpoint_diff` draws it.
@@ -81,14 +81,14 @@ def plot_series(result, cap: float = PLOT_SNR_CAP) -> dict[str, Series]:
 
 
 def _title(result) -> str:
-    from fp4pass.checkpoint.numerics import model_label
+    from fp4pass.checkpoint.diff_report import model_label
 
     run = result.run
     return f"{model_label(run)}: NVFP4 ({run['nvfp4_form']}, {run['activations']}) against its source"
 
 
 def plot_checkpoint_diff(result, path) -> None:
-    """Draw ``result`` (a :class:`~fp4pass.checkpoint.numerics.CheckpointDiff`) into ``path`` (its suffix is the
+    """Draw ``result`` (a :class:`~fp4pass.checkpoint.diff_report.CheckpointDiff`) into ``path`` (its suffix is the
     format): module docstring."""
     import logging
 
@@ -108,10 +108,11 @@ def plot_checkpoint_diff(result, path) -> None:
         ax.plot(line.x, [y if k == "measured" else math.nan for y, k in zip(line.y, line.kind)], style,
                 color=color, linewidth=1, zorder=2)
     # the local point larger than the end-to-end one: at layer 0 the two are one value, both stay visible
-    ax.plot(*local.where("measured"), "o", color="C0", markersize=9, label="layer, local (fed the source's input)",
-            zorder=3)
-    ax.plot(*e2e.where("measured"), "s", color="C1", markersize=5, label="layer, end to end (fed its own output)",
-            zorder=3)
+    for line, marker, size, label in ((local, "o", 9, "layer, local (fed the source's input)"),
+                                      (e2e, "s", 5, "layer, end to end (fed its own output)")):
+        if line.where("measured")[0]:
+            ax.plot(*line.where("measured"), marker, color="C0" if line is local else "C1", markersize=size,
+                    linestyle="none", label=label, zorder=3)
     if series["experts"].x:
         experts = series["experts"]
         ax.scatter(experts.x, experts.y, s=10, color="0.5", alpha=0.6, label="routed experts (beside their layer)",
@@ -128,11 +129,7 @@ def plot_checkpoint_diff(result, path) -> None:
         points = [(x, y) for x, y, k in everything if k == kind]
         if points:
             ax.scatter(*zip(*points), marker=marker, s=70, color=color, label=label, zorder=4)
-    if any(k in ("identical", "capped") for *_, k in everything):
-        ax.axhline(top, color="green", linestyle=":", linewidth=0.8, zorder=1)
-        ax.annotate("identical" if all(k != "capped" for *_, k in everything) else "identical / capped",
-                    xy=(1.0, top), xycoords=("axes fraction", "data"), xytext=(-4, 3), textcoords="offset points",
-                    ha="right", va="bottom", fontsize=8, color="green")
+    at_top = [k for *_, k in everything if k in ("identical", "capped")]
     if result.snr_min is not None:
         ax.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8, label=f"--snr-min {result.snr_min:g}")
     ax.set_xlim(-0.5, n - 0.5 + EXPERT_OFFSET)
@@ -140,6 +137,15 @@ def plot_checkpoint_diff(result, path) -> None:
         ax.set_xticks(range(n))
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    if at_top:  # the top is no number: its tick says what is drawn there (numbers near it would read as one)
+        ax.axhline(top, color="green", linestyle=":", linewidth=0.8, zorder=1)
+        low, high = ax.get_ylim()
+        ticks = [t for t in ax.get_yticks() if low <= t <= high and t < top - 0.05 * (high - low)]
+        if not any(k == "measured" for *_, k in everything):
+            ticks = []  # nothing measured: no scale of dB to read
+        name = "identical" if "capped" not in at_top else f"identical / > {PLOT_SNR_CAP:g}"
+        ax.set_yticks(ticks + [top], [f"{t:g}" for t in ticks] + [name])
+        ax.set_ylim(low, high)
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("SNR (dB)")
     ax.grid(True, axis="y", linewidth=0.3)

@@ -24,11 +24,12 @@ not padding (``None`` where the two are identical), ``a`` the source's:
   KL(source || nvfp4) per token over the vocabulary (natural log), ``top1_agreement``, and the perplexity of
   each on the data's next tokens (the first position of each row is not scored);
 - ``first_below``: the first layer whose local SNR is under ``snr_min``;
-- ``failed``: each check that failed, for scripts: ``snr_min``, ``kl_max``, and ``finite`` (NaN/Inf in an NVFP4
-  global or input scale, a layer's output or the KL, always checked), each with its value, threshold, layer and
-  where in the checkpoint (the first module whose output held NaN/Inf, found by forward hooks on the NVFP4
-  layer; its scales, read before the run). Layers and experts are named by their checkpoint module
-  (:class:`~fp4pass.checkpoint.diff_checks.CheckpointNames`): what a script looks up in the folder.
+- ``failed`` (:class:`~fp4pass.checkpoint.diff_report.CheckpointDiff`): each check that failed, for scripts:
+  ``snr_min``, ``kl_max``, and ``finite`` (NaN/Inf in an NVFP4 global or input scale, a layer's output or the
+  KL, always checked), each with its value, threshold, layer and where in the checkpoint (the first module whose
+  output held NaN/Inf, found by forward hooks on the NVFP4 layer; the scales, read before the run). Layers and
+  experts are named by their checkpoint module (:class:`~fp4pass.checkpoint.diff_checks.CheckpointNames`): what
+  a script looks up in the folder.
 
 Before anything is read, every tensor either side will read is checked against the model on the shard headers
 alone (:func:`~fp4pass.checkpoint.diff_checks.check_stored_shapes`): exit 2 naming the tensor.
@@ -44,7 +45,6 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,7 @@ from fp4pass.checkpoint.calibration import _Clock, _share, expert_output, expert
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.diff_checks import CheckpointNames, check_stored_shapes, nonfinite_scales
+from fp4pass.checkpoint.diff_report import WORST_EXPERTS, CheckpointDiff
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
 from fp4pass.checkpoint.model_limits import (available_bytes, check_attention_memory, check_config_fields,
@@ -65,8 +66,6 @@ __all__ = ["diff", "CheckpointDiff", "WORST_EXPERTS", "SHAPE_FIELDS"]
 
 log = logging.getLogger(__name__)
 
-#: experts the table lists, the worst first (every routed expert when fewer); the JSON lists every one
-WORST_EXPERTS = 10
 #: config fields two checkpoints must agree on to be the same architecture
 SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "moe_intermediate_size",
                 "num_local_experts", "n_routed_experts", "num_experts", "num_attention_heads", "num_key_value_heads",
@@ -108,155 +107,6 @@ class _Energy:
         if self.signal == 0.0:
             return -math.inf
         return 10.0 * math.log10(self.signal / self.error)
-
-
-def _json_db(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(value, 4)
-
-
-@dataclass
-class CheckpointDiff:
-    """The figures of :func:`diff` (module docstring); ``to_json()`` and ``format_table()`` like the ONNX diff."""
-
-    layers: list[dict]
-    experts: list[dict]  # every routed expert, the worst first
-    unrouted: list[dict]
-    logits: dict
-    run: dict
-    notes: list[str] = field(default_factory=list)
-    snr_min: float | None = None
-    kl_max: float | None = None
-    #: NVFP4 global and input scales that hold NaN or Inf, the first layer first (``diff_checks.nonfinite_scales``)
-    nonfinite_scales: list[dict] = field(default_factory=list)
-
-    @property
-    def first_below(self) -> int | None:
-        if self.snr_min is None:
-            return None
-        for row in self.layers:
-            snr = row["snr_db_local"]
-            if snr is not None and snr < self.snr_min:
-                return row["index"]
-        return None
-
-    @property
-    def failed(self) -> list[dict]:
-        """Each check that failed, once: ``{"limit", "value", "threshold", "layer", "where", "found"}``. ``limit``:
-        ``finite`` (NaN/Inf in a scale, a layer's outputs or the KL: always checked), ``snr_min`` (the first
-        layer under it), ``kl_max``; ``where``: the checkpoint's tensor or module (``logits`` for the KL)."""
-        return self._nonfinite_failures() + self._limit_failures()
-
-    def _nonfinite_failures(self) -> list[dict]:
-        out = []
-        if self.nonfinite_scales:
-            first, more = self.nonfinite_scales[0], len(self.nonfinite_scales) - 1
-            out.append(_failure("finite", first["layer"], first["tensor"],
-                                first["found"] + (f" (and {more} more)" if more else "")))
-        bad = next((r for r in self.layers if r.get("nonfinite_local") or r.get("nonfinite_end_to_end")), None)
-        if bad is not None:
-            count = max(bad.get("nonfinite_local", 0), bad.get("nonfinite_end_to_end", 0))
-            expert = f" (first from expert {bad['nonfinite_expert']})" if "nonfinite_expert" in bad else ""
-            out.append(_failure("finite", bad["index"], bad.get("nonfinite_module") or bad.get("checkpoint_module"),
-                                f"{count} NaN/Inf values in the layer's output{expert}"))
-        kl = self.logits.get("kl_mean")
-        if self.logits and not (kl is not None and math.isfinite(kl)):
-            out.append(_failure("finite", None, "logits", f"KL mean {kl}"))
-        return out
-
-    def _limit_failures(self) -> list[dict]:
-        out = []
-        below = self.first_below
-        if below is not None:
-            row = next(r for r in self.layers if r["index"] == below)
-            out.append(_failure("snr_min", below, row.get("checkpoint_module"),
-                                f"local SNR {_db(row['snr_db_local'])} dB under {self.snr_min:g} dB",
-                                _json_db(row["snr_db_local"]), self.snr_min))
-        kl = self.logits.get("kl_mean")
-        finite_kl = kl is not None and math.isfinite(kl)
-        if self.kl_max is not None and (not finite_kl or kl > self.kl_max):
-            out.append(_failure("kl_max", None, "logits", f"KL mean {_num(kl)} over {self.kl_max:g} nats",
-                                kl if finite_kl else None, self.kl_max))
-        return out
-
-    @property
-    def passed(self) -> bool:
-        return not self.failed
-
-    def worst_experts(self, count: int = WORST_EXPERTS) -> list[dict]:
-        return self.experts[:max(count, WORST_EXPERTS)]
-
-    def to_json(self) -> dict:
-        def row(r: dict) -> dict:
-            return {k: (_json_db(v) if k.startswith("snr_db") else v) for k, v in r.items()}
-
-        logits = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.logits.items()}
-        failed = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in f.items()}
-                  for f in self.failed]
-        return {"layers": [row(r) for r in self.layers], "experts": [row(r) for r in self.experts],
-                "unrouted_experts": self.unrouted, "logits": logits, "first_below": self.first_below,
-                "snr_min": self.snr_min, "kl_max": self.kl_max, "passed": not failed, "failed": failed,
-                "nonfinite_scales": self.nonfinite_scales, "run": self.run, "notes": self.notes}
-
-    def format_table(self, experts: int = WORST_EXPERTS) -> str:
-        lines = [f"{'layer':>5} {'local SNR dB':>13} {'end-to-end SNR dB':>18}"]
-        for r in self.layers:
-            mark = "  <- first under --snr-min" if r["index"] == self.first_below else ""
-            lines.append(f"{r['index']:>5} {_db(r['snr_db_local']):>13} {_db(r['snr_db_end_to_end']):>18}{mark}")
-        worst = self.worst_experts(experts)
-        if worst:
-            lines += ["", f"worst experts ({len(worst)} of {len(self.experts)} routed; --json lists all)",
-                      f"{'layer':>5} {'expert':>6} {'SNR dB':>9} {'tokens':>7}  checkpoint module"]
-            lines += [f"{r['layer']:>5} {r['expert']:>6} {_db(r['snr_db']):>9} {r['tokens']:>7}  "
-                      f"{r.get('checkpoint_module', r['module'])}" for r in worst]
-        if self.unrouted:
-            lines.append(f"unrouted experts (no token of the data reached them): {len(self.unrouted)}")
-        lg = self.logits
-        if lg:
-            lines += ["", f"logits: KL mean {_num(lg['kl_mean'])}, max {_num(lg['kl_max'])} (nats); top-1 agreement "
-                          f"{lg['top1_agreement']:.2%}; perplexity source {_num(lg['ppl_source'])}, nvfp4 "
-                          f"{_num(lg['ppl_nvfp4'])}"]
-            if lg.get("ppl_source") is None:
-                lines.append("(no perplexity: no row has a next token to score; --seq-len 2 or more gives one)")
-        r = self.run
-        lines.append(f"{r['tokens']} tokens in {r['batches']} batches, {r['layers']} layers of {model_label(r)}, "
-                     f"NVFP4 {r['nvfp4_form']} {r['activations']}, on {r['device']} in {r['seconds']:.1f} s")
-        lines += [f"note: {n}" for n in self.notes]
-        limits = [f"--snr-min {self.snr_min}" if self.snr_min is not None else None,
-                  f"--kl-max {self.kl_max}" if self.kl_max is not None else None]
-        limits = [x for x in limits if x]
-        failed = self.failed
-        for f in failed:  # one line each, every one saying FAILED (what --quiet keeps)
-            flag = {"snr_min": f"--snr-min {self.snr_min}", "kl_max": f"--kl-max {self.kl_max}"}.get(f["limit"],
-                                                                                                  "NaN/Inf")
-            at = f"layer {f['layer']} ({f['where']})" if f["layer"] is not None else f["where"]
-            lines.append(f"FAILED {flag}: {at}: {f['found']}")
-        if limits and not failed:
-            lines.append(f"passed ({', '.join(limits)})")
-        return "\n".join(lines)
-
-
-def _failure(limit: str, layer: int | None, where: str | None, found: str, value=None, threshold=None) -> dict:
-    return {"limit": limit, "value": value, "threshold": threshold, "layer": layer, "where": where, "found": found}
-
-
-def _db(value) -> str:
-    if value is None:
-        return "identical"
-    return "NaN/Inf" if not math.isfinite(value) else f"{value:.2f}"
-
-
-def _num(value) -> str:
-    """A figure of the logits line: ``n/a`` where there is none (no next token to score)."""
-    return "n/a" if value is None else f"{value:.4g}"
-
-
-def model_label(run: dict) -> str:
-    """The model as its user knows it: the source's name (the folder, or the Hub model ID) and its config's own
-    model type, with the transformers architecture that runs it where that differs (Kimi runs as deepseek_v3)."""
-    own, runs = run.get("config_model_type") or run["model_type"], run["model_type"]
-    kind = own if own == runs else f"{own}, run as {runs}"
-    name = run.get("model")
-    return f"{name} ({kind})" if name and name != own else kind
 
 
 class _Quantizer:
@@ -527,8 +377,8 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
     the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
     (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
     ``hidden_budget_bytes``: hidden states kept in memory (the rest spill to a temporary folder), as in calibration.
-    Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models or bad data.
-    """
+    Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models, bad data, or
+    a shard header that does not fit the model (checked before any tensor is read)."""
     from fp4pass.hub import resolve_checkpoint
 
     start = time.perf_counter()
@@ -560,7 +410,7 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         quantizer = _Quantizer(nv_runner, weights, notes)
         budget = hidden_budget(dev, hidden_budget_bytes) // 2
         stores = HiddenStore(budget, dev), HiddenStore(budget, dev)
-        run = {"model": _model_name(given_src, src.config), "model_type": model_type,
+        run = {"model": _model_name(given_src), "model_type": model_type,
                "config_model_type": src.config.get("model_type"), "architecture": _architecture(src.config),
                "device": str(dev), "layers": src_runner.num_layers,
                "batches": len(every), "tokens": sum(b.tokens for b in every), "nvfp4_form": weights.form,
@@ -576,14 +426,18 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
     return CheckpointDiff(layers, experts, unrouted, logits, run, notes, snr_min, kl_max, bad_scales)
 
 
-def _model_name(given, config: dict) -> str:
-    """The source as its user named it: a Hub model ID as given, else the folder's own name."""
+def _model_name(given) -> str:
+    """The source as its user named it: a Hub model ID as given, or the one whose cache snapshot the folder is
+    (``.../models--org--name/snapshots/<commit>``), else the folder's own name."""
     from fp4pass.hub import parse_hub_id
 
     text = os.fspath(given)
     if parse_hub_id(text) is not None and not os.path.lexists(text):
         return text
-    return os.path.basename(os.path.normpath(os.path.abspath(text)))
+    parts = os.path.normpath(os.path.abspath(text)).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return parts[-1]
 
 
 def _architecture(config: dict) -> str | None:
