@@ -287,11 +287,14 @@ def figures(source_bf16: Path, nvfp4: Path, model_type: str, ids: torch.Tensor, 
         targets = rows[:, 1:].unsqueeze(-1)
         nll[0] -= float(log_p[:, :-1].gather(-1, targets).double().sum())
         nll[1] -= float(log_q[:, :-1].gather(-1, targets).double().sum())
-    scored = ids.shape[0] * (ids.shape[1] - 1)
+    scored = ids.shape[0] * (ids.shape[1] - 1)  # rows of one token have no next token: no perplexity
+
+    def ppl(total: float) -> float | None:
+        return math.exp(total / scored) if scored else None
     return {"layers": [(_db(*local[i]), _db(*e2e[i])) for i in range(n_layers)],
             "experts": {k: (_db(s, err), n) for k, (s, err, n) in experts.items()},
             "logits": {"kl_mean": kl / count, "top1_agreement": agree / count,
-                       "ppl_source": math.exp(nll[0] / scored), "ppl_nvfp4": math.exp(nll[1] / scored)}}
+                       "ppl_source": ppl(nll[0]), "ppl_nvfp4": ppl(nll[1])}}
 
 
 def bf16_source(name: str, tmp: Path) -> Path:

@@ -52,6 +52,8 @@ CKPT_RUNNER_TESTS = ["tests/test_checkpoint_runner_bugs.py"]
 CKPT_HOSTILE_TESTS = ["tests/test_checkpoint_calib_hostile.py"]
 DIFF_TESTS = ["tests/test_checkpoint_diff.py"]
 DIFF_ORACLE_TESTS = ["tests/test_checkpoint_diff_oracle.py"]
+DIFF_REPORT_TESTS = ["tests/test_checkpoint_diff_report.py"]
+DIFF_CHECKS_TESTS = ["tests/test_checkpoint_diff_checks.py"]
 ORT_CUDA_TESTS = ["tests/test_ort_placement.py"]
 GPU_CHECK_TESTS = ["tests/test_gpu_check.py"]
 VALIDATE_TRUST_TESTS = ["tests/test_validate_trust.py"]
@@ -957,6 +959,90 @@ MUTANTS = [
     Mutant("diff-one-expert-scale", "every expert of a per-expert stack takes expert 0's activation scale", [
         ("fp4pass/checkpoint/numerics.py", "                g = g[expert]\n", "                g = g[0]\n"),
     ], DIFF_ORACLE_TESTS),
+    # -- the checkpoint diff's report, its checks before the run, its plot -----------------------------------
+    Mutant("diff-json-worst-only", "diff --json keeps only the worst experts", [
+        ("fp4pass/checkpoint/diff_report.py", '"experts": [row(r) for r in self.experts],',
+         '"experts": [row(r) for r in self.worst_experts()],'),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-no-ppl-formatted", "a perplexity of None (--seq-len 1) formatted as a number", [
+        ("fp4pass/checkpoint/diff_report.py", 'return "n/a" if value is None else f"{value:.4g}"', 'return f"{value:.4g}"'),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-kl-max-inclusive", "a KL mean equal to --kl-max fails", [
+        ("fp4pass/checkpoint/diff_report.py", "(not finite_kl or kl > self.kl_max)", "(not finite_kl or kl >= self.kl_max)"),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-snr-min-inclusive", "a local SNR equal to --snr-min fails", [
+        ("fp4pass/checkpoint/diff_report.py", "if snr is not None and snr < self.snr_min:",
+         "if snr is not None and snr <= self.snr_min:"),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-failed-value-threshold-swapped", "the failed SNR entry gives the threshold as the value", [
+        ("fp4pass/checkpoint/diff_report.py", '_json_db(row["snr_db_local"]), self.snr_min))',
+         'self.snr_min, _json_db(row["snr_db_local"])))'),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-failed-line-no-where", "a FAILED line without the checkpoint module", [
+        ("fp4pass/checkpoint/diff_report.py", """at = f"layer {f['layer']} ({f['where']})" if""", """at = f"layer {f['layer']}" if"""),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-nonfinite-outputs-pass", "NaN/Inf in a layer's output is no failure", [
+        ("fp4pass/checkpoint/diff_report.py",
+         'bad = next((r for r in self.layers if r.get("nonfinite_local") or r.get("nonfinite_end_to_end")), None)',
+         "bad = None"),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-expert-named-by-model", "an expert named by the model's stack, not its checkpoint module", [
+        ("fp4pass/checkpoint/numerics.py", '"checkpoint_module": names.expert(prefix + rel, e)}',
+         '"checkpoint_module": prefix + rel}'),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-expert-name-one-part-short", "an expert's checkpoint module keeps its part (w1)", [
+        ("fp4pass/checkpoint/diff_checks.py", "return self._strip(name, 2)  # ...experts.<e>.w1.weight",
+         "return self._strip(name, 1)  # ...experts.<e>.w1.weight"),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-layer-named-by-model", "a layer named by the model's path (layers.0), not the checkpoint's", [
+        ("fp4pass/checkpoint/diff_checks.py", "                return self._strip(name, tail)\n", "                return path\n"),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-nvfp4-shapes-unchecked", "the NVFP4 side's headers are not checked against the model", [
+        ("fp4pass/checkpoint/numerics.py", "        check_stored_shapes(target, weights, *target_arch)\n", ""),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-stack-block-unchecked", "a gpt-oss stack's block scales are not checked against its codes", [
+        ("fp4pass/checkpoint/diff_checks.py",
+         '    _check(unit.block, (e, k // NV_BLOCK_SIZE, n), f"{what}: block scales [E, K/16, N] of [{e}, {n}, {k}]")\n',
+         ""),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-scale-count-unchecked", "a global or input scale of any size is accepted", [
+        ("fp4pass/checkpoint/diff_checks.py", "if entry is not None and math.prod(_shape(entry)) not in counts:",
+         "if False:"),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-plain-size-only", "a tensor read as it is only needs as many values as the model", [
+        ("fp4pass/checkpoint/diff_checks.py",
+         "if held != shape and not (math.prod(held) == math.prod(shape) and len(held) <= 1 and len(shape) <= 1):",
+         "if math.prod(held) < math.prod(shape):"),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-infinite-scale-passes", "only NaN scales count, Inf ones pass", [
+        ("fp4pass/checkpoint/diff_checks.py", "if not torch.isfinite(values).all():", "if torch.isnan(values).any():"),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-nonfinite-last-module", "the last module whose output holds NaN/Inf is named, not the first", [
+        ("fp4pass/checkpoint/numerics.py", "return next((name for name in self.order if bool(self.flags[name])), None)",
+         "return next((name for name in reversed(self.order) if bool(self.flags[name])), None)"),
+    ], DIFF_CHECKS_TESTS),
+    Mutant("diff-model-named-by-snapshot", "a Hub model's name is its cache snapshot's commit folder", [
+        ("fp4pass/checkpoint/numerics.py", 'if len(parts) >= 3 and parts[-2] == "snapshots" and', "if False and"),
+    ], DIFF_TESTS),
+    Mutant("diff-plot-legend-inside", "the plot's legend inside the axes, at the lower left", [
+        ("fp4pass/checkpoint/diff_plot.py",
+         'ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)',
+         'ax.legend(fontsize=7, loc="lower left")'),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-plot-fractional-ticks", "the layer axis ticks where matplotlib likes (0.5, 1.5...)", [
+        ("fp4pass/checkpoint/diff_plot.py", "        ax.set_xticks(range(n))\n", "        pass\n"),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-plot-identical-unlabelled", "identical layers drawn at the top without a legend entry", [
+        ("fp4pass/checkpoint/diff_plot.py", '("identical", "*", "green", "identical (no error; drawn at the top)")',
+         '("identical", "*", "green", None)'),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-plot-80-db-top", "identical layers drawn at the 80 dB cap, whatever the SNRs drawn", [
+        ("fp4pass/checkpoint/diff_plot.py", "top = min(cap, 5 * math.ceil((max(shown) + 10) / 5)) if shown else cap",
+         "top = cap"),
+    ], DIFF_REPORT_TESTS),
+    Mutant("diff-plot-title-model-type", "the plot's title is transformers' model type alone", [
+        ("fp4pass/checkpoint/diff_plot.py", 'return f"{model_label(run)}: NVFP4', 'return f"{run[\'model_type\']}: NVFP4'),
+    ], DIFF_REPORT_TESTS),
     # -- the NVFP4 validator: no false alarm on a correct checkpoint, every defect still exit 1 -------------
     Mutant("validate-pair-judged-alone", "w3's global scale judged without w1, whose amax it was made from", [
         ("fp4pass/checkpoint/validate.py", '_check_values(mod, problems, modules.get(_partner_name(mod.name) or ""))',

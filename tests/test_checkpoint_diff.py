@@ -174,20 +174,22 @@ def _edit(folder: Path, edit) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+#: (name, --format) -> (folder, CheckpointDiff), for the whole session: tests/test_checkpoint_diff_checks.py shares it
+_CLEAN: dict = {}
+
+
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    """Correct outputs and their diffs, each made once: {name: (folder, CheckpointDiff)}."""
+    """Correct outputs and their diffs, each made once a session: {name: (folder, CheckpointDiff)} (the folders
+    under the session's base temporary folder, which lasts as long)."""
     import fp4pass.checkpoint
 
-    tmp = tmp_path_factory.mktemp("clean")
-    cache = {}
-
     def get(name: str, fmt: str):
-        if (name, fmt) not in cache:
-            folder = _convert(tmp, name, fmt, True)
-            cache[(name, fmt)] = folder, fp4pass.checkpoint.diff(ROOT / name, folder, TOKENS, batch_size=BATCH,
-                                                                  device="cpu")
-        return cache[(name, fmt)]
+        if (name, fmt) not in _CLEAN:
+            folder = _convert(tmp_path_factory.mktemp("clean"), name, fmt, True)
+            _CLEAN[(name, fmt)] = folder, fp4pass.checkpoint.diff(ROOT / name, folder, TOKENS, batch_size=BATCH,
+                                                                   device="cpu")
+        return _CLEAN[(name, fmt)]
     return get
 
 
@@ -403,8 +405,10 @@ def test_hub_model_ids_diff_offline_from_the_cache(clean, tmp_path, capsys, monk
     code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/kimi-tiny-nvfp4", "--data", TOKENS, "--batch-size", BATCH,
                     "--json", report)
     assert code == 0, err
-    layers = json.loads(report.read_text())["layers"]
+    data = json.loads(report.read_text())
+    layers = data["layers"]
     assert [r["snr_db_local"] for r in layers] == [round(r["snr_db_local"], 4) for r in before.layers]
+    assert data["run"]["model"] == "acme/kimi-tiny"  # as the user named it, not the snapshot's commit folder
     code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/not-cached", "--data", TOKENS)
     assert code == 2 and "acme/not-cached" in one_line(err)
 
@@ -465,3 +469,4 @@ def test_cuda_run_gives_the_cpu_figures(clean, name, fmt):
     assert {(r["layer"], r["expert"]): r["tokens"] for r in gpu.experts} == \
         {(r["layer"], r["expert"]): r["tokens"] for r in cpu.experts}
     assert gpu.logits["kl_mean"] == pytest.approx(cpu.logits["kl_mean"], rel=0.1)
+

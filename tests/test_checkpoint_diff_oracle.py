@@ -51,8 +51,8 @@ def _agree(ours, oracle: dict) -> None:
     lg, want = ours.logits, oracle["logits"]
     assert abs(lg["kl_mean"] - want["kl_mean"]) <= 0.1 * want["kl_mean"], (lg, want)
     assert abs(lg["top1_agreement"] - want["top1_agreement"]) <= 0.03, (lg, want)
-    for key in ("ppl_source", "ppl_nvfp4"):
-        assert lg[key] == pytest.approx(want[key], rel=0.01), key
+    for key in ("ppl_source", "ppl_nvfp4"):  # None: no next token to score (rows of one token)
+        assert lg[key] is None if want[key] is None else lg[key] == pytest.approx(want[key], rel=0.01), key
 
 
 @pytest.mark.parametrize("name,fmt,calibrated", CASES)
@@ -138,3 +138,18 @@ def test_a_hundred_and_three_experts_match_an_independent_forward(tmp_path):
     _agree(ours, oracle)
     routed = {e for layer, e in oracle["experts"]}
     assert {1, 10} <= routed and max(routed) >= 100, sorted(routed)
+
+
+def test_rows_of_one_token_match_an_independent_forward(tmp_path):
+    """``--seq-len 1``: every figure but the perplexities (no row has a next token: both None), as the oracle's."""
+    import fp4pass.checkpoint
+
+    nvfp4 = _convert(tmp_path, "kimi", "compressed-tensors", True)
+    ids = _ids()[:, :1]
+    data = tmp_path / "one.npz"
+    np.savez(data, input_ids=ids.numpy())
+    ours = fp4pass.checkpoint.diff(ROOT / "kimi", nvfp4, data, batch_size=BATCH, device="cpu")
+    oracle = figures(bf16_source("kimi", tmp_path), nvfp4, "deepseek_v3", ids, BATCH, tmp_path)
+    assert ours.logits["ppl_source"] is None and ours.logits["ppl_nvfp4"] is None and ours.logits["tokens"] == 16
+    assert oracle["logits"]["ppl_source"] is None
+    _agree(ours, oracle)

@@ -23,7 +23,16 @@ not padding (``None`` where the two are identical), ``a`` the source's:
 - at the logits (the model's own final norm and ``lm_head``, in float32): ``kl_mean`` / ``kl_max`` of
   KL(source || nvfp4) per token over the vocabulary (natural log), ``top1_agreement``, and the perplexity of
   each on the data's next tokens (the first position of each row is not scored);
-- ``first_below``: the first layer whose local SNR is under ``snr_min``.
+- ``first_below``: the first layer whose local SNR is under ``snr_min``;
+- ``failed`` (:class:`~fp4pass.checkpoint.diff_report.CheckpointDiff`): each check that failed, for scripts:
+  ``snr_min``, ``kl_max``, and ``finite`` (NaN/Inf in an NVFP4 global or input scale, a layer's output or the
+  KL, always checked), each with its value, threshold, layer and where in the checkpoint (the first module whose
+  output held NaN/Inf, found by forward hooks on the NVFP4 layer; the scales, read before the run). Layers and
+  experts are named by their checkpoint module (:class:`~fp4pass.checkpoint.diff_checks.CheckpointNames`): what
+  a script looks up in the folder.
+
+Before anything is read, every tensor either side will read is checked against the model on the shard headers
+alone (:func:`~fp4pass.checkpoint.diff_checks.check_stored_shapes`): exit 2 naming the tensor.
 
 Under ``torch.distributed`` each rank runs its share of the batches and the sums are all-reduced, as in
 calibration.
@@ -36,7 +45,6 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +53,8 @@ from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.calibration import _Clock, _share, expert_output, expert_projection, _routed_forward
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
+from fp4pass.checkpoint.diff_checks import CheckpointNames, check_stored_shapes, nonfinite_scales
+from fp4pass.checkpoint.diff_report import WORST_EXPERTS, CheckpointDiff
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
 from fp4pass.checkpoint.model_limits import (available_bytes, check_attention_memory, check_config_fields,
@@ -56,8 +66,6 @@ __all__ = ["diff", "CheckpointDiff", "WORST_EXPERTS", "SHAPE_FIELDS"]
 
 log = logging.getLogger(__name__)
 
-#: experts listed in the report, the worst first (every routed expert when fewer)
-WORST_EXPERTS = 10
 #: config fields two checkpoints must agree on to be the same architecture
 SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "moe_intermediate_size",
                 "num_local_experts", "n_routed_experts", "num_experts", "num_attention_heads", "num_key_value_heads",
@@ -99,88 +107,6 @@ class _Energy:
         if self.signal == 0.0:
             return -math.inf
         return 10.0 * math.log10(self.signal / self.error)
-
-
-def _json_db(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(value, 4)
-
-
-@dataclass
-class CheckpointDiff:
-    """The figures of :func:`diff` (module docstring); ``to_json()`` and ``format_table()`` like the ONNX diff."""
-
-    layers: list[dict]
-    experts: list[dict]  # every routed expert, the worst first
-    unrouted: list[dict]
-    logits: dict
-    run: dict
-    notes: list[str] = field(default_factory=list)
-    snr_min: float | None = None
-    kl_max: float | None = None
-
-    @property
-    def first_below(self) -> int | None:
-        if self.snr_min is None:
-            return None
-        for row in self.layers:
-            snr = row["snr_db_local"]
-            if snr is not None and snr < self.snr_min:
-                return row["index"]
-        return None
-
-    @property
-    def passed(self) -> bool:
-        kl = self.logits.get("kl_mean")
-        over = self.kl_max is not None and (kl is None or not math.isfinite(kl) or kl > self.kl_max)
-        return self.first_below is None and not over
-
-    def worst_experts(self, count: int = WORST_EXPERTS) -> list[dict]:
-        return self.experts[:max(count, WORST_EXPERTS)]
-
-    def to_json(self) -> dict:
-        def row(r: dict) -> dict:
-            return {k: (_json_db(v) if k.startswith("snr_db") else v) for k, v in r.items()}
-
-        logits = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.logits.items()}
-        return {"layers": [row(r) for r in self.layers], "experts": [row(r) for r in self.worst_experts()],
-                "unrouted_experts": self.unrouted, "logits": logits, "first_below": self.first_below,
-                "snr_min": self.snr_min, "kl_max": self.kl_max, "passed": self.passed, "run": self.run,
-                "notes": self.notes}
-
-    def format_table(self, experts: int = WORST_EXPERTS) -> str:
-        def db(value) -> str:
-            if value is None:
-                return "identical"
-            return "NaN/Inf" if not math.isfinite(value) else f"{value:.2f}"
-
-        lines = [f"{'layer':>5} {'local SNR dB':>13} {'end-to-end SNR dB':>18}"]
-        for r in self.layers:
-            mark = "  <- first under --snr-min" if r["index"] == self.first_below else ""
-            lines.append(f"{r['index']:>5} {db(r['snr_db_local']):>13} {db(r['snr_db_end_to_end']):>18}{mark}")
-        worst = self.worst_experts(experts)
-        if worst:
-            lines += ["", f"worst experts ({len(worst)} of {len(self.experts)} routed)",
-                      f"{'layer':>5} {'expert':>6} {'SNR dB':>9} {'tokens':>7}  module"]
-            lines += [f"{r['layer']:>5} {r['expert']:>6} {db(r['snr_db']):>9} {r['tokens']:>7}  {r['module']}"
-                      for r in worst]
-        if self.unrouted:
-            lines.append(f"unrouted experts (no token of the data reached them): {len(self.unrouted)}")
-        lg = self.logits
-        if lg:
-            lines += ["", f"logits: KL mean {lg['kl_mean']:.4g}, max {lg['kl_max']:.4g} (nats); top-1 agreement "
-                          f"{lg['top1_agreement']:.2%}; perplexity source {lg['ppl_source']:.4g}, nvfp4 "
-                          f"{lg['ppl_nvfp4']:.4g}"]
-        r = self.run
-        lines.append(f"{r['tokens']} tokens in {r['batches']} batches, {r['layers']} layers of {r['model_type']} "
-                     f"({r['nvfp4_form']}, {r['activations']}) on {r['device']} in {r['seconds']:.1f} s")
-        lines += [f"note: {n}" for n in self.notes]
-        verdict = "passed" if self.passed else "FAILED"
-        limits = [f"--snr-min {self.snr_min}" if self.snr_min is not None else None,
-                  f"--kl-max {self.kl_max}" if self.kl_max is not None else None]
-        limits = [x for x in limits if x]
-        if limits:
-            lines.append(f"{verdict} ({', '.join(limits)})")
-        return "\n".join(lines)
 
 
 class _Quantizer:
@@ -451,11 +377,12 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
     the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
     (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
     ``hidden_budget_bytes``: hidden states kept in memory (the rest spill to a temporary folder), as in calibration.
-    Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models or bad data.
-    """
+    Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models, bad data, or
+    a shard header that does not fit the model (checked before any tensor is read)."""
     from fp4pass.hub import resolve_checkpoint
 
     start = time.perf_counter()
+    given_src = src_dir
     src_dir, nvfp4_dir = resolve_checkpoint(src_dir), resolve_checkpoint(nvfp4_dir)  # folders, or Hub model IDs
     dev = default_device(device)
     with Catalog.open(src_dir, follow_symlinks) as src, Catalog.open(nvfp4_dir, follow_symlinks) as target:
@@ -465,8 +392,13 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         model_type, cfg = src_arch
         every = load_batches(data, src_dir, int(cfg.vocab_size), seq_len=seq_len, num_samples=num_samples,
                              batch_size=batch_size)
-        for catalog, units, arch in ((src, found, src_arch), (target, weights, target_arch)):  # before allocating
-            check_fits_shards(catalog, units, *arch)
+        # before anything is read or allocated: the source's config.json against its shards, then every tensor
+        # either side will read against the model (the NVFP4 side's first: its config is the source's)
+        check_fits_shards(src, found, *src_arch)
+        check_stored_shapes(src, found, *src_arch)
+        check_stored_shapes(target, weights, *target_arch)
+        check_fits_shards(target, weights, *target_arch)
+        bad_scales = nonfinite_scales(target, weights)
         # the NVFP4 layer runs two copies of a batch at once: half the memory for each
         check_attention_memory(cfg, every, dev, str(data), available_bytes(dev) // 2)
         batches = _share(every)
@@ -478,7 +410,9 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         quantizer = _Quantizer(nv_runner, weights, notes)
         budget = hidden_budget(dev, hidden_budget_bytes) // 2
         stores = HiddenStore(budget, dev), HiddenStore(budget, dev)
-        run = {"model_type": model_type, "device": str(dev), "layers": src_runner.num_layers,
+        run = {"model": _model_name(given_src), "model_type": model_type,
+               "config_model_type": src.config.get("model_type"), "architecture": _architecture(src.config),
+               "device": str(dev), "layers": src_runner.num_layers,
                "batches": len(every), "tokens": sum(b.tokens for b in every), "nvfp4_form": weights.form,
                "activations": weights.activations, "timings_s": {}}
         try:
@@ -489,7 +423,26 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
                 store.close()
     run["seconds"] = time.perf_counter() - start
     run["peak_rss_mib"] = round(_peak_rss_mib(), 1)
-    return CheckpointDiff(layers, experts, unrouted, logits, run, notes, snr_min, kl_max)
+    return CheckpointDiff(layers, experts, unrouted, logits, run, notes, snr_min, kl_max, bad_scales)
+
+
+def _model_name(given) -> str:
+    """The source as its user named it: a Hub model ID as given, or the one whose cache snapshot the folder is
+    (``.../models--org--name/snapshots/<commit>``), else the folder's own name."""
+    from fp4pass.hub import parse_hub_id
+
+    text = os.fspath(given)
+    if parse_hub_id(text) is not None and not os.path.lexists(text):
+        return text
+    parts = os.path.normpath(os.path.abspath(text)).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return parts[-1]
+
+
+def _architecture(config: dict) -> str | None:
+    names = config.get("architectures")
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
 def _run(src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores, dev, run: dict,
@@ -500,6 +453,7 @@ def _run(src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list
     clock = _Clock(dev, run["timings_s"])
     fetch = LayerPrefetcher(src), LayerPrefetcher(nv)
     layers, expert_rows, unrouted = [], [], []
+    names = CheckpointNames(nv.sources)
     try:
         for f in fetch:
             f.start(0)
@@ -511,7 +465,7 @@ def _run(src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list
                        desc="diff (layer x batch)", enabled=show_progress, unit="batch")
         steps = iter(bar)
         for i in range(src.num_layers):
-            row, experts, idle = _layer(i, src, nv, quantizer, batches, stores, fetch, clock, steps)
+            row, experts, idle = _layer(i, src, nv, quantizer, batches, stores, fetch, clock, steps, names)
             layers.append(row)
             expert_rows += experts
             unrouted += idle
@@ -531,7 +485,7 @@ def _worst_first(row: dict) -> float:
 
 
 def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores, fetch,
-           clock, steps) -> tuple[dict, list[dict], list[dict]]:
+           clock, steps, names: CheckpointNames) -> tuple[dict, list[dict], list[dict]]:
     """Layer ``i`` of both models over every batch: the layer's row, its experts' rows, its unrouted experts."""
     src_store, nv_store = stores
     prefix = f"layers.{i}."
@@ -550,6 +504,7 @@ def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, bat
         nv_stacks[rel].forward = _routed_forward(nv_stacks[rel], rel, nv_rows)
         undo += [src_stacks[rel], nv_stacks[rel]]
     hooks = quantizer.install(nv_mod, prefix)
+    watch = _NonfiniteWatch(nv_mod)
     local, e2e = _Energy(), _Energy()
     per_expert: dict[tuple, _Energy] = {}
     tokens: dict[tuple, int] = {}
@@ -575,13 +530,13 @@ def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, bat
     finally:
         for module in undo:
             del module.forward
-        for handle in hooks:
+        for handle in hooks + watch.handles:
             handle.remove()
         for f in fetch:
             f.release(i)
         clock.lap("release")
     counts = {rel: nv_stacks[rel].num_experts for rel in shared}
-    return _layer_rows(i, prefix, local, e2e, per_expert, tokens, counts)
+    return _layer_rows(i, prefix, local, e2e, per_expert, tokens, counts, names, watch)
 
 
 def _local_tokens(batch: Batch) -> int:
@@ -629,7 +584,50 @@ def _compare_experts(rel: str, src_rows: _ExpertRows, nv_rows: _NVFP4Experts, ex
             per_expert.setdefault(key, _Energy()).add(src_rows.outputs[e], out)
 
 
-def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, tokens: dict, counts: dict):
+class _NonfiniteWatch:
+    """Forward hooks on every module of an NVFP4 layer: which one first gives NaN or Inf, in the order the modules
+    finish (a module before the one holding it). Each call adds one device-side flag, read only when the layer's
+    output has NaN/Inf: no synchronisation otherwise."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.order: list[str] = []
+        self.flags: dict[str, torch.Tensor] = {}
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in layer.named_modules() if name]
+
+    def _hook(self, name: str):
+        def hook(_module, _args, out):
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                return
+            bad = ~torch.isfinite(t).all()
+            if name in self.flags:
+                self.flags[name] = self.flags[name] | bad
+            else:
+                self.order.append(name)
+                self.flags[name] = bad
+        return hook
+
+    def first(self) -> str | None:
+        """The first module (relative to the layer) whose output held NaN/Inf, or None."""
+        return next((name for name in self.order if bool(self.flags[name])), None)
+
+
+def _nonfinite_module(i: int, prefix: str, watch: _NonfiniteWatch, names: CheckpointNames, stacks: set,
+                      per_expert: dict) -> tuple[str, int | None]:
+    """Where layer ``i``'s NaN/Inf first appear, as the checkpoint names it: the first module whose output held
+    them; in an expert stack, its first expert whose output did (the module, and that expert)."""
+    rel = watch.first()
+    if rel is None:
+        return names.module(f"layers.{i}"), None
+    if rel in stacks:
+        bad = sorted(e for (stack, e), energy in per_expert.items() if stack == rel and energy.nonfinite)
+        if bad:
+            return names.expert(prefix + rel, bad[0]), bad[0]
+    return names.module(prefix + rel), None
+
+
+def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, tokens: dict, counts: dict,
+                names: CheckpointNames, watch: _NonfiniteWatch):
     keys = sorted(per_expert)
     flat = local.as_list() + e2e.as_list() + [v for k in keys for v in per_expert[k].as_list()]
     token_keys = [(rel, e) for rel, n in sorted(counts.items()) for e in range(n)]
@@ -640,9 +638,13 @@ def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, token
     for j, k in enumerate(keys):
         per_expert[k].set(flat[8 + 4 * j: 12 + 4 * j])
     reduced_tokens = dict(zip(token_keys, (int(v) for v in flat[8 + 4 * len(keys):])))
-    row = {"index": i, "snr_db_local": local.snr_db(), "snr_db_end_to_end": e2e.snr_db()}
+    row = {"index": i, "snr_db_local": local.snr_db(), "snr_db_end_to_end": e2e.snr_db(),
+           "checkpoint_module": names.module(f"layers.{i}")}
     if local.nonfinite or e2e.nonfinite:
         row["nonfinite_local"], row["nonfinite_end_to_end"] = local.nonfinite, e2e.nonfinite
+        row["nonfinite_module"], expert = _nonfinite_module(i, prefix, watch, names, set(counts), per_expert)
+        if expert is not None:
+            row["nonfinite_expert"] = expert
     experts, idle = [], []
     for rel, e in token_keys:
         count = reduced_tokens.get((rel, e), 0)
@@ -651,7 +653,9 @@ def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, token
             idle.append({"layer": i, "expert": e, "module": prefix + rel})
             continue
         experts.append({"layer": i, "expert": e, "snr_db": energy.snr_db(), "tokens": count,
-                        "module": prefix + rel})
+                        "module": prefix + rel, "checkpoint_module": names.expert(prefix + rel, e)})
+        if energy.nonfinite:
+            experts[-1]["nonfinite"] = energy.nonfinite
     return row, experts, idle
 
 
@@ -672,53 +676,3 @@ def _logit_figures(src: LayerRunner, nv: LayerRunner, batches: list[Batch], stor
     sums, top = _reduce(stats.as_list(), [stats.kl_max])
     stats.set(sums, top[0])
     return stats.to_json()
-
-
-#: SNR drawn for identical outputs and capped values in the plot (dB)
-PLOT_SNR_CAP = 80.0
-
-
-def plot_checkpoint_diff(result: CheckpointDiff, path) -> None:
-    """Figure: each layer's local and end-to-end SNR (dB, capped at :data:`PLOT_SNR_CAP`; identical drawn at the
-    cap, NaN/Inf at the bottom), and the spread of its routed experts' SNR (one dot per expert, the worst
-    ringed); ``--snr-min`` as a dashed line."""
-    import logging as _logging
-
-    from fp4pass.extras import require
-
-    matplotlib = require("matplotlib", "plot", "plotting a diff")
-    matplotlib.use("Agg")
-    _logging.getLogger("matplotlib").setLevel(_logging.WARNING)
-    import matplotlib.pyplot as plt
-
-    values = [v for r in result.layers for v in (r["snr_db_local"], r["snr_db_end_to_end"])]
-    values += [r["snr_db"] for r in result.experts]
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    floor = min(finite + [0.0]) - 5
-
-    def drawn(value):
-        if value is None:
-            return PLOT_SNR_CAP
-        return floor if not math.isfinite(value) else min(value, PLOT_SNR_CAP)
-
-    xs = [r["index"] for r in result.layers]
-    fig, ax = plt.subplots(figsize=(max(8, min(30, 0.4 * len(xs))), 5))
-    ax.plot(xs, [drawn(r["snr_db_local"]) for r in result.layers], "o-", label="layer, local (source's input)")
-    ax.plot(xs, [drawn(r["snr_db_end_to_end"]) for r in result.layers], "s--",
-            label="layer, end to end (own input)")
-    if result.experts:
-        ax.scatter([r["layer"] for r in result.experts], [drawn(r["snr_db"]) for r in result.experts], s=10,
-                   color="0.5", alpha=0.6, label="routed experts")
-        worst = result.worst_experts()
-        ax.scatter([r["layer"] for r in worst], [drawn(r["snr_db"]) for r in worst], s=40, facecolors="none",
-                   edgecolors="red", label=f"{len(worst)} worst experts")
-    if result.snr_min is not None:
-        ax.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8, label=f"--snr-min {result.snr_min:g}")
-    ax.set_xlabel("decoder layer")
-    ax.set_ylabel(f"SNR (dB; identical drawn at {PLOT_SNR_CAP:g}, NaN/Inf at the bottom)")
-    ax.set_title(f"{result.run['model_type']}: NVFP4 ({result.run['nvfp4_form']}, {result.run['activations']}) "
-                 "against its source")
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, format=os.path.splitext(os.fspath(path))[1].lstrip(".") or "png")
-    plt.close(fig)

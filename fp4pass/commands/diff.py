@@ -3,7 +3,8 @@
 (:mod:`fp4pass.checkpoint.numerics`).
 
 Exit codes: 0 passed, 1 an output under ``--snr-min`` (or with NaN/Inf that A does not have; for folders a
-layer under ``--snr-min`` or a mean KL over ``--kl-max``), 2 bad input.
+layer under ``--snr-min``, a mean KL over ``--kl-max``, or NaN/Inf in a scale, a layer's output or the KL), 2 bad
+input (for folders also a shard header that does not fit the model).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ Both run through transformers' own modeling code, one decoder layer at a time; t
 weights by its form's convention and, where input scales are stored (W4A4), quantizes every quantized
 module's input to NVFP4 as the engines do. Figures: per layer the SNR of its output fed the source's input
 (local) and fed its own previous output (end-to-end); per routed expert the SNR of its output on the tokens
-the source routed to it (the worst listed); at the logits KL(source || nvfp4), top-1 agreement and both
-perplexities. --data takes what calibrate takes (.npz of input_ids, a folder of them, .jsonl/.txt text).
+the source routed to it (the worst in the table, every one in --json, by its checkpoint module); at the logits
+KL(source || nvfp4), top-1 agreement and both perplexities. It fails (exit 1, a FAILED line each, "failed" in
+--json) on a limit not met and on NaN/Inf in a scale, an output or the KL, named at the first layer and module.
+--data takes what calibrate takes (.npz of input_ids, a folder of them, .jsonl/.txt text).
 """
 
 
@@ -137,7 +140,8 @@ def _flag(name: str) -> str:
 
 def _run_folders(args) -> int:
     """``fp4pass diff SRC_DIR NVFP4_DIR --data DATA``."""
-    from fp4pass.checkpoint.numerics import diff as checkpoint_diff, plot_checkpoint_diff
+    from fp4pass.checkpoint.diff_plot import plot_checkpoint_diff
+    from fp4pass.checkpoint.numerics import diff as checkpoint_diff
 
     for name, default in _ONNX_ONLY.items():
         if getattr(args, name, default) != default:
