@@ -679,3 +679,33 @@ def test_report_entries_name_their_source(examples, tmp_path, form, fmt):
         assert t["input_scale"] == 0.25
         wanted = {"modelopt": "input_scale", "compressed-tensors": "input_global_scale"}[fmt]
         assert any(o.endswith(wanted) for o in t["outputs"]), t["outputs"]
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_allow_partial_leaves_a_nan_scaled_compressed_tensors_expert_in_mxfp4_and_writes_the_rest(tmp_path, fmt):
+    """An E8M0 255 (NaN) in one expert's w1 of a compressed-tensors MXFP4 checkpoint: with allow_partial the
+    w1/w3 pair stays as it was (U8 codes, U8 E8M0 scales: MXFP4 by its dtypes, never read as a broken NVFP4
+    module of the output), every other weight converts, and the output validates."""
+    import shutil
+
+    from checkpoint_oracles import rewrite_shard
+
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "models", "checkpoints", "kimi"), src)
+    w1 = "model.layers.1.mlp.experts.0.w1"
+
+    def nan_scale(tensors):
+        tensors[f"{w1}.weight_scale"] = tensors[f"{w1}.weight_scale"].clone()
+        tensors[f"{w1}.weight_scale"][0, 0] = 255
+
+    rewrite_shard(src / "model.safetensors", nan_scale)
+    report = fp4pass.checkpoint.convert(src, tmp_path / "out", format=fmt, allow_partial=True)
+    declined = sorted(d["tensor"] for d in report["declined"])
+    assert declined == [f"{w1}.weight_packed", "model.layers.1.mlp.experts.0.w3.weight_packed"], declined
+    out, source = Folder(tmp_path / "out"), Folder(src)
+    for name in (f"{w1}.weight_packed", f"{w1}.weight_scale"):
+        assert out.dtype(name) == "U8" and np.array_equal(as_bytes(out.get(name)), as_bytes(source.get(name)))
+    assert report["summary"]["experts_total"] == 18
+    from fp4pass.checkpoint.validate import validate
+
+    assert [p for p in validate(tmp_path / "out")["problems"] if p["severity"] == "error"] == []

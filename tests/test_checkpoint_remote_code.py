@@ -95,3 +95,14 @@ def test_a_model_no_code_runs_is_refused_naming_what_works(tmp_path, capsys):
                            str(tmp_path / "s.json"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "kimi_k3" in err and "--input-scale" in err and "--scales" in err
+
+
+def test_diff_runs_both_folders_through_their_own_code_only_under_the_flag(remote, tmp_path, capsys):
+    folder, marker = remote
+    out = tmp_path / "nvfp4"
+    code, _, err = run_cli(capsys, "convert", str(folder), "-o", str(out), "--input-scale", "0.01", "--quiet")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "diff", str(folder), str(out), "--data", str(DATA), "--seq-len", "8")
+    assert code == 2 and "--trust-remote-code" in err and not marker.exists(), err
+    result = fp4pass.checkpoint.diff(folder, out, DATA, seq_len=8, trust_remote_code=True)
+    assert marker.exists() and result.to_json()["logits"]["kl_mean"] > 0

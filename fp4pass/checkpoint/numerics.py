@@ -221,13 +221,14 @@ class _NVFP4Experts(_ExpertRows):
         return None if hook is None else hook(kind, rows)
 
 
-def _same_architecture(src: Catalog, nvfp4: Catalog) -> tuple[tuple, tuple]:
+def _same_architecture(src: Catalog, nvfp4: Catalog, trust_remote_code: bool = False) -> tuple[tuple, tuple]:
     """Each folder's (model type, transformers config); two checkpoints of different architectures or shapes are
     refused (exit 2), naming the field."""
     a, b = src.config, nvfp4.config
     for catalog in (src, nvfp4):  # a stranger's counts, before transformers reads them
         check_config_fields(catalog.config, f"{catalog.folder}/config.json", catalog.tensors)
-    arch_a, arch_b = resolve_architecture(a, src.folder), resolve_architecture(b, nvfp4.folder)
+    arch_a = resolve_architecture(a, src.folder, trust_remote_code)
+    arch_b = resolve_architecture(b, nvfp4.folder, trust_remote_code)
     type_a, type_b = arch_a[0], arch_b[0]
     if type_a != type_b:
         raise CheckpointError(f"{nvfp4.folder}: a {type_b} model, but {src.folder} is {type_a}: not the same "
@@ -372,13 +373,14 @@ def _source_units(catalog: Catalog):
 def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: int | None = None,
          batch_size: int | None = None, device: str | None = "auto", snr_min: float | None = None,
          kl_max: float | None = None, follow_symlinks: bool = False, hidden_budget_bytes: int | None = None,
-         show_progress: bool | None = False) -> CheckpointDiff:
+         show_progress: bool | None = False, trust_remote_code: bool = False) -> CheckpointDiff:
     """Run ``src_dir`` and ``nvfp4_dir`` side by side on ``data`` (any form calibration takes) and measure what
     the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
     (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
     ``hidden_budget_bytes``: hidden states kept in memory (the rest spill to a temporary folder), as in calibration.
     Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models, bad data, or
-    a shard header that does not fit the model (checked before any tensor is read)."""
+    a shard header that does not fit the model (checked before any tensor is read). ``trust_remote_code``: run
+    the folders' own modeling code (config.json ``auto_map``), never without it."""
     from fp4pass.hub import resolve_checkpoint
 
     start = time.perf_counter()
@@ -386,7 +388,7 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
     src_dir, nvfp4_dir = resolve_checkpoint(src_dir), resolve_checkpoint(nvfp4_dir)  # folders, or Hub model IDs
     dev = default_device(device)
     with Catalog.open(src_dir, follow_symlinks) as src, Catalog.open(nvfp4_dir, follow_symlinks) as target:
-        src_arch, target_arch = _same_architecture(src, target)
+        src_arch, target_arch = _same_architecture(src, target, trust_remote_code)
         found = _source_units(src)
         weights = find_nvfp4(target)
         model_type, cfg = src_arch
@@ -404,8 +406,8 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         batches = _share(every)
         if not batches:
             raise CalibrationDataError(f"{data}: no rows to run")
-        src_runner = LayerRunner(src, found, dev)
-        nv_runner = LayerRunner(target, weights, dev)
+        src_runner = LayerRunner(src, found, dev, trust_remote_code=trust_remote_code)
+        nv_runner = LayerRunner(target, weights, dev, trust_remote_code=trust_remote_code)
         notes: list[str] = []
         quantizer = _Quantizer(nv_runner, weights, notes)
         budget = hidden_budget(dev, hidden_budget_bytes) // 2

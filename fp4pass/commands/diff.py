@@ -124,6 +124,9 @@ def register(sub, common) -> None:
                    help="where each layer runs (auto: CUDA when torch has a GPU)")
     g.add_argument("--follow-symlinks", action="store_true", default=None,
                    help="read symlinks of the folders that lead out of them")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run the folders' own modeling code (config.json auto_map), as transformers and vLLM do "
+                        "with this flag; it executes that code")
     p.set_defaults(run=run)
 
 
@@ -131,7 +134,8 @@ def register(sub, common) -> None:
 _ONNX_ONLY = {"inputs": None, "shape": [], "past_length": 0, "seed": 0, "provider": "auto", "strict": False,
               "allow_invalid": False, "intermediates": False}
 #: flags only checkpoint folders take (None when not given)
-_FOLDER_ONLY = ("data", "seq_len", "num_samples", "batch_size", "kl_max", "device", "follow_symlinks")
+_FOLDER_ONLY = ("data", "seq_len", "num_samples", "batch_size", "kl_max", "device", "follow_symlinks",
+                "trust_remote_code")
 
 
 def _flag(name: str) -> str:
@@ -165,7 +169,8 @@ def _run_folders(args) -> int:
     result = checkpoint_diff(args.original, args.rewritten, args.data, seq_len=args.seq_len,
                              num_samples=args.num_samples, batch_size=args.batch_size, device=args.device or "auto",
                              snr_min=args.snr_min, kl_max=args.kl_max, follow_symlinks=bool(args.follow_symlinks),
-                             show_progress=False if args.quiet else None)
+                             show_progress=False if args.quiet else None,
+                             trust_remote_code=bool(args.trust_remote_code))
     return _report(args, result.format_table(), result, plot_checkpoint_diff)
 
 
