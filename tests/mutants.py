@@ -66,6 +66,8 @@ USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
 ROUND5_TESTS = ["tests/test_user_path_round5.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
+KIMI_K3_TESTS = ["tests/test_checkpoint_kimi_k3.py"]
+REMOTE_CODE_TESTS = ["tests/test_checkpoint_remote_code.py"]
 
 
 @dataclass
@@ -82,6 +84,54 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- forms, families and Kimi-K3 ------------------------------------------------------------------------
+    Mutant("kimi-sglang-aliases-dropped", "the exclusion list without SGLang's run-time spelling of each entry", [
+        ("fp4pass/checkpoint/output_forms.py",
+         "    return list(out) + _sglang_aliases(list(out), kept_modules, converted_modules, architecture, style)",
+         "    return list(out)"),
+    ], KIMI_K3_TESTS),
+    Mutant("kimi-sglang-alias-unchecked", "an alias written even where it is a substring of a converted module", [
+        ("fp4pass/checkpoint/output_forms.py", "        return alias not in have and not any(stem in t for t in targets)",
+         "        return alias not in have"),
+    ], KIMI_K3_TESTS + ["tests/test_checkpoint_engines.py"]),
+    Mutant("mxfp4-block-read-as-nvfp4", "an E8M0 (U8) block scale beside weight_packed taken for NVFP4 by its name", [
+        ("fp4pass/checkpoint/validate.py", "        if (fp8_weight or mxfp4_block) and mod.global_ is None:",
+         "        if fp8_weight and mod.global_ is None:"),
+    ], KIMI_K3_TESTS),
+    Mutant("nested-quantization-config-ignored", "only config.json's top level is read for the quantization", [
+        ("fp4pass/checkpoint/configs.py", "        nested = config.get(key)\n        if isinstance(nested, dict) and "
+         "isinstance(nested.get(QUANT_KEY), dict):", "        nested = None\n        if isinstance(nested, dict) and "
+         "isinstance(nested.get(QUANT_KEY), dict):"),
+    ], KIMI_K3_TESTS),
+    Mutant("text-config-keeps-mxfp4", "the output's text_config still describes the MXFP4 source", [
+        ("fp4pass/checkpoint/configs.py", "            out[key] = {**nested, QUANT_KEY: description}", "            pass"),
+    ], KIMI_K3_TESTS),
+    Mutant("mixed-precision-read-as-nvfp4", "MIXED_PRECISION's quantized_layers ignored: unlisted Linears taken "
+           "as NVFP4", [
+        ("fp4pass/checkpoint/engines.py", "                       if quantized_layers is not None and engine == \"vllm\" "
+         "else None)", "                       if False else None)"),
+    ], KIMI_K3_TESTS),
+    Mutant("ct-targets-ignored", "compressed-tensors config groups' targets ignored (every Linear targeted)", [
+        ("fp4pass/checkpoint/engines.py", "if targets is not None and form == \"compressed-tensors\" and engine != "
+         "\"trtllm\" else None)", "if False else None)"),
+    ], KIMI_K3_TESTS),
+    Mutant("ct-moe-matched-by-prefix", "a routed-experts layer matched by its own name, not vLLM's "
+           "routed_experts.0.<gate>", [
+        ("fp4pass/checkpoint/engines.py", '            return any(self._targets.matches(self._vllm_name(f"{module}'
+         '.routed_experts.0.{gate}"))', '            return any(self._targets.matches(self._vllm_name(f"{module}.0.'
+         '{gate}"))'),
+    ], KIMI_K3_TESTS),
+    Mutant("sglang-names-not-renamed", "SGLang's exclusions judged under the checkpoint's names", [
+        ("fp4pass/checkpoint/engines.py", "        self._rename = family_of(architecture).sglang_name if engine == "
+         "\"sglang\" else None", "        self._rename = None"),
+    ], KIMI_K3_TESTS),
+    Mutant("remote-code-without-the-flag", "a folder's own modeling code run without --trust-remote-code", [
+        ("fp4pass/checkpoint/layerwise.py", "    if trust_remote_code and auto_map:", "    if auto_map:"),
+    ], REMOTE_CODE_TESTS),
+    Mutant("remote-model-built-without-its-code", "the folder's config class used, but transformers' model", [
+        ("fp4pass/checkpoint/layerwise.py",
+         '    remote = {"trust_remote_code": True} if _is_remote(cfg) else {}', "    remote = {}"),
+    ], REMOTE_CODE_TESTS),
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
     Mutant("quiet-passes-everything", "--quiet passes every bare print on", [
         ("fp4pass/messages.py", "    if lowest > Level.INFO:\n        _real.update",
@@ -243,7 +293,7 @@ MUTANTS = [
         ("fp4pass/onnx/nvfp4_forms.py", "(codes >= _E4M3_SIGN) & (magnitude != 0)", "(codes > 0xFF) & (magnitude != 0)"),
     ], INPUT_TESTS),
     Mutant("nvfp4-problems-exit-0", "inspect exits 0 on an NVFP4 ONNX model with broken scales", [
-        ("fp4pass/commands/inspect.py", 'return 1 if info.get("nvfp4", {}).get("problems") else 0', "return 0"),
+        ("fp4pass/commands/inspect.py", "    return 1 if problems else 0", "    return 0"),
     ], INPUT_TESTS),
     Mutant("overwrite-any-folder", "--overwrite replaces a folder without fp4pass's marker", [
         ("fp4pass/io.py", "    if not written_by_fp4pass(target):", "    if False:"),
