@@ -144,20 +144,20 @@ MUTANTS = [
         ("fp4pass/commands/inspect.py", 'return 1 if info.get("nvfp4", {}).get("problems") else 0', "return 0"),
     ], INPUT_TESTS),
     Mutant("overwrite-any-folder", "--overwrite replaces a folder without fp4pass's marker", [
-        ("fp4pass/io.py", "    if not written_by_fp4pass(target):", "    if False:"),
+        ("fp4pass/io/folders.py", "    if not written_by_fp4pass(target):", "    if False:"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-marker-through-link", "a marker that is a symlink to one elsewhere is taken", [
-        ("fp4pass/io.py", "if not stat.S_ISREG(os.lstat(marker).st_mode):", "if not stat.S_ISREG(os.stat(marker).st_mode):"),
+        ("fp4pass/io/folders.py", "if not stat.S_ISREG(os.lstat(marker).st_mode):", "if not stat.S_ISREG(os.stat(marker).st_mode):"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-without-the-flag", "an fp4pass folder is replaced without --overwrite", [
-        ("fp4pass/io.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),
+        ("fp4pass/io/folders.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-old-removed-first", "the old folder is removed before the new one is written", [
-        ("fp4pass/io.py", "    staging = make_temp_folder(target)\n",
+        ("fp4pass/io/folders.py", "    staging = make_temp_folder(target)\n",
          "    staging = make_temp_folder(target)\n    if replacing:\n        shutil.rmtree(target)\n"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-unmarked-output", "output folders get no marker", [
-        ("fp4pass/io.py", "        _write_output_marker(tmp)\n", ""),
+        ("fp4pass/io/folders.py", "        _write_output_marker(tmp)\n", ""),
     ], OVERWRITE_TESTS),
     Mutant("text-dropped-silently", "text past --num-samples x --seq-len is left out without a note", [
         ("fp4pass/checkpoint/calib_data.py", "    if last_read is not None:\n", "    if False:\n"),
@@ -370,17 +370,17 @@ MUTANTS = [
     # -- writing outputs (fp4pass.io's context managers are decorated: mutmut leaves them alone) ------------
     Mutant("atomic-output-renames-a-failed-writer", "atomic_output renames the temporary in even when the "
            "block raised", [
-        ("fp4pass/io.py", "        yield tmp\n        if tmp.exists():\n            finish(tmp, target, kind)\n",
+        ("fp4pass/io/outputs.py", "        yield tmp\n        if tmp.exists():\n            finish(tmp, target, kind)\n",
          "        try:\n            yield tmp\n        finally:\n            if tmp.exists():\n"
          "                finish(tmp, target, kind)\n"),
     ], ["tests/test_io.py"]),
     Mutant("atomic-output-leaves-stale-temporaries", "atomic_output no longer removes dead runs' temporaries", [
-        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)\n",
+        ("fp4pass/io/outputs.py", "    target = output_target(path)\n    remove_stale(folder)\n",
          "    target = output_target(path)\n"),
     ], ["tests/test_io.py"]),
     Mutant("finish-trusts-the-first-look", "the rename does not ask again what stands at the output's name (the "
            "API's save has no earlier check)", [
-        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)\n", "    _fsync_path(tmp)\n"),
+        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    _fsync_path(tmp)\n", "    _fsync_path(tmp)\n"),
     ], ["tests/test_loading_external.py"]),
     Mutant("save-model-before-data", "save renames the model in before the data file it names", [
         ("fp4pass/onnx/loading.py", "        if use_external:\n            # The data lands first; the model that "
@@ -414,31 +414,31 @@ MUTANTS = [
          "        if False and any("),
     ], ["tests/test_loading_external.py"]),
     Mutant("rename-over-symlink", "an output that is a symlink out of its folder is renamed over", [
-        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
-        ("fp4pass/io.py", "        output_target(out, label)\n", ""),
-        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
+        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
+        ("fp4pass/io/outputs.py", "        output_target(out, label)\n", ""),
+        ("fp4pass/io/outputs.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
     ], ["tests/test_io.py", "tests/test_loading_external.py"]),
     Mutant("rollback-by-name", "a failed run removes whatever file now has its output's name", [
-        ("fp4pass/io.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
+        ("fp4pass/io/outputs.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
     ], ["tests/test_io.py"]),
     Mutant("stale-by-pid-only", "temporaries of another host or pid namespace are judged by their pid here", [
-        ("fp4pass/io.py", "    here = marker[\"host\"] == token\n", "    here = True\n"),
+        ("fp4pass/io/stale.py", "    here = marker[\"host\"] == token\n", "    here = True\n"),
     ], ["tests/test_io.py"]),
     Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
-        ("fp4pass/io.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n",
+        ("fp4pass/io/outputs.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n",
          "    os.chmod(tmp, 0o666 & ~_umask())\n"),
-        ("fp4pass/io.py", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
+        ("fp4pass/io/outputs.py", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
          "    os.replace(tmp, target)\n    _fsync_path(target)\n    fsync_folder(target.parent)\n"),
     ], ["tests/test_io.py"]),
     Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
-        ("fp4pass/io.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
+        ("fp4pass/io/outputs.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
     ], ["tests/test_io.py"]),
     # -- checkpoints ----------------------------------------------------------------------------------------
     Mutant("checkpoint-folder-renamed-before-fsync", "an output folder is renamed into place before its files "
            "are fsynced", [
-        ("fp4pass/io.py", "        _fsync_tree(tmp)\n        st = os.lstat(tmp)\n",
+        ("fp4pass/io/folders.py", "        _fsync_tree(tmp)\n        st = os.lstat(tmp)\n",
          "        st = os.lstat(tmp)\n"),
-        ("fp4pass/io.py", "            os.replace(tmp, target)\n            fsync_folder(parent)\n",
+        ("fp4pass/io/folders.py", "            os.replace(tmp, target)\n            fsync_folder(parent)\n",
          "            os.replace(tmp, target)\n            _fsync_tree(target)\n            fsync_folder(parent)\n"),
     ], CHECKPOINT_TESTS),
     # -- checkpoint folders as hostile input, and what a run may remove ---------------------------------------
@@ -450,33 +450,33 @@ MUTANTS = [
         ("fp4pass/checkpoint/catalog.py", "            and real.parent.parent == base.parent.parent)", "            )"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("pseudo-files-read", "files of procfs and sysfs are read like any regular file", [
-        ("fp4pass/io.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
-        ("fp4pass/io.py", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
+        ("fp4pass/io/inputs.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
+        ("fp4pass/io/inputs.py", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_io.py"]),
     Mutant("size-not-checked-at-eof", "a file that goes on past its st_size is read or copied without a word", [
-        ("fp4pass/io.py", "            if extra:\n", "            if False:\n"),
+        ("fp4pass/io/inputs.py", "            if extra:\n", "            if False:\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("sweep-ignores-the-marker-inode", "a copy of a dead run's temporary (another inode) is swept too", [
-        ("fp4pass/io.py", "    if (data.get(\"dev\"), data.get(\"ino\")) != (st.st_dev, st.st_ino):\n        return None\n",
+        ("fp4pass/io/stale.py", "    if (data.get(\"dev\"), data.get(\"ino\")) != (st.st_dev, st.st_ino):\n        return None\n",
          ""),
     ], ["tests/test_io.py"]),
     Mutant("sweep-trusts-a-reused-pid", "a live pid counts as the run that wrote the marker, whatever its start time",
-           [("fp4pass/io.py", "    return now is None or marker.get(\"start\") is None or now == marker.get(\"start\")",
+           [("fp4pass/io/stale.py", "    return now is None or marker.get(\"start\") is None or now == marker.get(\"start\")",
              "    return True")], ["tests/test_io.py"]),
     Mutant("clean-older-than-removes-live-runs", "--older-than removes a run alive here", [
-        ("fp4pass/io.py", "    if here and _alive_here(marker):\n        return False\n    if here:\n        return True\n",
+        ("fp4pass/io/stale.py", "    if here and _alive_here(marker):\n        return False\n    if here:\n        return True\n",
          "    if here and not _alive_here(marker):\n        return True\n"),
     ], ["tests/test_io.py"]),
     Mutant("sweep-removes-the-input", "the sweep before a checkpoint conversion may remove the run's own input", [
-        ("fp4pass/io.py", "            if (st.st_dev, st.st_ino) in kept:\n                continue\n", ""),
+        ("fp4pass/io/stale.py", "            if (st.st_dev, st.st_ino) in kept:\n                continue\n", ""),
     ], ["tests/test_io.py"]),
     Mutant("folder-rename-not-recorded", "the output folder's rename is not recorded: a signal once the command "
            "has returned leaves OUT_DIR", [
-        ("fp4pass/io.py", "            _session.record(target, RESULT, identity)\n", "            pass\n"),
+        ("fp4pass/io/folders.py", "            outputs._session.record(target, RESULT, identity)\n", "            pass\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("folder-kept-when-its-fsync-fails", "a failure right after the folder's rename leaves it in place "
            "(outside the CLI's session)", [
-        ("fp4pass/io.py", "            _remove_folder_if(target, identity, was_empty_folder)\n", "            pass\n"),
+        ("fp4pass/io/folders.py", "            _remove_folder_if(target, identity, was_empty_folder)\n", "            pass\n"),
     ], ["tests/test_io.py", "tests/test_fuzz_checkpoint.py"]),
     Mutant("report-after-the-rename", "--report is written once OUT_DIR is in place", [
         ("fp4pass/checkpoint/run.py", "                    if before_rename is not None:\n"
@@ -619,8 +619,8 @@ MUTANTS = [
          "        return {}\n"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("json-nan-printed", "inspect --json and the reports print a non-finite number as a bare NaN", [
-        ("fp4pass/io.py", "    clean, places = finite_json(data)\n", "    clean, places = data, []\n"),
-        ("fp4pass/io.py", "    return json.dumps(clean, indent=indent, allow_nan=False)",
+        ("fp4pass/io/jsonio.py", "    clean, places = finite_json(data)\n", "    clean, places = data, []\n"),
+        ("fp4pass/io/jsonio.py", "    return json.dumps(clean, indent=indent, allow_nan=False)",
          "    return json.dumps(clean, indent=indent)"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("verdict-exclusions-unchecked", "the engine verdicts take exclude_modules as any list", [
