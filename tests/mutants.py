@@ -63,6 +63,7 @@ CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests
 USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
+SWAP_TESTS = ["tests/test_overwrite_swap.py"]
 
 
 @dataclass
@@ -79,6 +80,62 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- --overwrite: the marker's file list, the inputs rule, the two-rename swap and its recovery ---------------
+    Mutant("overwrite-removes-user-files", "a folder fp4pass wrote is replaced with the user's files in it", [
+        ("fp4pass/io/folders.py", "    foreign = first_foreign_file(target, listed)\n", "    foreign = None\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-sizes-not-compared", "a file fp4pass listed but the user rewrote is taken for fp4pass's", [
+        ("fp4pass/io/folders.py", "listed.get(rel) != st.st_size", "rel not in listed"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-inputs-inside-taken", "an input of the run inside the folder replaced is removed with it", [
+        ("fp4pass/io/folders.py", "    if inputs:\n        refuse_inputs(target, path, inputs)\n", ""),
+    ], SWAP_TESTS),
+    Mutant("overwrite-blobs-not-followed", "the folder an input's links lead into (Hub blobs) may be replaced", [
+        ("fp4pass/io/folders.py", "        for place in input_places(given):\n", "        for place in [os.fspath(given)]:\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-last-check-reads-new", "the last check before the swap reads the new folder, not the old", [
+        ("fp4pass/io/folders.py", "replacing = replacing and _replaceable(target, path, overwrite)",
+         "replacing = replacing and _replaceable(tmp, path, overwrite)"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-unbounded", "the output marker is read whatever its size", [
+        ("fp4pass/io/folders.py", "if not stat.S_ISREG(info.st_mode) or info.st_size > OUTPUT_MARKER_MAX:", "if not stat.S_ISREG(info.st_mode):"),
+        ("fp4pass/io/folders.py", "        if size > OUTPUT_MARKER_MAX:\n            return None\n", ""),
+        ("fp4pass/io/folders.py", "min(1 << 20, OUTPUT_MARKER_MAX + 1 - size)", "1 << 20"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-limit-inclusive", "a marker of exactly the bound is refused (>= for >)", [
+        ("fp4pass/io/folders.py", "info.st_size > OUTPUT_MARKER_MAX", "info.st_size >= OUTPUT_MARKER_MAX"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-any-depth", "the output marker is parsed however deep it nests", [
+        ("fp4pass/io/folders.py", "max_depth=_OUTPUT_MARKER_DEPTH", "max_depth=10**9"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-replaced-folder-rolled-back", "a run failing after the swap removes the new folder too", [
+        ("fp4pass/io/folders.py", "        if replacing:\n            swap(staging, tmp, target)\n",
+         "        if replacing:\n            if outputs._session is not None:\n"
+         "                outputs._session.record(target, RESULT, identity)\n            swap(staging, tmp, target)\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-by-default", "atomic_folder replaces an fp4pass folder without being asked", [
+        ("fp4pass/io/folders.py", "inputs: tuple = (), overwrite: bool = False) -> Iterator[Path]:",
+         "inputs: tuple = (), overwrite: bool = True) -> Iterator[Path]:"),
+    ], SWAP_TESTS),
+    Mutant("checkpoint-api-overwrites-by-default", "fp4pass.checkpoint.convert replaces an output unasked", [
+        ("fp4pass/checkpoint/run.py", "            overwrite: bool = False) -> dict:", "            overwrite: bool = True) -> dict:"),
+    ], SWAP_TESTS),
+    Mutant("swap-old-not-put-back", "a failed swap leaves the old folder in the temporary, which then goes", [
+        ("fp4pass/io/swap.py", "    os.rename(aside, target)\n    _fsync(target.parent)\n    return True\n", "    return True\n"),
+    ], SWAP_TESTS),
+    Mutant("swap-state-after-rename", "the swap's state is written after the old folder moved aside", [
+        ("fp4pass/io/swap.py", "    write_state(staging, target, identity)\n    try:\n        os.rename(target, staging / ASIDE)\n",
+         "    try:\n        os.rename(target, staging / ASIDE)\n        write_state(staging, target, identity)\n"),
+    ], SWAP_TESTS),
+    Mutant("swap-recovery-takes-any-occupant", "a killed swap's old folder goes though another stands at its name", [
+        ("fp4pass/io/swap.py", "    return _identity(target) == state[\"new\"], None\n", "    return True, None\n"),
+    ], SWAP_TESTS),
+    Mutant("stale-sweep-never-recovers", "fp4pass clean removes a killed swap's temporary with the old folder", [
+        ("fp4pass/io/stale.py", "            may_go, back = recover(path)\n", "            may_go, back = True, None\n"),
+    ], SWAP_TESTS),
+    Mutant("swap-state-any-name", "a swap state naming a path outside its folder is followed", [
+        ("fp4pass/io/swap.py", "    if name in (\"\", \".\", \"..\") or \"/\" in name", "    if name in (\"\",)"),
+    ], SWAP_TESTS),
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
     Mutant("quiet-passes-everything", "--quiet passes every line on", [
         ("fp4pass/cli.py", "        if self._keep_all:\n", "        if True:\n"),
@@ -493,7 +550,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/safetensors_io.py", "        if len(header) > limit:", "        if False:"),
     ], ["tests/test_checkpoint_reader.py"]),
     Mutant("nan-in-config-taken", "NaN and Infinity in config.json or a header are read as numbers", [
-        ("fp4pass/checkpoint/safetensors_io.py", ", parse_constant=_no_constant)", ")"),
+        ("fp4pass/io/jsonio.py", ", parse_constant=_no_constant)", ")"),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_reader.py"]),
     Mutant("check-trusts-the-reader-everywhere", "--check never decodes in float64", [
         ("fp4pass/checkpoint/check.py", "        why = _why_float64(x, y)\n", "        why = None\n"),

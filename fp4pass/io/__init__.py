@@ -43,7 +43,7 @@ The rules every file fp4pass writes follows (``docs/bad-input.md`` states them f
 from fp4pass.io.folders import (OUTPUT_MARKER, atomic_folder, check_output_folder, written_by_fp4pass)
 from fp4pass.io.inputs import (PSEUDO_FILESYSTEMS, _file_kind, copy_regular_file, open_regular, pseudo_filesystem,
                                read_exact, read_regular_file, regular_file_status)
-from fp4pass.io.jsonio import NON_FINITE_NOTE, finite_json, json_text
+from fp4pass.io.jsonio import JSON_MAX_DEPTH, NON_FINITE_NOTE, finite_json, json_text, strict_json
 from fp4pass.io.outputs import (REPORT, RESULT, OutputSession, atomic_output, check_outputs, finish, fsync_folder,
                                 inside_folder, output_session, output_target, refuse_overwrite, same_file,
                                 write_json)
@@ -87,4 +87,6 @@ __all__ = [
     "PSEUDO_FILESYSTEMS",
     "REPORT",
     "RESULT",
+    "JSON_MAX_DEPTH",
+    "strict_json",
 ]

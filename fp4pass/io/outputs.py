@@ -70,6 +70,35 @@ def inside_folder(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
         here = here.parent
 
 
+#: the most entries of an input folder looked at for where its files really lie (:func:`input_places`)
+INPUT_ENTRIES_MAX = 100_000
+
+
+def input_places(given: str | os.PathLike) -> list[str]:
+    """Where the input ``given`` really lies: itself and, for a folder, every other folder its entries' symlinks
+    resolve into (a Hugging Face cache snapshot's files are links into the repository's ``blobs/``), each once.
+    An output there could overwrite an input through a path that names neither (``diff --json BLOB``)."""
+    places = [os.fspath(given)]
+    if not os.path.isdir(given):
+        return places
+    own = os.path.realpath(given)
+    seen = {own}
+    try:
+        with os.scandir(given) as entries:
+            for i, entry in enumerate(entries):
+                if i >= INPUT_ENTRIES_MAX:
+                    break
+                if not entry.is_symlink():
+                    continue
+                where = os.path.dirname(os.path.realpath(entry.path))
+                if where not in seen and not _inside(where, own):
+                    seen.add(where)
+                    places.append(where)
+    except OSError:
+        pass
+    return places
+
+
 def refuse_overwrite(output: str | os.PathLike, *inputs: str | os.PathLike) -> None:
     """Raise :class:`UsageError` if ``output`` is one of ``inputs`` (the same file, by path or inode)."""
     for given in inputs:
@@ -106,6 +135,10 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None],
                 raise UsageError(f"{label} {out}: refusing to write over the input {given} ({in_label})")
             if Path(given).is_dir() and _inside(out, given):
                 raise UsageError(f"{label} {out}: is inside the input folder {given} ({in_label})")
+            for place in input_places(given)[1:]:
+                if same_file(out, place) or _inside(out, place):
+                    raise UsageError(f"{label} {out}: lies in {place}, where the files of the input {given} "
+                                     f"({in_label}) are stored (its links lead there); refusing to write there")
         for other_label, other in seen:
             if same_file(out, other):
                 raise UsageError(f"{label} {out}: the same file as {other_label} {other}")

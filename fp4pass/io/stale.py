@@ -163,11 +163,16 @@ def _is_stale(entry: os.DirEntry, token: str, older_than: float | None) -> bool:
     return time.time() - _newest_mtime(path, st) > older_than
 
 
-def remove_stale(folder: str | os.PathLike, older_than: float | None = None, keep: tuple = ()) -> list[Path]:
+def remove_stale(folder: str | os.PathLike, older_than: float | None = None, keep: tuple = (),
+                 restored: list | None = None) -> list[Path]:
     """Remove the fp4pass temporaries in ``folder`` that no run still writes (module docstring, rule 6);
     returns what was removed. ``older_than``: also remove the temporaries of another host, pid namespace (or
     an fp4pass that cannot be asked) untouched for that many seconds. ``keep``: paths never removed (the
-    inputs of the run that sweeps), by path or inode."""
+    inputs of the run that sweeps), by path or inode. A temporary that holds an output folder a killed
+    ``--overwrite`` had moved aside puts it back first (:func:`fp4pass.io.swap.recover`; appended to
+    ``restored``), or stays when it cannot."""
+    from fp4pass.io.swap import recover
+
     removed = []
     try:
         entries = list(os.scandir(folder))
@@ -186,6 +191,11 @@ def remove_stale(folder: str | os.PathLike, older_than: float | None = None, kee
         try:
             st = os.lstat(path)
             if (st.st_dev, st.st_ino) in kept:
+                continue
+            may_go, back = recover(path)
+            if back is not None and restored is not None:
+                restored.append(back)
+            if not may_go:
                 continue
             shutil.rmtree(path)
             removed.append(path)
