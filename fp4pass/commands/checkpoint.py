@@ -115,8 +115,7 @@ def _check_flags(args) -> None:
 
     check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
     check_output_folder(args.output, overwrite=bool(args.overwrite),  # before a calibration that may take hours
-                        inputs={"CKPT_DIR": args.model, "--scales": args.scales, "--calib": args.calib,
-                                "--report": args.report})
+                        inputs={"CKPT_DIR": args.model, "--scales": args.scales, "--calib": args.calib})
     for flag, default in _ONNX_ONLY.items():
         if getattr(args, flag, default) != default:
             raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")

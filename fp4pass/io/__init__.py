@@ -40,6 +40,7 @@ The rules every file fp4pass writes follows (``docs/bad-input.md`` states them f
    only once the new folder is complete: the old one is moved aside into the temporary, the new one renamed
 """
 
+from fp4pass.errors import UsageError  # noqa: F401  (raised by everything here; importable from here as before)
 from fp4pass.io.folders import (OUTPUT_MARKER, atomic_folder, check_output_folder, written_by_fp4pass)
 from fp4pass.io.inputs import (PSEUDO_FILESYSTEMS, _file_kind, copy_regular_file, open_regular, pseudo_filesystem,
                                read_exact, read_regular_file, regular_file_status)
