@@ -64,6 +64,8 @@ USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 SWAP_TESTS = ["tests/test_overwrite_swap.py"]
+HUB_TESTS = ["tests/test_hub.py"]
+BOUNDS_TESTS = ["tests/test_patterns_bounds.py"]
 
 
 @dataclass
@@ -80,6 +82,69 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- exclusion lists bounded in time and memory; configs within 16 MiB ----------------------------------------
+    Mutant("glob-rest-unbounded", "globs without a literal head or tail are tried with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "            budget.check(glob.pattern, name, every=1)\n            if glob.match(name, budget):",
+         "            if glob.match(name):"),
+    ], BOUNDS_TESTS),
+    Mutant("glob-scan-unbounded", "one glob's scan of a long name runs with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "            if budget is not None:\n                budget.check(entry, name)\n            if self.at(",
+         "            if self.at("),
+    ], BOUNDS_TESTS),
+    Mutant("glob-size-uncapped", "a glob of any length is tokenized (memory per character)", [
+        ("fp4pass/checkpoint/patterns.py", "            if special is not None and len(p) > MAX_GLOB_CHARS:", "            if False:"),
+    ], BOUNDS_TESTS),
+    Mutant("substring-rule-unbounded", "vLLM's substring rule on a long name runs with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "                    budget.check(f\"(an entry of {length} characters)\", name)\n", ""),
+    ], BOUNDS_TESTS),
+    Mutant("ancestor-rule-unbounded", "SGLang's ancestor rule on a name of many components runs with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "            if budget is not None:\n                budget.check(f\"(an entry of {count} dots)\", name)\n", ""),
+    ], BOUNDS_TESTS),
+    Mutant("substring-index-end-off-by-one", "the indexed substring rule misses an entry at the name's end", [
+        ("fp4pass/checkpoint/patterns.py", "                for i in range(n - length + 1):", "                for i in range(n - length):"),
+    ], BOUNDS_TESTS),
+    Mutant("prefix-index-whole-name-missed", "a prefix glob as long as the name is never tried", [
+        ("fp4pass/checkpoint/patterns.py", "        for length in self.prefix_lengths:\n            if length > n:",
+         "        for length in self.prefix_lengths:\n            if length >= n:"),
+    ], BOUNDS_TESTS),
+    Mutant("regex-expansion-uncapped", "a regex whose counted repeats multiply out is compiled", [
+        ("fp4pass/checkpoint/patterns.py", "            if nodes > MAX_REGEX_NODES:", "            if False:"),
+    ], BOUNDS_TESTS),
+    Mutant("regex-compile-unbudgeted", "a list's regexes are compiled however long it takes", [
+        ("fp4pass/checkpoint/patterns.py", "            if self.spent > REGEX_BUDGET_SECONDS:\n                raise BadPattern(f\"{what}: compiling",
+         "            if False:\n                raise BadPattern(f\"{what}: compiling"),
+    ], BOUNDS_TESTS),
+    Mutant("config-limit-of-the-index", "config.json is read up to the index's 64 MiB, not 16 MiB", [
+        ("fp4pass/checkpoint/catalog.py", "def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT)",
+         "def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT)"),
+    ], BOUNDS_TESTS),
+    # -- Hub caches by huggingface_hub's rules; outputs never onto an input's blobs -------------------------------
+    Mutant("hub-cache-rules-unchecked", "huggingface_hub reads refs/main whatever it is (a path, a FIFO)", [
+        ("fp4pass/hub.py", "    cached_snapshot(repo_id, revision, cache_dir)  # the cache's", "    pass  # the cache's"),
+    ], HUB_TESTS),
+    Mutant("hub-ref-any-text", "a ref is taken for a commit whatever it holds", [
+        ("fp4pass/hub.py", "        if not _COMMIT.fullmatch(text.strip()):", "        if False:"),
+    ], HUB_TESTS),
+    Mutant("hub-ref-unbounded", "a ref file is read whatever its size", [
+        ("fp4pass/hub.py", "read_regular_file(ref, REF_MAX_BYTES, HubError)", "read_regular_file(ref, 1 << 40, HubError)"),
+    ], HUB_TESTS),
+    Mutant("hub-snapshot-anywhere", "a snapshot folder that leads out of the cache is read", [
+        ("fp4pass/hub.py", "    if not os.path.isdir(snapshot) or not _within(snapshot, repo / \"snapshots\"):",
+         "    if not os.path.isdir(snapshot):"),
+    ], HUB_TESTS),
+    Mutant("hub-index-opened-before-link-rule", "an index linked out of the snapshot is opened and parsed", [
+        ("fp4pass/hub.py", "        if not _readable_member(folder, index.name):\n            return missing\n", ""),
+    ], HUB_TESTS),
+    Mutant("hub-cache-at-hf-home", "the Hub cache is looked up under HF_HOME instead of HF_HOME/hub", [
+        ("fp4pass/hub.py", 'os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")',
+         'os.path.expanduser(os.environ["HF_HOME"])'),
+    ], HUB_TESTS),
+    Mutant("hub-gated-as-missing", "a gated repository is reported as a missing one", [
+        ("fp4pass/hub.py", "    except GatedRepoError:\n", "    except ImportError:\n"),
+    ], HUB_TESTS),
+    Mutant("outputs-onto-input-blobs", "an output into the folder an input's links lead to (Hub blobs) is taken", [
+        ("fp4pass/io/outputs.py", "            for place in input_places(given)[1:]:\n", "            for place in []:\n"),
+    ], HUB_TESTS),
     # -- --overwrite: the marker's file list, the inputs rule, the two-rename swap and its recovery ---------------
     Mutant("overwrite-removes-user-files", "a folder fp4pass wrote is replaced with the user's files in it", [
         ("fp4pass/io/folders.py", "    foreign = first_foreign_file(target, listed)\n", "    foreign = None\n"),
@@ -201,10 +266,12 @@ MUTANTS = [
         ("fp4pass/commands/inspect.py", 'return 1 if info.get("nvfp4", {}).get("problems") else 0', "return 0"),
     ], INPUT_TESTS),
     Mutant("overwrite-any-folder", "--overwrite replaces a folder without fp4pass's marker", [
-        ("fp4pass/io/folders.py", "    if not written_by_fp4pass(target):", "    if False:"),
+        ("fp4pass/io/folders.py", "    marker = _read_output_marker(target)\n    if marker is None:",
+         "    marker = _read_output_marker(target) or {\"files\": {}}\n    if False:"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-marker-through-link", "a marker that is a symlink to one elsewhere is taken", [
-        ("fp4pass/io/folders.py", "if not stat.S_ISREG(os.lstat(marker).st_mode):", "if not stat.S_ISREG(os.stat(marker).st_mode):"),
+        ("fp4pass/io/folders.py", "os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
+         "os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NONBLOCK)"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-without-the-flag", "an fp4pass folder is replaced without --overwrite", [
         ("fp4pass/io/folders.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),
@@ -495,8 +562,8 @@ MUTANTS = [
            "are fsynced", [
         ("fp4pass/io/folders.py", "        _fsync_tree(tmp)\n        st = os.lstat(tmp)\n",
          "        st = os.lstat(tmp)\n"),
-        ("fp4pass/io/folders.py", "            os.replace(tmp, target)\n            fsync_folder(parent)\n",
-         "            os.replace(tmp, target)\n            _fsync_tree(target)\n            fsync_folder(parent)\n"),
+        ("fp4pass/io/folders.py", "                os.replace(tmp, target)\n                fsync_folder(parent)\n",
+         "                os.replace(tmp, target)\n                _fsync_tree(target)\n                fsync_folder(parent)\n"),
     ], CHECKPOINT_TESTS),
     # -- checkpoint folders as hostile input, and what a run may remove ---------------------------------------
     Mutant("symlink-rule-follows-any-link", "a symlink out of a checkpoint folder is read like a file of it", [

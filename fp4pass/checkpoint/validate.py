@@ -48,7 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
+from fp4pass.checkpoint.catalog import (CONFIG_NAME, INDEX_LIMIT, INDEX_NAME, QUANT_CONFIG_NAME, member_path,
+                                        read_json_file)
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
 from fp4pass.hub import resolve_checkpoint
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
@@ -228,7 +229,7 @@ def _read_folder(folder, follow_symlinks: bool = False) -> _Folder:
     index_path = _member(folder, INDEX_NAME, follow_symlinks)
     weight_map = None
     if index_path.exists():
-        index = read_json_file(index_path, "the index")
+        index = read_json_file(index_path, "the index", INDEX_LIMIT)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: weight_map is not an object of tensor name -> shard file")

@@ -149,9 +149,6 @@ def _replaceable(target: Path, path, overwrite: bool) -> bool:
     if not overwrite:
         raise UsageError(f"{path}: exists and is not empty; give a new or an empty folder (--overwrite replaces a "
                          "folder fp4pass wrote)")
-    if not written_by_fp4pass(target):
-        raise UsageError(f"{path}: exists and was not written by fp4pass (it holds no {OUTPUT_MARKER}); "
-                         "--overwrite replaces only fp4pass's own output folders: give another folder, or remove it")
     listed = _listed_files(target, path)
     foreign = first_foreign_file(target, listed)
     if foreign is not None:
