@@ -66,6 +66,7 @@ OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 SWAP_TESTS = ["tests/test_overwrite_swap.py"]
 HUB_TESTS = ["tests/test_hub.py"]
 BOUNDS_TESTS = ["tests/test_patterns_bounds.py"]
+CALIB_BOUNDS_TESTS = ["tests/test_calib_data_bounds.py"]
 
 
 @dataclass
@@ -82,6 +83,33 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- calibration inputs bounded: the tokenizer's input, data links, the process's memory limits --------------
+    Mutant("tokenizer-input-unbounded", "a row is tokenized whole, whatever the vocabulary lets the cut leave", [
+        ("fp4pass/checkpoint/calib_data.py", "        ids = _encode(tokenizer, text, None if wanted is None else wanted - count)",
+         "        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("tokenizer-piece-restart-lost", "the next piece starts after the whole piece, not the last kept token", [
+        ("fp4pass/checkpoint/calib_data.py", "        pos += encoded.offsets[keep - 1][1]\n", "        pos += len(piece)\n"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("data-folder-link-out-read", "a --data folder's symlink to a file outside it is read", [
+        ("fp4pass/checkpoint/calib_data.py", "        _refuse_links_out(path, files)\n", ""),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("memory-check-ignores-limits", "calibration's memory check reads only the machine's MemAvailable", [
+        ("fp4pass/checkpoint/model_limits.py", "    limits = [_machine_bytes(), rlimit_headroom(), cgroup_headroom()]", "    limits = [_machine_bytes()]"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("cgroup-loosest-level", "the cgroup level with the most room decides", [
+        ("fp4pass/checkpoint/model_limits.py", "    return min(found) if found else None", "    return max(found) if found else None"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("cgroup-usage-ignored", "the cgroup's limit is taken as free, its usage not subtracted", [
+        ("fp4pass/checkpoint/model_limits.py", "            found.append(max(limit_value - used, 0))", "            found.append(limit_value)"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("rlimit-usage-ignored", "RLIMIT_AS is taken as free, the address space in use not subtracted", [
+        ("fp4pass/checkpoint/model_limits.py", "    return max(soft - used, 0)", "    return soft"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("global-scale-shape-as-pair-mismatch", "a weight_scale_2 of two numbers is also called a w1/w3 mismatch", [
+        ("fp4pass/checkpoint/validate.py", "a.size != 1 or b.size != 1 or np.array_equal(a, b)",
+         "not a.size or not b.size or np.array_equal(a, b)"),
+    ], CALIB_BOUNDS_TESTS),
     # -- exclusion lists bounded in time and memory; configs within 16 MiB ----------------------------------------
     Mutant("glob-rest-unbounded", "globs without a literal head or tail are tried with no budget", [
         ("fp4pass/checkpoint/patterns.py", "            budget.check(glob.pattern, name, every=1)\n            if glob.match(name, budget):",

@@ -924,8 +924,8 @@ def _check_pairs(modules: dict[str, Module], problems: list[Problem]) -> None:
         gate, up = pair["gate"], pair["up"]
         for attr, what in (("global_value", "weight global scale"), ("input_value", "input scale")):
             a, b = getattr(gate, attr), getattr(up, attr)
-            if a is None or b is None or not a.size or not b.size or np.array_equal(a, b):
-                continue
+            if a is None or b is None or a.size != 1 or b.size != 1 or np.array_equal(a, b):
+                continue  # a scale that is not one number is a dtype_shape problem, named by its shape
             problems.append(Problem(
                 "w1_w3_mismatch", f"{expert}: {gate.name.rpartition('.')[2]} and {up.name.rpartition('.')[2]} have "
                 f"different {what}s ({float(a[0]):.6g} vs {float(b[0]):.6g}); the engines fuse them into one w13 "
