@@ -35,9 +35,19 @@ The rules every file fp4pass writes follows (``docs/bad-input.md`` states them f
    the :class:`OutputSession` before the rename, so a failure or a signal at any moment after it takes the
    output back out (the CLI rolls the session back); :func:`atomic_folder` also removes its folder itself
    when the rename's own aftermath (the folder's fsync) fails or is interrupted.
-8. **Output folders are marked.** Every folder :func:`atomic_folder` writes holds :data:`OUTPUT_MARKER`; with
-   ``overwrite`` it replaces an existing folder only when that holds the marker (a folder fp4pass wrote), and
-   only once the new folder is complete: the old one is moved aside into the temporary, the new one renamed
+8. **Output folders are marked, and only what fp4pass wrote is replaced.** Every folder :func:`atomic_folder`
+   writes holds :data:`OUTPUT_MARKER`, listing every file in it with its size. With ``overwrite`` an existing
+   folder is replaced only when its marker is fp4pass's (a regular file, bounded in size and depth) and the
+   folder holds nothing it does not list (:func:`fp4pass.io.folders.first_foreign_file`: the first other file is
+   named), and no input of the run lies in it or holds it (:func:`fp4pass.io.folders.refuse_inputs`); checked
+   before any work and again on the old folder right before the swap. The swap is
+   :mod:`fp4pass.io.swap`'s two renames with their state on disk: a failure puts the old folder back, and
+   a run killed in the middle is finished by the next sweep (:func:`remove_stale`, ``fp4pass clean``).
+
+The modules: :mod:`fp4pass.io.outputs` (rules 1 to 5 and 7), :mod:`fp4pass.io.folders` and
+:mod:`fp4pass.io.swap` (rule 8), :mod:`fp4pass.io.stale` (rule 6), :mod:`fp4pass.io.inputs` (the small files a
+stranger hands in: regular files only, read exactly) and :mod:`fp4pass.io.jsonio` (strict JSON out, and the
+one strict JSON reader for every file handed in). Every public name is importable from ``fp4pass.io``.
 """
 
 from fp4pass.errors import UsageError  # noqa: F401  (raised by everything here; importable from here as before)
