@@ -100,6 +100,8 @@ def test_indexes_at_a_names_end_agree_with_plain_loops(name):
     globs = ["abc*", "*abc", "a?c*", "*b?", "x*c", "ab", "zz*c", "*.abc", "q*"]
     index = GlobIndex(globs)
     assert index.match(name) == any(fnmatch.fnmatchcase(name, g) for g in globs)
+    for glob in globs:  # each alone: no other glob can hide a look-up that missed
+        assert GlobIndex([glob]).match(name) == fnmatch.fnmatchcase(name, glob), glob
     entries = ["abc"] + [f"{c}{c}{c}" for c in "defghijklmnopqrst"]  # 18 entries of length 3: the set path
     assert len(entries) > 10
     sub = SubstringIndex(entries)
