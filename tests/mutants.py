@@ -229,6 +229,9 @@ MUTANTS = [
     Mutant("swap-state-any-name", "a swap state naming a path outside its folder is followed", [
         ("fp4pass/io/swap.py", "    if name in (\"\", \".\", \"..\") or \"/\" in name", "    if name in (\"\",)"),
     ], SWAP_TESTS),
+    Mutant("temp-marker-read-unbounded-depth", "a temporary's marker is parsed however deep it nests", [
+        ("fp4pass/io/stale.py", "strict_json(os.read(fd, _MARKER_MAX + 1), max_depth=2)", "json.loads(os.read(fd, _MARKER_MAX + 1))"),
+    ], SWAP_TESTS),
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
     Mutant("quiet-passes-everything", "--quiet passes every line on", [
         ("fp4pass/cli.py", "        if self._keep_all:\n", "        if True:\n"),

@@ -284,3 +284,11 @@ def test_the_checkpoint_api_refuses_an_existing_output_unless_asked(tmp_path):
     assert _tree(out) == before
     convert(KIMI, out, format="compressed-tensors", overwrite=True)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_a_temporarys_marker_nested_deep_is_no_marker_and_no_crash(tmp_path):
+    """4 KB of ``[``: Python's json would raise RecursionError (exit 3 from fp4pass clean); it is not fp4pass's."""
+    temp = tmp_path / f"{fio.TMP_PREFIX}{2 ** 22 + 7}-h{fio.host_token()}-abcd-x.d"
+    temp.mkdir()
+    (temp / fio.MARKER).write_text("[" * 4000)
+    assert fio.remove_stale(tmp_path) == [] and temp.exists()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from fp4pass.errors import UsageError
+from fp4pass.io.jsonio import strict_json
 
 TMP_PREFIX = ".fp4pass-tmp-"
 #: a temporary's pid and host token (``h`` + 8 hex digits); names without a token are from older versions
@@ -102,7 +103,7 @@ def _marker(folder: Path, st: os.stat_result) -> dict | None:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX:
             return None
-        data = json.loads(os.read(fd, _MARKER_MAX + 1))
+        data = strict_json(os.read(fd, _MARKER_MAX + 1), max_depth=2)  # bounded: 4 KB of '[' is no RecursionError
     except (OSError, ValueError):
         return None
     finally:
