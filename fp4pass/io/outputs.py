@@ -75,13 +75,16 @@ INPUT_ENTRIES_MAX = 100_000
 
 
 def input_places(given: str | os.PathLike) -> list[str]:
-    """Where the input ``given`` really lies: itself and, for a folder, every other folder its entries' symlinks
-    resolve into (a Hugging Face cache snapshot's files are links into the repository's ``blobs/``), each once.
-    An output there could overwrite an input through a path that names neither (``diff --json BLOB``)."""
+    """Where the input ``given`` really lies: itself and, for a folder, what its entries' symlinks resolve to
+    outside it: the file each names, and for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>``) the
+    repository's ``blobs/`` folder its links lead into, each once. An output there could overwrite an input
+    through a path that names neither (``diff --json BLOB``)."""
     places = [os.fspath(given)]
     if not os.path.isdir(given):
         return places
     own = os.path.realpath(given)
+    blobs = os.path.join(os.path.dirname(os.path.dirname(own)), "blobs")
+    hub = os.path.basename(os.path.dirname(own)) == "snapshots"
     seen = {own}
     try:
         with os.scandir(given) as entries:
@@ -90,8 +93,11 @@ def input_places(given: str | os.PathLike) -> list[str]:
                     break
                 if not entry.is_symlink():
                     continue
-                where = os.path.dirname(os.path.realpath(entry.path))
-                if where not in seen and not _inside(where, own):
+                real = os.path.realpath(entry.path)
+                if _inside(real, own):
+                    continue
+                where = blobs if hub and os.path.dirname(real) == blobs else real
+                if where not in seen:
                     seen.add(where)
                     places.append(where)
     except OSError:
@@ -136,7 +142,7 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None],
             if Path(given).is_dir() and _inside(out, given):
                 raise UsageError(f"{label} {out}: is inside the input folder {given} ({in_label})")
             for place in input_places(given)[1:]:
-                if same_file(out, place) or _inside(out, place):
+                if same_file(out, place) or (os.path.isdir(place) and _inside(out, place)):
                     raise UsageError(f"{label} {out}: lies in {place}, where the files of the input {given} "
                                      f"({in_label}) are stored (its links lead there); refusing to write there")
         for other_label, other in seen:
