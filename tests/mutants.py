@@ -232,6 +232,10 @@ MUTANTS = [
     Mutant("temp-marker-read-unbounded-depth", "a temporary's marker is parsed however deep it nests", [
         ("fp4pass/io/stale.py", "strict_json(os.read(fd, _MARKER_MAX + 1), max_depth=2)", "json.loads(os.read(fd, _MARKER_MAX + 1))"),
     ], SWAP_TESTS),
+    Mutant("input-links-protect-whole-folders", "every folder an input's link leads into is refused for outputs", [
+        ("fp4pass/io/outputs.py", "                where = blobs if hub and os.path.dirname(real) == blobs else real\n",
+         "                where = os.path.dirname(real)\n"),
+    ], SWAP_TESTS),
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
     Mutant("quiet-passes-everything", "--quiet passes every line on", [
         ("fp4pass/cli.py", "        if self._keep_all:\n", "        if True:\n"),
@@ -710,8 +714,9 @@ MUTANTS = [
     # -- the validator and the engine rules under hostile input (a downloaded checkpoint's configs) ----------
     Mutant("glob-as-backtracking-regex", "a *-only glob is matched by the .*-regex SGLang builds (re backtracks "
            "for hours on *a*a*a*...*ab)", [
-        ("fp4pass/checkpoint/patterns.py", '        """Whether the whole of ``name`` matches (fnmatchcase)."""\n',
-         '        """Whether the whole of ``name`` matches (fnmatchcase)."""\n'
+        ("fp4pass/checkpoint/patterns.py",
+         '        """Whether the whole of ``name`` matches (fnmatchcase); ``budget`` checked as it goes."""\n',
+         '        """Whether the whole of ``name`` matches (fnmatchcase); ``budget`` checked as it goes."""\n'
          '        if "?" not in self.pattern and "[" not in self.pattern:\n'
          '            return re.fullmatch(self.pattern.replace(".", r"\\.").replace("*", ".*"), name, re.S) is not None\n'),
     ], HOSTILE_RULES_TESTS[:1]),
@@ -733,14 +738,14 @@ MUTANTS = [
     ], HOSTILE_RULES_TESTS),
     Mutant("glob-index-tail-looked-up-as-head", "globs filed under their literal tail are looked up by the name's "
            "head", [
-        ("fp4pass/checkpoint/patterns.py", "self.by_tail.get(name[n - length:], ())", "self.by_tail.get(name[:length], ())"),
+        ("fp4pass/checkpoint/patterns.py", "lambda k: name[n - k:])):", "lambda k: name[:k])):"),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("sglang-ancestor-as-string-prefix", "SGLang's ancestor rule also takes a plain string prefix "
            "(model.layers.1 excludes model.layers.10)", [
         ("fp4pass/checkpoint/engines.py",
-         '        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots))',
-         '        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots)) or any(\n'
-         '            name.startswith(p) for p in self.paths)'),
+         '            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget))',
+         '            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget)) '
+         'or any(\n                name.startswith(p) for p in self.paths)'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("validator-trtllm-reads-config-json", "the validator holds TensorRT-LLM to config.json's exclusions", [
         ("fp4pass/checkpoint/validate.py", '"trtllm": from_hq or from_qc}', '"trtllm": from_qc or from_hq}'),

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from fp4pass.errors import UsageError
 from fp4pass.io.jsonio import strict_json
+from fp4pass.io.names import TMP_PREFIX
 
-TMP_PREFIX = ".fp4pass-tmp-"
 #: a temporary's pid and host token (``h`` + 8 hex digits); names without a token are from older versions
 _TMP_RE = re.compile(r"^\.fp4pass-tmp-(\d+)-(?:h([0-9a-f]{8})-)?")
 

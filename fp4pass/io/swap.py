@@ -24,7 +24,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from fp4pass.io.stale import TMP_PREFIX
+from fp4pass.io.names import TMP_PREFIX
 
 #: the state of a swap, inside the temporary folder beside its marker
 SWAP_STATE = ".fp4pass-swap"
