@@ -236,6 +236,12 @@ MUTANTS = [
         ("fp4pass/io/outputs.py", "                where = blobs if hub and os.path.dirname(real) == blobs else real\n",
          "                where = os.path.dirname(real)\n"),
     ], SWAP_TESTS),
+    Mutant("overwrite-marker-names-unchecked", "a marker's listed names are walked whatever they are", [
+        ("fp4pass/io/folders.py", "type(v) is int and v >= 0 and _plain_relative(k)", "type(v) is int and v >= 0"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-depth-off-by-one", "a listed file at the deepest allowed level is refused", [
+        ("fp4pass/io/folders.py", 'name.count("/") > MAX_LISTED_DEPTH', 'name.count("/") >= MAX_LISTED_DEPTH'),
+    ], SWAP_TESTS),
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
     Mutant("quiet-passes-everything", "--quiet passes every line on", [
         ("fp4pass/cli.py", "        if self._keep_all:\n", "        if True:\n"),

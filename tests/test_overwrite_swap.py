@@ -307,3 +307,22 @@ def test_a_link_out_of_an_input_folder_protects_its_file_not_the_folder_around_i
     fio.check_outputs({"-o": str(tmp_path / "SCALES.json")}, {"--calib": str(data)})
     with pytest.raises(UsageError, match="holds the input folder"):
         fio.check_output_folder(tmp_path, inputs={"--calib": data})
+
+
+@pytest.mark.parametrize("name", ["/".join(["d"] * 40), "../escape", "a//b", "/abs", "x" * 5000])
+def test_a_marker_listing_a_name_fp4pass_never_writes_is_refused(old, name):
+    """A listed name 40 folders deep (a hostile one of millions would make the walk's prefixes quadratic),
+    outside the folder, or absurdly long: the marker is not fp4pass's, nothing is walked or removed."""
+    marker = json.loads((old / fio.OUTPUT_MARKER).read_text())
+    marker["files"][name] = 1
+    (old / fio.OUTPUT_MARKER).write_text(json.dumps(marker))
+    before = _tree(old)
+    with pytest.raises(UsageError, match="lists no files"):
+        _write(old, NEW, overwrite=True)
+    assert _tree(old) == before
+
+
+def test_a_listed_file_in_nested_folders_is_fp4pass_s():
+    """Names fp4pass could write pass the marker's rule: sub-folders up to 32 deep, plain parts."""
+    assert fio.folders._plain_relative("/".join(["d"] * 32) + "/f")
+    assert fio.folders._plain_relative("sub/config.json") and fio.folders._plain_relative(".hidden")

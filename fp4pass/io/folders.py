@@ -107,11 +107,25 @@ def _listed_files(target: Path, path) -> dict[str, int]:
         raise UsageError(f"{path}: exists and was not written by fp4pass (it holds no {OUTPUT_MARKER}); "
                          "--overwrite replaces only fp4pass's own output folders: give another folder, or remove it")
     files = marker.get("files")
-    if not (isinstance(files, dict) and all(type(v) is int and v >= 0 for v in files.values())):
+    if not (isinstance(files, dict) and all(type(v) is int and v >= 0 and _plain_relative(k)
+                                            for k, v in files.items())):
         raise UsageError(f"{path}: its {OUTPUT_MARKER} lists no files (an older fp4pass wrote it, or it was copied "
                          "there), so fp4pass cannot tell its files from yours; --overwrite refuses it: give another "
                          "folder, or remove this one yourself")
     return files
+
+
+#: the most folders deep a listed file may lie (fp4pass writes at the top, a sub-folder or two at most)
+MAX_LISTED_DEPTH = 32
+
+
+def _plain_relative(name) -> bool:
+    """Whether ``name`` is a relative path fp4pass could have written: a string of at most 4096 characters,
+    at most :data:`MAX_LISTED_DEPTH` folders deep, without empty, ``.`` or ``..`` parts (a hostile marker's
+    names are never walked: the walk and its prefixes stay bounded)."""
+    if not isinstance(name, str) or not 0 < len(name) <= 4096 or name.count("/") > MAX_LISTED_DEPTH:
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
 
 
 def first_foreign_file(target: Path, listed: dict[str, int]) -> str | None:
