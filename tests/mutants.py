@@ -146,6 +146,9 @@ MUTANTS = [
         ("fp4pass/checkpoint/catalog.py", "def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT)",
          "def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT)"),
     ], BOUNDS_TESTS),
+    Mutant("match-budget-fixed", "the matchers' budget does not grow with the names: big models' real lists fail", [
+        ("fp4pass/checkpoint/patterns.py", "            self.seconds += NAME_ALLOWANCE_SECONDS\n", ""),
+    ], BOUNDS_TESTS),
     # -- Hub caches by huggingface_hub's rules; outputs never onto an input's blobs -------------------------------
     Mutant("hub-cache-rules-unchecked", "huggingface_hub reads refs/main whatever it is (a path, a FIFO)", [
         ("fp4pass/hub.py", "    cached_snapshot(repo_id, revision, cache_dir)  # the cache's", "    pass  # the cache's"),

@@ -41,7 +41,7 @@ def test_globs_without_a_fixed_head_or_tail_stop_at_the_budget_naming_the_entry(
     globs = [f"*{'?' * (1 + i % 7)}x*{i}*" for i in range(3000)]  # no literal head, no literal tail
     index = GlobIndex(globs, budget=Budget("quantization_config.ignore", seconds=0.05))
     name = "m" * 20_000
-    with pytest.raises(BadPattern, match=r"quantization_config\.ignore: matching took more than 0\.05 s .*at the "
+    with pytest.raises(BadPattern, match=r"quantization_config\.ignore: matching took more than [\d.]+ s .*at the "
                                          r"entry '\*"):
         _quick(lambda: [index.match(name + str(i)) for i in range(1000)])
 
@@ -66,14 +66,14 @@ def test_a_glob_over_the_size_cap_is_refused_before_it_takes_memory():
 def test_the_substring_rule_on_a_very_long_name_stops_at_the_budget():
     entries = [f"e{i:06d}" * (1 + i % 50) for i in range(2000)]  # many entries of many lengths
     index = SubstringIndex(entries, Budget("ignore", seconds=0.05))
-    with pytest.raises(BadPattern, match="ignore: matching took more than 0.05 s"):
+    with pytest.raises(BadPattern, match=r"ignore: matching took more than [\d.]+ s"):
         _quick(lambda: index.found_in("q" * 2_000_000))
 
 
 def test_the_ancestor_rule_on_a_name_of_very_many_components_stops_at_the_budget():
     budget = Budget("exclude_modules", seconds=0.05)
     name = ".".join(["c"] * 300_000)
-    with pytest.raises(BadPattern, match="exclude_modules: matching took more than 0.05 s"):
+    with pytest.raises(BadPattern, match=r"exclude_modules: matching took more than [\d.]+ s"):
         with budget:
             _quick(lambda: any(run == "x" for run in dotted_runs(name, {1, 1000, 50_000}, budget)))
 
@@ -123,3 +123,13 @@ def test_a_config_over_16_mib_is_refused_by_the_validator(tmp_path):
     with pytest.raises(CheckpointError) as caught:
         validate(folder)
     assert "at most" not in str(caught.value)
+
+
+def test_the_budget_grows_with_the_names_so_a_big_models_real_list_passes():
+    """A real list costs microseconds a name; with a fixed budget a 70,000-module model's names alone would pass
+    it. 6,000 names against 8 everyday globs, under a base budget of 1 ms: the per-name allowance carries it."""
+    globs = ["*lm_head*", "*.mlp.gate", "*.self_attn.*", "*norm*", "*embed*", "model.layers.0.*", "*shared*", "re*"]
+    index = GlobIndex(globs, budget=Budget("exclude_modules", seconds=0.001))
+    names = [f"model.layers.{i % 61}.mlp.experts.{i}.w{1 + i % 3}" for i in range(6000)]
+    hits = _quick(lambda: [index.match(n) for n in names])
+    assert hits == [any(fnmatch.fnmatchcase(n, g) for g in globs) for n in names]
