@@ -5,7 +5,9 @@ local Hugging Face cache (``HF_HUB_CACHE``: ``models--org--name/blobs/``, ``snap
 
 1. an existing local path always wins, and anything that is not shaped like a Hub ID comes back unchanged
    (a missing file is then refused by whatever reads it);
-2. the cache first: a snapshot of the revision (a branch or tag through ``refs/``, or a commit) that holds
+2. the cache first, by huggingface_hub's rules (:func:`cached_snapshot`: a ref is a regular file holding a
+   40-hex commit hash, the snapshot lies inside the repository's ``snapshots/``; a link out of the snapshot
+   is never opened unless it leads into the repository's ``blobs/``): a snapshot of the revision that holds
    config.json and every shard (those of ``model.safetensors.index.json``, or at least one ``*.safetensors``)
    is used as it is, without asking the Hub;
 3. otherwise the top-level files conversion needs (:data:`HUB_FILES`: the safetensors shards and their index,
@@ -18,7 +20,6 @@ local Hugging Face cache (``HF_HUB_CACHE``: ``models--org--name/blobs/``, ``snap
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from fp4pass.errors import UsageError
 
-__all__ = ["HubError", "HUB_FILES", "missing_files", "parse_hub_id", "resolve_checkpoint"]
+__all__ = ["HubError", "HUB_FILES", "cached_snapshot", "missing_files", "parse_hub_id", "resolve_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ HUB_FILES = ("*.safetensors", "*.json", "*.jinja", "*.py", "tokenizer.model", "t
              "vocab.txt", "merges.txt")
 #: files in sub-folders are never fetched (huggingface_hub's patterns match across "/")
 HUB_IGNORED = ("*/*",)
+#: the longest ref file read (``refs/main``): a commit hash is 40 hex characters, written without a newline
+REF_MAX_BYTES = 64
+#: the largest index read to see which shards a snapshot lacks (the checkpoint reader's own bound)
+INDEX_MAX_BYTES = 64 << 20
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 # org/name as the Hub spells repository IDs (letters, digits, "-", "_", "."; no "--" or ".." inside)
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
@@ -84,21 +90,90 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
+def _readable_member(folder: Path, name: str) -> bool:
+    """Whether ``folder / name`` may be opened by the checkpoint folder's rule on links (decided before any
+    open): not a symlink, or one that resolves inside the folder or into its cache repository's ``blobs/``."""
+    path = folder / name
+    try:
+        if not os.path.islink(path):
+            return True
+    except OSError:
+        return False
+    real, base = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, base]) == base:
+        return True
+    base_path = Path(base)
+    return base_path.parent.name == "snapshots" and Path(real).parent == base_path.parent.parent / "blobs"
+
+
 def missing_files(folder) -> list[str]:
     """What a snapshot folder lacks to be converted: config.json, and every shard its index names (without an
-    index, at least one ``*.safetensors``). Empty when it is complete."""
+    index, at least one ``*.safetensors``). Empty when it is complete. The index is opened only when the
+    link rule allows it (:func:`_readable_member`), and read with the checkpoint reader's bounds; one that
+    cannot be read is the checkpoint reader's to name."""
+    from fp4pass.io import read_regular_file, strict_json
+
     folder = Path(folder)
     missing = [] if (folder / "config.json").is_file() else ["config.json"]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
+        if not _readable_member(folder, index.name):
+            return missing
         try:
-            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        except (OSError, ValueError, AttributeError):
-            return missing  # an unreadable index is the checkpoint reader's to name
-        missing += [s for s in shards if isinstance(s, str) and not (folder / s).is_file()]
+            raw = read_regular_file(index, INDEX_MAX_BYTES, HubError)
+            shards = sorted({s for s in strict_json(raw).get("weight_map", {}).values() if isinstance(s, str)})
+        except (HubError, ValueError, AttributeError, UnicodeDecodeError):
+            return missing
+        missing += [s for s in shards if not (folder / s).is_file()]
     elif not any(folder.glob("*.safetensors")):
         missing.append("*.safetensors")
     return missing
+
+
+def _repo_folder(cache_dir: str, repo_id: str) -> Path:
+    return Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+
+
+def _within(path: str, folder: str) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(folder)
+    return real != base and os.path.commonpath([real, base]) == base
+
+
+def cached_snapshot(repo_id: str, revision: str | None, cache_dir: str) -> Path | None:
+    """The snapshot folder of ``revision`` (default ``main``) in the cache by huggingface_hub's own rules, or
+    None when it is not cached: a commit hash names ``snapshots/<hash>``; a branch or tag is read from
+    ``refs/<name>``, a regular file inside ``refs/`` of at most :data:`REF_MAX_BYTES` bytes that holds a commit
+    hash (40 hex characters) and nothing else. The snapshot must lie inside the repository's ``snapshots/``.
+    A ref or snapshot that breaks these rules (a path, a FIFO, ``/dev/zero``, a link out of the cache) is a
+    :class:`HubError` naming it; nothing is opened before its rule is checked."""
+    from fp4pass.io import read_regular_file
+
+    repo = _repo_folder(cache_dir, repo_id)
+    if not os.path.isdir(repo):
+        return None
+    rev = revision or "main"
+    if _COMMIT.fullmatch(rev):
+        commit = rev
+    else:
+        ref = repo / "refs" / rev
+        if not os.path.lexists(ref):
+            return None
+        if not _within(ref, repo / "refs"):
+            raise HubError(f"{ref}: leads out of the cache's {repo / 'refs'} (to {os.path.realpath(ref)}); "
+                           f"huggingface_hub never writes such a ref: remove it, or fetch {repo_id} again")
+        raw = read_regular_file(ref, REF_MAX_BYTES, HubError)
+        text = raw.decode("ascii", errors="replace")
+        if not _COMMIT.fullmatch(text.strip()):
+            raise HubError(f"{ref}: holds {text[:50]!r}, not a commit hash (40 hex characters, as huggingface_hub "
+                           f"writes refs); the cache is damaged: remove {repo}, or fetch {repo_id} again")
+        commit = text.strip()
+    snapshot = repo / "snapshots" / commit
+    if not os.path.lexists(snapshot):
+        return None
+    if not os.path.isdir(snapshot) or not _within(snapshot, repo / "snapshots"):
+        raise HubError(f"{snapshot}: not a folder inside the cache's {repo / 'snapshots'} (it leads to "
+                       f"{os.path.realpath(snapshot)}); remove it, or fetch {repo_id} again")
+    return snapshot
 
 
 def _snapshot(repo_id: str, revision: str | None, cache_dir: str, local_only: bool, show_progress) -> str:
@@ -121,6 +196,7 @@ def _cached(repo_id: str, revision: str | None, cache_dir: str) -> tuple[str | N
     from huggingface_hub import errors
 
     incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 2: its listing is cached
+    cached_snapshot(repo_id, revision, cache_dir)  # the cache's rules checked before huggingface_hub reads it
     try:
         folder = _snapshot(repo_id, revision, cache_dir, True, False)
     except incomplete as exc:  # the files the Hub listed for that commit are not all there

@@ -68,6 +68,10 @@ INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 KIMI_K3_TESTS = ["tests/test_checkpoint_kimi_k3.py"]
 REMOTE_CODE_TESTS = ["tests/test_checkpoint_remote_code.py"]
+SWAP_TESTS = ["tests/test_overwrite_swap.py"]
+HUB_TESTS = ["tests/test_hub.py"]
+BOUNDS_TESTS = ["tests/test_patterns_bounds.py"]
+CALIB_BOUNDS_TESTS = ["tests/test_calib_data_bounds.py"]
 
 
 @dataclass
@@ -132,6 +136,168 @@ MUTANTS = [
         ("fp4pass/checkpoint/layerwise.py",
          '    remote = {"trust_remote_code": True} if _is_remote(cfg) else {}', "    remote = {}"),
     ], REMOTE_CODE_TESTS),
+    # -- calibration inputs bounded: the tokenizer's input, data links, the process's memory limits --------------
+    Mutant("tokenizer-input-unbounded", "a row is tokenized whole, whatever the vocabulary lets the cut leave", [
+        ("fp4pass/checkpoint/calib_data.py", "        ids = _encode(tokenizer, text, None if wanted is None else wanted - count)",
+         "        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("tokenizer-piece-restart-lost", "the next piece starts after the whole piece, not the last kept token", [
+        ("fp4pass/checkpoint/calib_data.py", "        pos += encoded.offsets[keep - 1][1]\n", "        pos += len(piece)\n"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("data-folder-link-out-read", "a --data folder's symlink to a file outside it is read", [
+        ("fp4pass/checkpoint/calib_data.py", "        _refuse_links_out(path, files)\n", ""),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("memory-check-ignores-limits", "calibration's memory check reads only the machine's MemAvailable", [
+        ("fp4pass/checkpoint/model_limits.py", "    limits = [_machine_bytes(), rlimit_headroom(), cgroup_headroom()]", "    limits = [_machine_bytes()]"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("cgroup-loosest-level", "the cgroup level with the most room decides", [
+        ("fp4pass/checkpoint/model_limits.py", "    return min(found) if found else None", "    return max(found) if found else None"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("cgroup-usage-ignored", "the cgroup's limit is taken as free, its usage not subtracted", [
+        ("fp4pass/checkpoint/model_limits.py", "            found.append(max(limit_value - used, 0))", "            found.append(limit_value)"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("rlimit-usage-ignored", "RLIMIT_AS is taken as free, the address space in use not subtracted", [
+        ("fp4pass/checkpoint/model_limits.py", "    return max(soft - used, 0)", "    return soft"),
+    ], CALIB_BOUNDS_TESTS),
+    Mutant("global-scale-shape-as-pair-mismatch", "a weight_scale_2 of two numbers is also called a w1/w3 mismatch", [
+        ("fp4pass/checkpoint/validate.py", "a.size != 1 or b.size != 1 or np.array_equal(a, b)",
+         "not a.size or not b.size or np.array_equal(a, b)"),
+    ], CALIB_BOUNDS_TESTS),
+    # -- exclusion lists bounded in time and memory; configs within 16 MiB ----------------------------------------
+    Mutant("glob-rest-unbounded", "globs without a literal head or tail are tried with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "            budget.check(glob.pattern, name, every=1)\n            if glob.match(name, budget):",
+         "            if glob.match(name):"),
+    ], BOUNDS_TESTS),
+    Mutant("glob-scan-unbounded", "one glob's scan of a long name runs with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "            if budget is not None:\n                budget.check(entry, name)\n            if self.at(",
+         "            if self.at("),
+    ], BOUNDS_TESTS),
+    Mutant("glob-size-uncapped", "a glob of any length is tokenized (memory per character)", [
+        ("fp4pass/checkpoint/patterns.py", "            if special is not None and len(p) > MAX_GLOB_CHARS:", "            if False:"),
+    ], BOUNDS_TESTS),
+    Mutant("substring-rule-unbounded", "vLLM's substring rule on a long name runs with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "                    budget.check(f\"(an entry of {length} characters)\", name)\n", ""),
+    ], BOUNDS_TESTS),
+    Mutant("ancestor-rule-unbounded", "SGLang's ancestor rule on a name of many components runs with no budget", [
+        ("fp4pass/checkpoint/patterns.py", "            if budget is not None:\n                budget.check(f\"(an entry of {count} dots)\", name)\n", ""),
+    ], BOUNDS_TESTS),
+    Mutant("substring-index-end-off-by-one", "the indexed substring rule misses an entry at the name's end", [
+        ("fp4pass/checkpoint/patterns.py", "                for i in range(n - length + 1):", "                for i in range(n - length):"),
+    ], BOUNDS_TESTS),
+    Mutant("prefix-index-whole-name-missed", "a prefix glob as long as the name is never tried", [
+        ("fp4pass/checkpoint/patterns.py", "        for length in self.prefix_lengths:\n            if length > n:",
+         "        for length in self.prefix_lengths:\n            if length >= n:"),
+    ], BOUNDS_TESTS),
+    Mutant("regex-expansion-uncapped", "a regex whose counted repeats multiply out is compiled", [
+        ("fp4pass/checkpoint/patterns.py", "            if nodes > MAX_REGEX_NODES:", "            if False:"),
+    ], BOUNDS_TESTS),
+    Mutant("regex-compile-unbudgeted", "a list's regexes are compiled however long it takes", [
+        ("fp4pass/checkpoint/patterns.py", "            if self.spent > REGEX_BUDGET_SECONDS:\n                raise BadPattern(f\"{what}: compiling",
+         "            if False:\n                raise BadPattern(f\"{what}: compiling"),
+    ], BOUNDS_TESTS),
+    Mutant("config-limit-of-the-index", "config.json is read up to the index's 64 MiB, not 16 MiB", [
+        ("fp4pass/checkpoint/catalog.py", "def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT)",
+         "def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT)"),
+    ], BOUNDS_TESTS),
+    Mutant("match-budget-fixed", "the matchers' budget does not grow with the names: big models' real lists fail", [
+        ("fp4pass/checkpoint/patterns.py", "            self.seconds += NAME_ALLOWANCE_SECONDS\n", ""),
+    ], BOUNDS_TESTS),
+    # -- Hub caches by huggingface_hub's rules; outputs never onto an input's blobs -------------------------------
+    Mutant("hub-cache-rules-unchecked", "huggingface_hub reads refs/main whatever it is (a path, a FIFO)", [
+        ("fp4pass/hub.py", "    cached_snapshot(repo_id, revision, cache_dir)  # the cache's", "    pass  # the cache's"),
+    ], HUB_TESTS),
+    Mutant("hub-ref-any-text", "a ref is taken for a commit whatever it holds", [
+        ("fp4pass/hub.py", "        if not _COMMIT.fullmatch(text.strip()):", "        if False:"),
+    ], HUB_TESTS),
+    Mutant("hub-ref-unbounded", "a ref file is read whatever its size", [
+        ("fp4pass/hub.py", "read_regular_file(ref, REF_MAX_BYTES, HubError)", "read_regular_file(ref, 1 << 40, HubError)"),
+    ], HUB_TESTS),
+    Mutant("hub-snapshot-anywhere", "a snapshot folder that leads out of the cache is read", [
+        ("fp4pass/hub.py", "    if not os.path.isdir(snapshot) or not _within(snapshot, repo / \"snapshots\"):",
+         "    if not os.path.isdir(snapshot):"),
+    ], HUB_TESTS),
+    Mutant("hub-index-opened-before-link-rule", "an index linked out of the snapshot is opened and parsed", [
+        ("fp4pass/hub.py", "        if not _readable_member(folder, index.name):\n            return missing\n", ""),
+    ], HUB_TESTS),
+    Mutant("hub-cache-at-hf-home", "the Hub cache is looked up under HF_HOME instead of HF_HOME/hub", [
+        ("fp4pass/hub.py", 'os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")',
+         'os.path.expanduser(os.environ["HF_HOME"])'),
+    ], HUB_TESTS),
+    Mutant("hub-gated-as-missing", "a gated repository is reported as a missing one", [
+        ("fp4pass/hub.py", "    except GatedRepoError:\n", "    except ImportError:\n"),
+    ], HUB_TESTS),
+    Mutant("outputs-onto-input-blobs", "an output into the folder an input's links lead to (Hub blobs) is taken", [
+        ("fp4pass/io/outputs.py", "            for place in input_places(given)[1:]:\n", "            for place in []:\n"),
+    ], HUB_TESTS),
+    # -- --overwrite: the marker's file list, the inputs rule, the two-rename swap and its recovery ---------------
+    Mutant("overwrite-removes-user-files", "a folder fp4pass wrote is replaced with the user's files in it", [
+        ("fp4pass/io/folders.py", "    foreign = first_foreign_file(target, listed)\n", "    foreign = None\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-sizes-not-compared", "a file fp4pass listed but the user rewrote is taken for fp4pass's", [
+        ("fp4pass/io/folders.py", "listed.get(rel) != st.st_size", "rel not in listed"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-inputs-inside-taken", "an input of the run inside the folder replaced is removed with it", [
+        ("fp4pass/io/folders.py", "    if inputs:\n        refuse_inputs(target, path, inputs)\n", ""),
+    ], SWAP_TESTS),
+    Mutant("overwrite-blobs-not-followed", "the folder an input's links lead into (Hub blobs) may be replaced", [
+        ("fp4pass/io/folders.py", "        for place in input_places(given):\n", "        for place in [os.fspath(given)]:\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-last-check-reads-new", "the last check before the swap reads the new folder, not the old", [
+        ("fp4pass/io/folders.py", "replacing = replacing and _replaceable(target, path, overwrite)",
+         "replacing = replacing and _replaceable(tmp, path, overwrite)"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-unbounded", "the output marker is read whatever its size", [
+        ("fp4pass/io/folders.py", "if not stat.S_ISREG(info.st_mode) or info.st_size > OUTPUT_MARKER_MAX:", "if not stat.S_ISREG(info.st_mode):"),
+        ("fp4pass/io/folders.py", "        if size > OUTPUT_MARKER_MAX:\n            return None\n", ""),
+        ("fp4pass/io/folders.py", "min(1 << 20, OUTPUT_MARKER_MAX + 1 - size)", "1 << 20"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-limit-inclusive", "a marker of exactly the bound is refused (>= for >)", [
+        ("fp4pass/io/folders.py", "info.st_size > OUTPUT_MARKER_MAX", "info.st_size >= OUTPUT_MARKER_MAX"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-any-depth", "the output marker is parsed however deep it nests", [
+        ("fp4pass/io/folders.py", "max_depth=_OUTPUT_MARKER_DEPTH", "max_depth=10**9"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-replaced-folder-rolled-back", "a run failing after the swap removes the new folder too", [
+        ("fp4pass/io/folders.py", "        if replacing:\n            swap(staging, tmp, target)\n",
+         "        if replacing:\n            if outputs._session is not None:\n"
+         "                outputs._session.record(target, RESULT, identity)\n            swap(staging, tmp, target)\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-by-default", "atomic_folder replaces an fp4pass folder without being asked", [
+        ("fp4pass/io/folders.py", "inputs: tuple = (), overwrite: bool = False) -> Iterator[Path]:",
+         "inputs: tuple = (), overwrite: bool = True) -> Iterator[Path]:"),
+    ], SWAP_TESTS),
+    Mutant("checkpoint-api-overwrites-by-default", "fp4pass.checkpoint.convert replaces an output unasked", [
+        ("fp4pass/checkpoint/run.py", "            overwrite: bool = False) -> dict:", "            overwrite: bool = True) -> dict:"),
+    ], SWAP_TESTS),
+    Mutant("swap-old-not-put-back", "a failed swap leaves the old folder in the temporary, which then goes", [
+        ("fp4pass/io/swap.py", "    os.rename(aside, target)\n    _fsync(target.parent)\n    return True\n", "    return True\n"),
+    ], SWAP_TESTS),
+    Mutant("swap-state-after-rename", "the swap's state is written after the old folder moved aside", [
+        ("fp4pass/io/swap.py", "    write_state(staging, target, identity)\n    try:\n        os.rename(target, staging / ASIDE)\n",
+         "    try:\n        os.rename(target, staging / ASIDE)\n        write_state(staging, target, identity)\n"),
+    ], SWAP_TESTS),
+    Mutant("swap-recovery-takes-any-occupant", "a killed swap's old folder goes though another stands at its name", [
+        ("fp4pass/io/swap.py", "    return _identity(target) == state[\"new\"], None\n", "    return True, None\n"),
+    ], SWAP_TESTS),
+    Mutant("stale-sweep-never-recovers", "fp4pass clean removes a killed swap's temporary with the old folder", [
+        ("fp4pass/io/stale.py", "            may_go, back = recover(path)\n", "            may_go, back = True, None\n"),
+    ], SWAP_TESTS),
+    Mutant("swap-state-any-name", "a swap state naming a path outside its folder is followed", [
+        ("fp4pass/io/swap.py", "    if name in (\"\", \".\", \"..\") or \"/\" in name", "    if name in (\"\",)"),
+    ], SWAP_TESTS),
+    Mutant("temp-marker-read-unbounded-depth", "a temporary's marker is parsed however deep it nests", [
+        ("fp4pass/io/stale.py", "strict_json(os.read(fd, _MARKER_MAX + 1), max_depth=2)", "json.loads(os.read(fd, _MARKER_MAX + 1))"),
+    ], SWAP_TESTS),
+    Mutant("input-links-protect-whole-folders", "every folder an input's link leads into is refused for outputs", [
+        ("fp4pass/io/outputs.py", "                where = blobs if hub and os.path.dirname(real) == blobs else real\n",
+         "                where = os.path.dirname(real)\n"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-names-unchecked", "a marker's listed names are walked whatever they are", [
+        ("fp4pass/io/folders.py", "type(v) is int and v >= 0 and _plain_relative(k)", "type(v) is int and v >= 0"),
+    ], SWAP_TESTS),
+    Mutant("overwrite-marker-depth-off-by-one", "a listed file at the deepest allowed level is refused", [
+        ("fp4pass/io/folders.py", 'name.count("/") > MAX_LISTED_DEPTH', 'name.count("/") >= MAX_LISTED_DEPTH'),
+    ], SWAP_TESTS),
     # -- the command line: flags, usage errors, --quiet, inputs of the wrong kind, NVFP4 inputs, --overwrite ------
     Mutant("quiet-passes-everything", "--quiet passes every bare print on", [
         ("fp4pass/messages.py", "    if lowest > Level.INFO:\n        _real.update",
@@ -296,20 +462,22 @@ MUTANTS = [
         ("fp4pass/commands/inspect.py", "    return 1 if problems else 0", "    return 0"),
     ], INPUT_TESTS),
     Mutant("overwrite-any-folder", "--overwrite replaces a folder without fp4pass's marker", [
-        ("fp4pass/io.py", "    if not written_by_fp4pass(target):", "    if False:"),
+        ("fp4pass/io/folders.py", "    marker = _read_output_marker(target)\n    if marker is None:",
+         "    marker = _read_output_marker(target) or {\"files\": {}}\n    if False:"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-marker-through-link", "a marker that is a symlink to one elsewhere is taken", [
-        ("fp4pass/io.py", "if not stat.S_ISREG(os.lstat(marker).st_mode):", "if not stat.S_ISREG(os.stat(marker).st_mode):"),
+        ("fp4pass/io/folders.py", "os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
+         "os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NONBLOCK)"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-without-the-flag", "an fp4pass folder is replaced without --overwrite", [
-        ("fp4pass/io.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),
+        ("fp4pass/io/folders.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-old-removed-first", "the old folder is removed before the new one is written", [
-        ("fp4pass/io.py", "    staging = make_temp_folder(target)\n",
+        ("fp4pass/io/folders.py", "    staging = make_temp_folder(target)\n",
          "    staging = make_temp_folder(target)\n    if replacing:\n        shutil.rmtree(target)\n"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-unmarked-output", "output folders get no marker", [
-        ("fp4pass/io.py", "        _write_output_marker(tmp)\n", ""),
+        ("fp4pass/io/folders.py", "        _write_output_marker(tmp)\n", ""),
     ], OVERWRITE_TESTS),
     Mutant("text-dropped-silently", "text past --num-samples x --seq-len is left out without a note", [
         ("fp4pass/checkpoint/calib_data.py", "    if last_read is not None:\n", "    if False:\n"),
@@ -522,17 +690,17 @@ MUTANTS = [
     # -- writing outputs (fp4pass.io's context managers are decorated: mutmut leaves them alone) ------------
     Mutant("atomic-output-renames-a-failed-writer", "atomic_output renames the temporary in even when the "
            "block raised", [
-        ("fp4pass/io.py", "        yield tmp\n        if tmp.exists():\n            finish(tmp, target, kind)\n",
+        ("fp4pass/io/outputs.py", "        yield tmp\n        if tmp.exists():\n            finish(tmp, target, kind)\n",
          "        try:\n            yield tmp\n        finally:\n            if tmp.exists():\n"
          "                finish(tmp, target, kind)\n"),
     ], ["tests/test_io.py"]),
     Mutant("atomic-output-leaves-stale-temporaries", "atomic_output no longer removes dead runs' temporaries", [
-        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)\n",
+        ("fp4pass/io/outputs.py", "    target = output_target(path)\n    remove_stale(folder)\n",
          "    target = output_target(path)\n"),
     ], ["tests/test_io.py"]),
     Mutant("finish-trusts-the-first-look", "the rename does not ask again what stands at the output's name (the "
            "API's save has no earlier check)", [
-        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)\n", "    _fsync_path(tmp)\n"),
+        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    _fsync_path(tmp)\n", "    _fsync_path(tmp)\n"),
     ], ["tests/test_loading_external.py"]),
     Mutant("save-model-before-data", "save renames the model in before the data file it names", [
         ("fp4pass/onnx/loading.py", "        if use_external:\n            # The data lands first; the model that "
@@ -566,32 +734,32 @@ MUTANTS = [
          "        if False and any("),
     ], ["tests/test_loading_external.py"]),
     Mutant("rename-over-symlink", "an output that is a symlink out of its folder is renamed over", [
-        ("fp4pass/io.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
-        ("fp4pass/io.py", "        output_target(out, label)\n", ""),
-        ("fp4pass/io.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
+        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
+        ("fp4pass/io/outputs.py", "        output_target(out, label)\n", ""),
+        ("fp4pass/io/outputs.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
     ], ["tests/test_io.py", "tests/test_loading_external.py"]),
     Mutant("rollback-by-name", "a failed run removes whatever file now has its output's name", [
-        ("fp4pass/io.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
+        ("fp4pass/io/outputs.py", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
     ], ["tests/test_io.py"]),
     Mutant("stale-by-pid-only", "temporaries of another host or pid namespace are judged by their pid here", [
-        ("fp4pass/io.py", "    here = marker[\"host\"] == token\n", "    here = True\n"),
+        ("fp4pass/io/stale.py", "    here = marker[\"host\"] == token\n", "    here = True\n"),
     ], ["tests/test_io.py"]),
     Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
-        ("fp4pass/io.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n",
+        ("fp4pass/io/outputs.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n",
          "    os.chmod(tmp, 0o666 & ~_umask())\n"),
-        ("fp4pass/io.py", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
+        ("fp4pass/io/outputs.py", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
          "    os.replace(tmp, target)\n    _fsync_path(target)\n    fsync_folder(target.parent)\n"),
     ], ["tests/test_io.py"]),
     Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
-        ("fp4pass/io.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
+        ("fp4pass/io/outputs.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
     ], ["tests/test_io.py"]),
     # -- checkpoints ----------------------------------------------------------------------------------------
     Mutant("checkpoint-folder-renamed-before-fsync", "an output folder is renamed into place before its files "
            "are fsynced", [
-        ("fp4pass/io.py", "        _fsync_tree(tmp)\n        st = os.lstat(tmp)\n",
+        ("fp4pass/io/folders.py", "        _fsync_tree(tmp)\n        st = os.lstat(tmp)\n",
          "        st = os.lstat(tmp)\n"),
-        ("fp4pass/io.py", "            os.replace(tmp, target)\n            fsync_folder(parent)\n",
-         "            os.replace(tmp, target)\n            _fsync_tree(target)\n            fsync_folder(parent)\n"),
+        ("fp4pass/io/folders.py", "                os.replace(tmp, target)\n                fsync_folder(parent)\n",
+         "                os.replace(tmp, target)\n                _fsync_tree(target)\n                fsync_folder(parent)\n"),
     ], CHECKPOINT_TESTS),
     # -- checkpoint folders as hostile input, and what a run may remove ---------------------------------------
     Mutant("symlink-rule-follows-any-link", "a symlink out of a checkpoint folder is read like a file of it", [
@@ -602,33 +770,33 @@ MUTANTS = [
         ("fp4pass/checkpoint/catalog.py", "            and real.parent.parent == base.parent.parent)", "            )"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("pseudo-files-read", "files of procfs and sysfs are read like any regular file", [
-        ("fp4pass/io.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
-        ("fp4pass/io.py", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
+        ("fp4pass/io/inputs.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
+        ("fp4pass/io/inputs.py", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_io.py"]),
     Mutant("size-not-checked-at-eof", "a file that goes on past its st_size is read or copied without a word", [
-        ("fp4pass/io.py", "            if extra:\n", "            if False:\n"),
+        ("fp4pass/io/inputs.py", "            if extra:\n", "            if False:\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("sweep-ignores-the-marker-inode", "a copy of a dead run's temporary (another inode) is swept too", [
-        ("fp4pass/io.py", "    if (data.get(\"dev\"), data.get(\"ino\")) != (st.st_dev, st.st_ino):\n        return None\n",
+        ("fp4pass/io/stale.py", "    if (data.get(\"dev\"), data.get(\"ino\")) != (st.st_dev, st.st_ino):\n        return None\n",
          ""),
     ], ["tests/test_io.py"]),
     Mutant("sweep-trusts-a-reused-pid", "a live pid counts as the run that wrote the marker, whatever its start time",
-           [("fp4pass/io.py", "    return now is None or marker.get(\"start\") is None or now == marker.get(\"start\")",
+           [("fp4pass/io/stale.py", "    return now is None or marker.get(\"start\") is None or now == marker.get(\"start\")",
              "    return True")], ["tests/test_io.py"]),
     Mutant("clean-older-than-removes-live-runs", "--older-than removes a run alive here", [
-        ("fp4pass/io.py", "    if here and _alive_here(marker):\n        return False\n    if here:\n        return True\n",
+        ("fp4pass/io/stale.py", "    if here and _alive_here(marker):\n        return False\n    if here:\n        return True\n",
          "    if here and not _alive_here(marker):\n        return True\n"),
     ], ["tests/test_io.py"]),
     Mutant("sweep-removes-the-input", "the sweep before a checkpoint conversion may remove the run's own input", [
-        ("fp4pass/io.py", "            if (st.st_dev, st.st_ino) in kept:\n                continue\n", ""),
+        ("fp4pass/io/stale.py", "            if (st.st_dev, st.st_ino) in kept:\n                continue\n", ""),
     ], ["tests/test_io.py"]),
     Mutant("folder-rename-not-recorded", "the output folder's rename is not recorded: a signal once the command "
            "has returned leaves OUT_DIR", [
-        ("fp4pass/io.py", "            _session.record(target, RESULT, identity)\n", "            pass\n"),
+        ("fp4pass/io/folders.py", "            outputs._session.record(target, RESULT, identity)\n", "            pass\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("folder-kept-when-its-fsync-fails", "a failure right after the folder's rename leaves it in place "
            "(outside the CLI's session)", [
-        ("fp4pass/io.py", "            _remove_folder_if(target, identity, was_empty_folder)\n", "            pass\n"),
+        ("fp4pass/io/folders.py", "            _remove_folder_if(target, identity, was_empty_folder)\n", "            pass\n"),
     ], ["tests/test_io.py", "tests/test_fuzz_checkpoint.py"]),
     Mutant("report-after-the-rename", "--report is written once OUT_DIR is in place", [
         ("fp4pass/checkpoint/run.py", "                    if before_rename is not None:\n"
@@ -645,7 +813,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/safetensors_io.py", "        if len(header) > limit:", "        if False:"),
     ], ["tests/test_checkpoint_reader.py"]),
     Mutant("nan-in-config-taken", "NaN and Infinity in config.json or a header are read as numbers", [
-        ("fp4pass/checkpoint/safetensors_io.py", ", parse_constant=_no_constant)", ")"),
+        ("fp4pass/io/jsonio.py", ", parse_constant=_no_constant)", ")"),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_reader.py"]),
     Mutant("check-trusts-the-reader-everywhere", "--check never decodes in float64", [
         ("fp4pass/checkpoint/check.py", "        why = _why_float64(x, y)\n", "        why = None\n"),
@@ -707,8 +875,9 @@ MUTANTS = [
     # -- the validator and the engine rules under hostile input (a downloaded checkpoint's configs) ----------
     Mutant("glob-as-backtracking-regex", "a *-only glob is matched by the .*-regex SGLang builds (re backtracks "
            "for hours on *a*a*a*...*ab)", [
-        ("fp4pass/checkpoint/patterns.py", '        """Whether the whole of ``name`` matches (fnmatchcase)."""\n',
-         '        """Whether the whole of ``name`` matches (fnmatchcase)."""\n'
+        ("fp4pass/checkpoint/patterns.py",
+         '        """Whether the whole of ``name`` matches (fnmatchcase); ``budget`` checked as it goes."""\n',
+         '        """Whether the whole of ``name`` matches (fnmatchcase); ``budget`` checked as it goes."""\n'
          '        if "?" not in self.pattern and "[" not in self.pattern:\n'
          '            return re.fullmatch(self.pattern.replace(".", r"\\.").replace("*", ".*"), name, re.S) is not None\n'),
     ], HOSTILE_RULES_TESTS[:1]),
@@ -730,14 +899,14 @@ MUTANTS = [
     ], HOSTILE_RULES_TESTS),
     Mutant("glob-index-tail-looked-up-as-head", "globs filed under their literal tail are looked up by the name's "
            "head", [
-        ("fp4pass/checkpoint/patterns.py", "self.by_tail.get(name[n - length:], ())", "self.by_tail.get(name[:length], ())"),
+        ("fp4pass/checkpoint/patterns.py", "lambda k: name[n - k:])):", "lambda k: name[:k])):"),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("sglang-ancestor-as-string-prefix", "SGLang's ancestor rule also takes a plain string prefix "
            "(model.layers.1 excludes model.layers.10)", [
         ("fp4pass/checkpoint/engines.py",
-         '        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots))',
-         '        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots)) or any(\n'
-         '            name.startswith(p) for p in self.paths)'),
+         '            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget))',
+         '            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget)) '
+         'or any(\n                name.startswith(p) for p in self.paths)'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("validator-trtllm-reads-config-json", "the validator holds TensorRT-LLM to config.json's exclusions", [
         ("fp4pass/checkpoint/validate.py", '"trtllm": from_hq or from_qc}', '"trtllm": from_qc or from_hq}'),
@@ -772,8 +941,8 @@ MUTANTS = [
          "        return {}\n"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("json-nan-printed", "inspect --json and the reports print a non-finite number as a bare NaN", [
-        ("fp4pass/io.py", "    clean, places = finite_json(data)\n", "    clean, places = data, []\n"),
-        ("fp4pass/io.py", "    return json.dumps(clean, indent=indent, allow_nan=False)",
+        ("fp4pass/io/jsonio.py", "    clean, places = finite_json(data)\n", "    clean, places = data, []\n"),
+        ("fp4pass/io/jsonio.py", "    return json.dumps(clean, indent=indent, allow_nan=False)",
          "    return json.dumps(clean, indent=indent)"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("verdict-exclusions-unchecked", "the engine verdicts take exclude_modules as any list", [

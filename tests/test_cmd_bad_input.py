@@ -212,7 +212,7 @@ def test_unexpected_exception_exit_3_traceback_only_with_debug(work, capsys, mon
 def test_unwritable_output_is_one_line_exit_2(work, capsys, monkeypatch):
     import fp4pass.io as fio
 
-    monkeypatch.setattr(fio.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
     code, err = cli(capsys, "convert", work / "m.onnx", "-o", work / "o.onnx")
     assert code == 2 and "is not writable" in one_line(err)
     monkeypatch.undo()

@@ -428,7 +428,7 @@ def test_a_file_whose_content_is_not_its_size_is_refused(tmp_path, monkeypatch):
     reads without end (the pseudo file system check is switched off here to reach this rule)."""
     from fp4pass import io as fio
 
-    monkeypatch.setattr(fio, "pseudo_filesystem", lambda info: None)
+    monkeypatch.setattr(fio.inputs, "pseudo_filesystem", lambda info: None)
     with pytest.raises(fio.UsageError, match=r"holds more than the 0 bytes its size says"):
         fio.copy_regular_file("/proc/self/environ", tmp_path / "copy")
     with pytest.raises(fio.UsageError, match=r"holds more than the 0 bytes its size says"):
@@ -588,7 +588,7 @@ def test_sigterm_after_the_rename_takes_out_dir_back_out(moment, tmp_path, capsy
     src = _small(tmp_path)
     out, report = tmp_path / "out", tmp_path / "report.json"
     if moment == "after-the-rename":  # the folder's fsync that follows os.replace
-        _sigterm_when(monkeypatch, fio, "fsync_folder", after=lambda folder: Path(folder) == tmp_path
+        _sigterm_when(monkeypatch, fio.folders, "fsync_folder", after=lambda folder: Path(folder) == tmp_path
                       and out.exists())
     else:
         _sigterm_when(monkeypatch, command, "summary_line")
@@ -619,7 +619,7 @@ def test_a_report_that_cannot_be_written_is_exit_2_naming_it_and_no_out_dir(tmp_
             raise OSError(28, "No space left on device")
         return real(tmp, target, kind)
 
-    monkeypatch.setattr(fio, "finish", full)
+    monkeypatch.setattr(fio.outputs, "finish", full)
     src = _small(tmp_path)
     out, report = tmp_path / "out", tmp_path / "report.json"
     _refused(tmp_path, ["convert", str(src), "-o", str(out), "--report", str(report)], capsys, str(report),

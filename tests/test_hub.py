@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import sys
@@ -356,3 +357,127 @@ def test_offline_set_after_import_is_honoured(online, monkeypatch, variable):
     with pytest.raises(HubError, match="not in the cache.*HF_HUB_OFFLINE is set"):
         resolve_checkpoint("acme/kimi-tiny")
     assert [kwargs["local_files_only"] for _, kwargs, _ in calls] == [True]
+
+
+# -- the cache read by huggingface_hub's rules -----------------------------------------------------------------
+
+
+def _bad_ref(repo: Path, kind: str, elsewhere: Path) -> None:
+    ref = repo / "refs" / "main"
+    ref.unlink()
+    if kind == "a-path":  # a path instead of a commit hash: the folder it names must never be read
+        ref.write_text(str(elsewhere))
+    elif kind == "fifo":
+        os.mkfifo(ref)
+    elif kind == "dev-zero":
+        ref.symlink_to("/dev/zero")
+    elif kind == "link-out":
+        (elsewhere / "ref").write_text(COMMIT_A)
+        ref.symlink_to(elsewhere / "ref")
+    elif kind == "too-long":
+        ref.write_text(COMMIT_A + " " * 64)
+    else:  # a hash with one letter too many
+        ref.write_text(COMMIT_A + "a")
+
+
+@pytest.mark.parametrize("kind", ["a-path", "fifo", "dev-zero", "link-out", "too-long", "41-hex"])
+def test_a_ref_that_is_not_a_commit_hash_in_a_regular_file_is_exit_2_naming_it(cache, tmp_path, capsys, kind):
+    snapshot = add_snapshot(cache, "acme/kimi-tiny", KIMI, COMMIT_A)
+    repo = snapshot.parent.parent
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(KIMI, elsewhere)
+    _bad_ref(repo, kind, elsewhere)
+    code, err = cli(capsys, "inspect", "acme/kimi-tiny")
+    line = one_line(err)
+    assert code == 2 and str(repo / "refs" / "main") in line, line
+
+
+def test_a_ref_with_a_newline_after_its_hash_is_read(cache):
+    snapshot = add_snapshot(cache, "acme/kimi-tiny", KIMI, COMMIT_A)
+    (snapshot.parent.parent / "refs" / "main").write_text(COMMIT_A + "\n")
+    assert hub.cached_snapshot("acme/kimi-tiny", None, str(cache)) == snapshot
+
+
+def test_a_snapshot_that_leads_out_of_the_cache_is_refused(cache, tmp_path, capsys):
+    snapshot = add_snapshot(cache, "acme/kimi-tiny", KIMI, COMMIT_A)
+    shutil.rmtree(snapshot)
+    snapshot.symlink_to(KIMI, target_is_directory=True)
+    code, err = cli(capsys, "inspect", "acme/kimi-tiny")
+    assert code == 2 and "not a folder inside the cache's" in one_line(err), err
+
+
+def test_an_index_linked_out_of_the_snapshot_is_never_opened(cache, tmp_path, monkeypatch):
+    snapshot = add_snapshot(cache, "acme/deepseek-tiny", DEEPSEEK, COMMIT_A)
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"weight_map": {"a": "missing.safetensors"}}')
+    (snapshot / "model.safetensors.index.json").unlink()
+    (snapshot / "model.safetensors.index.json").symlink_to(outside)
+    import fp4pass.io.inputs as inputs
+
+    opened = []
+    real = inputs.open_regular
+    monkeypatch.setattr(inputs, "open_regular", lambda path, *a, **k: opened.append(str(path)) or real(path, *a, **k))
+    assert hub.missing_files(snapshot) == [] and opened == []
+    (snapshot / "model.safetensors.index.json").unlink()
+    (snapshot / "model.safetensors.index.json").symlink_to(outside.relative_to(tmp_path, walk_up=True)
+                                                          if sys.version_info >= (3, 12) else outside)
+    assert hub.missing_files(snapshot) == [] and opened == []
+    blob = snapshot.parent.parent / "blobs" / "index"
+    blob.write_text('{"weight_map": {"a": "missing.safetensors"}}')
+    (snapshot / "model.safetensors.index.json").unlink()
+    (snapshot / "model.safetensors.index.json").symlink_to(Path("..") / ".." / "blobs" / "index")
+    assert hub.missing_files(snapshot) == ["missing.safetensors"]  # a blob of its own cache is read
+
+
+def test_the_cache_is_hf_home_slash_hub(tmp_path, monkeypatch, no_network):
+    """huggingface_hub's rule: HF_HOME holds the cache in its hub/ sub-folder, not at its top."""
+    home = tmp_path / "hf-home"
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_snapshot(home, "acme/decoy", KIMI, COMMIT_B)  # at HF_HOME's top: not the cache
+    snapshot = add_snapshot(home / "hub", "acme/kimi-tiny", KIMI, COMMIT_A)
+    assert hub._cache_dir() == str(home / "hub")
+    assert resolve_checkpoint("acme/kimi-tiny") == str(snapshot)
+    with pytest.raises(HubError, match="not in the cache"):
+        resolve_checkpoint("acme/decoy")
+
+
+def test_a_gated_model_is_named_gated_not_missing(cache, monkeypatch):
+    from huggingface_hub.errors import GatedRepoError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hub, "_offline", lambda: False)
+
+    def gated(repo_id, revision, cache_dir, local_only, show_progress):
+        if local_only:
+            from huggingface_hub.errors import LocalEntryNotFoundError
+            raise LocalEntryNotFoundError("not cached")
+        raise GatedRepoError("Access to model acme/gated is restricted", response=_response(403))
+
+    monkeypatch.setattr(hub, "_snapshot", gated)
+    with pytest.raises(HubError, match="a gated model; accept its terms") as caught:
+        resolve_checkpoint("acme/gated")
+    assert "no such model" not in str(caught.value)
+
+
+def _response(status: int):
+    try:
+        import httpx2 as httpx  # what huggingface_hub 2 builds its errors on
+    except ImportError:
+        import httpx
+
+    return httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/models/acme/gated"))
+
+
+def test_diff_json_onto_the_blob_behind_the_source_shard_is_refused(cache, tmp_path, capsys):
+    snapshot = add_snapshot(cache, "acme/kimi-tiny", KIMI, COMMIT_A)
+    shard = next(snapshot.glob("*.safetensors"))
+    blob = Path(os.path.realpath(shard))
+    before = blob.read_bytes()
+    for target in (blob, blob.parent / "new.json"):
+        code, err = cli(capsys, "diff", "acme/kimi-tiny", KIMI, "--data", ROOT / "models" / "checkpoints" /
+                        "calib_tokens.npz", "--json", target)
+        assert code == 2 and "where the files of the input" in one_line(err), err
+    assert blob.read_bytes() == before and not (blob.parent / "new.json").exists()

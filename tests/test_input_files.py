@@ -210,13 +210,13 @@ def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting(tmp_path, 
     fifo = tmp_path / "s.json"
     os.mkfifo(fifo)
     real_stat, real_open, flags = os.stat, os.open, []
-    monkeypatch.setattr(fio.os, "stat", lambda p, *a, **k: real_stat(regular if p == fifo else p, *a, **k))
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(regular if p == fifo else p, *a, **k))
 
     def opened(path, how, *rest):
         flags.append(how)
         return real_open(path, how, *rest)
 
-    monkeypatch.setattr(fio.os, "open", opened)
+    monkeypatch.setattr(os, "open", opened)
 
     def too_late(*_):
         raise TimeoutError("the open waited for a writer")
@@ -237,7 +237,7 @@ def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting(tmp_path, 
 def _stat_as(monkeypatch, path, stand_in):
     """os.stat of ``path`` answers for ``stand_in``: the file changed between the check and the open."""
     real_stat = os.stat
-    monkeypatch.setattr(fio.os, "stat", lambda p, *a, **k: real_stat(stand_in if p == path else p, *a, **k))
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(stand_in if p == path else p, *a, **k))
 
 
 @pytest.mark.parametrize("limit, extra", [(2 << 20, 1), ((1 << 20) + 10, 1), ((1 << 20) + 10, 3 << 20)])
@@ -256,7 +256,7 @@ def test_a_file_grown_past_the_cap_after_the_check_is_refused(tmp_path, monkeypa
         sizes.append(len(chunk))
         return chunk
 
-    monkeypatch.setattr(fio.os, "read", read)
+    monkeypatch.setattr(os, "read", read)
     with pytest.raises(UsageError) as raised:
         read_regular_file(grown, limit)
     assert str(raised.value) == f"{grown}: {limit + extra} bytes; at most {limit} are read from such a file"
@@ -283,7 +283,7 @@ def test_a_file_removed_or_failing_after_the_check_is_one_line(tmp_path, monkeyp
     def failing_read(fd, n):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(fio.os, "read", failing_read)
+    monkeypatch.setattr(os, "read", failing_read)
     with pytest.raises(UsageError) as raised:
         read_regular_file(small, 10)
     assert str(raised.value) == f"{small}: cannot be read ({os.strerror(errno.EIO)})"

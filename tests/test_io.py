@@ -213,7 +213,7 @@ def test_temporaries_of_another_host_or_namespace_are_kept_whatever_their_pid(tm
 
 def test_host_token_changes_with_the_host_name(monkeypatch):
     token = fio.host_token()
-    monkeypatch.setattr(fio.socket, "gethostname", lambda: "another-host")
+    monkeypatch.setattr(fio.stale.socket, "gethostname", lambda: "another-host")
     assert fio.host_token() != token
 
 
@@ -339,8 +339,8 @@ def test_fsync_comes_before_the_rename_and_the_folder_after(tmp_path, monkeypatc
         events.append(("replace", os.path.basename(dst)))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(fio.os, "fsync", fsync)
-    monkeypatch.setattr(fio.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     fio.write_json(tmp_path / "r.json", {"a": 1})
     kinds = [kind for kind, _ in events]
     assert kinds == ["fsync", "replace", "fsync"], events
@@ -359,8 +359,8 @@ def test_temporaries_of_this_process_and_of_other_users_live_processes_are_kept(
         assert sig == 0  # only asked, never signalled
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(fio.os, "kill", kill)
-    monkeypatch.setattr(fio, "process_start", lambda pid: None)
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(fio.stale, "process_start", lambda pid: None)
     assert fio.remove_stale(tmp_path) == [] and theirs.exists() and ours.exists()
     monkeypatch.undo()
     assert fio.remove_stale(tmp_path) == [theirs] and ours.exists()
@@ -402,7 +402,7 @@ def test_a_failure_right_after_a_folders_rename_takes_it_back_out(tmp_path, monk
             raise OSError(5, "Input/output error")
         return real(folder)
 
-    monkeypatch.setattr(fio, "fsync_folder", failing)
+    monkeypatch.setattr(fio.folders, "fsync_folder", failing)
     if existed:
         (tmp_path / "out").mkdir()
     with pytest.raises(OSError):
@@ -417,7 +417,7 @@ def test_a_failure_right_after_a_folders_rename_takes_it_back_out(tmp_path, monk
 def test_a_live_run_whose_start_time_cannot_be_read_is_left_alone(tmp_path, monkeypatch):
     """No /proc to ask (or the process hides it): a live pid is taken for the run that wrote the marker."""
     live = _temporary(tmp_path, os.getppid(), start="12345")
-    monkeypatch.setattr(fio, "process_start", lambda pid: None)
+    monkeypatch.setattr(fio.stale, "process_start", lambda pid: None)
     assert fio.remove_stale(tmp_path) == [] and live.exists()
 
 
@@ -489,13 +489,13 @@ def test_read_regular_file_reads_exactly_its_size_and_says_when_it_does_not(tmp_
     path.write_bytes(data)
     assert fio.read_regular_file(path, len(data)) == data
     real = os.read
-    monkeypatch.setattr(fio.os, "read", lambda fd, n: real(fd, max(1, n // 2)))
+    monkeypatch.setattr(os, "read", lambda fd, n: real(fd, max(1, n // 2)))
     assert fio.read_regular_file(path, len(data)) == data  # short reads resume where they stopped
-    monkeypatch.setattr(fio.os, "read", lambda fd, n: b"")
+    monkeypatch.setattr(os, "read", lambda fd, n: b"")
     with pytest.raises(UsageError) as raised:
         fio.read_regular_file(path, len(data))
     assert str(raised.value) == f"{path}: ends after 0 of its {len(data)} bytes (it changed while read)"
-    monkeypatch.setattr(fio.os, "read", lambda fd, n: b"x" * n)
+    monkeypatch.setattr(os, "read", lambda fd, n: b"x" * n)
     with pytest.raises(UsageError) as raised:
         fio.read_regular_file(path, len(data))
     assert str(raised.value) == (f"{path}: holds more than the {len(data)} bytes its size says (it changed while "

@@ -305,8 +305,8 @@ def test_save_renames_the_data_in_before_the_model_that_names_it(tmp_path, monke
         events.append(("replace", os.fspath(dst)))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(fio.os, "fsync", fsync)
-    monkeypatch.setattr(fio.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     assert loading.save(ir.serde.deserialize_model(B.linear_model()), out / "m.onnx", external_data="always")
     staged = [e for e in events if e[0] == "fsync" and Path(e[1]).name.startswith("m.onnx")]
     assert [Path(e[1]).name for e in staged] == ["m.onnx.data", "m.onnx"], events

@@ -8,7 +8,8 @@ Forms:
 - ``.jsonl`` (one ``{"text": ...}`` object per line) or ``.txt`` (the whole file is text): tokenized with the
   checkpoint's own ``tokenizer.json`` (the ``tokenizers`` package), records joined, cut into ``num_samples``
   sequences of ``seq_len`` tokens. Rows are read one at a time and only as far as those tokens need: a row
-  longer than the tokens still wanted can cover is cut, with a note (:func:`_tokenize`).
+  longer than the tokens still wanted can cover is cut, with a note (:func:`_tokenize`), and no tokenizer call
+  sees more than :data:`ENCODE_CHARS` characters (:func:`_encode`), whatever the vocabulary holds.
 
 ``seq_len`` also cuts longer ``.npz`` rows; ``num_samples`` caps the rows taken (all when None). Refused
 (:class:`~fp4pass.calib.runner.CalibrationDataError`, exit 2), naming the file and the row: a token id outside
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from fp4pass.calib.runner import CalibrationDataError
-from fp4pass.checkpoint.safetensors_io import strict_json
+from fp4pass.io.jsonio import strict_json
 from fp4pass.io import open_regular
 from fp4pass.npz import npz_files, read_npz
 
@@ -45,6 +46,10 @@ CUT_SLACK = 1024
 #: the longest .jsonl row read (its JSON object is parsed whole), and the largest .txt read whole (no --num-samples)
 ROW_LIMIT = 256 << 20
 TEXT_LIMIT = 1 << 30
+#: the most characters one tokenizer call sees: a longer row is tokenized piece by piece (:func:`_encode`), so
+#: the tokenizer's memory is bounded whatever its vocabulary holds (one entry of 8 million characters defeats
+#: the cut of a row by the tokens wanted, and tokenizing 256 MB at once aborts the process)
+ENCODE_CHARS = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +182,33 @@ def max_token_chars(tokenizer) -> int:
     return max((len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
 
+def _encode(tokenizer, text: str, need: int | None) -> np.ndarray:
+    """The token ids of ``text``, in pieces of at most :data:`ENCODE_CHARS` characters: of each piece but the
+    last, the tokens that end before its last :data:`CUT_SLACK` characters are kept (the cut changes only
+    those after), and the next piece starts where the last kept one ended; stops once ``need`` tokens are
+    there (None: all)."""
+    ids: list[int] = []
+    pos = 0
+    while pos < len(text) and (need is None or len(ids) < need):
+        piece = text[pos:pos + ENCODE_CHARS]
+        encoded = tokenizer.encode(piece, add_special_tokens=False)
+        if pos + len(piece) >= len(text):
+            ids.extend(encoded.ids)
+            break
+        keep = 0
+        for k, (_, end) in enumerate(encoded.offsets):
+            if end > len(piece) - CUT_SLACK:
+                break
+            keep = k + 1
+        if keep == 0:  # one token longer than the piece: taken whole, the next piece after it
+            ids.extend(encoded.ids)
+            pos += len(piece)
+            continue
+        ids.extend(encoded.ids[:keep])
+        pos += encoded.offsets[keep - 1][1]
+    return np.asarray(ids, dtype=np.int64)
+
+
 def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_samples: int | None) -> np.ndarray:
     """Token ids [rows, seq_len] of a .jsonl / .txt: its rows tokenized in order and joined, read and tokenized
     only as far as ``num_samples * seq_len`` tokens need. A row is cut after ``wanted * L + CUT_SLACK``
@@ -197,13 +229,13 @@ def _tokenize(path: Path, folder: Path, vocab_size: int, seq_len: int, num_sampl
     parts: list[np.ndarray] = []
     count = 0
 
-    def chars() -> int | None:
-        return None if wanted is None else (wanted - count) * per_token + CUT_SLACK
+    def chars() -> int | None:  # never past what a .txt is read whole (a .jsonl row has its own ROW_LIMIT)
+        return None if wanted is None else min((wanted - count) * per_token + CUT_SLACK, TEXT_LIMIT)
 
     rows = [_txt_row(path, chars())] if path.suffix == ".txt" else _jsonl_rows(path, chars)
     last_read = None  # the row where the samples were complete (None: every row was read)
     for number, text in rows:
-        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        ids = _encode(tokenizer, text, None if wanted is None else wanted - count)
         bad = ids[(ids < 0) | (ids >= vocab_size)]
         if bad.size:
             raise CalibrationDataError(f"{path}: row {number}: token id {int(bad[0])} from {tokenizer_file.name} "
@@ -237,6 +269,18 @@ def _note_dropped(path: Path, rows: int, seq_len: int, num_samples: int | None, 
         log.info(f"note: {path}: {taken}{short}; left out: the last {tail} tokens, too few for another sequence")
 
 
+def _refuse_links_out(folder: Path, files: list[Path]) -> None:
+    """A data folder's entry that is a symlink to a file outside the folder is refused before anything is read,
+    as a checkpoint folder's are (:mod:`fp4pass.checkpoint.catalog`): the folder given is what is read."""
+    base = os.path.realpath(folder)
+    for file in files:
+        if os.path.islink(file):
+            real = os.path.realpath(file)
+            if os.path.commonpath([real, base]) != base:
+                raise CalibrationDataError(f"{file}: is a symlink to {real}, outside the data folder {folder}; only "
+                                           "files inside it are read (copy the file in, or give it as --data itself)")
+
+
 def load_batches(data, folder, vocab_size: int, *, seq_len: int | None = None, num_samples: int | None = None,
                  batch_size: int | None = None) -> list[Batch]:
     """The calibration batches of ``data`` (a path, module docstring) for the checkpoint in ``folder``."""
@@ -250,6 +294,7 @@ def load_batches(data, folder, vocab_size: int, *, seq_len: int | None = None, n
     sources: list[tuple[str, np.ndarray, np.ndarray | None]] = []
     if path.is_dir():
         files = npz_files(path, CalibrationDataError)
+        _refuse_links_out(path, files)
         if not files:
             raise CalibrationDataError(f"{path}: folder holds no .npz files")
         taken = 0

@@ -54,7 +54,7 @@ def _json_object(raw: bytes, path: Path, what: str) -> dict:
     return data
 
 
-def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT) -> dict:
+def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT) -> dict:
     """A JSON object (:func:`~fp4pass.checkpoint.safetensors_io.strict_json`) from a regular file of at most
     ``limit`` bytes, read exactly (:func:`fp4pass.io.open_regular`: no FIFO, device, pseudo or endless file)."""
 

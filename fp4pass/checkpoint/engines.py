@@ -26,7 +26,7 @@ import re
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.families import deepseek_v4, family_of, fused_shards, gpt_oss
 from fp4pass.checkpoint.forms import GATE_NAMES
-from fp4pass.checkpoint.patterns import BadPattern, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
+from fp4pass.checkpoint.patterns import BadPattern, Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
 
 __all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions", "exclusions", "is_excluded",
            "engine_modules", "vllm_module_name", "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
@@ -93,9 +93,10 @@ class _VllmModelopt:
 
     def __init__(self, exclude: list[str], where: str):
         patterns = _split_prefix_wildcards(exclude)
-        self.inside = SubstringIndex(patterns)
+        budget = Budget(where)  # one CPU budget for the list's rules (patterns.Budget)
+        self.inside = SubstringIndex(patterns, budget)
         self.exact = self.inside.entries
-        self.globs = GlobIndex(patterns, exact=False)
+        self.globs = GlobIndex(patterns, exact=False, budget=budget)
 
     def __call__(self, module: str, shards: list[str] | None) -> bool:
         if module in self.exact:
@@ -160,7 +161,8 @@ class _SglangModelopt:
             self.simple = [p for p in exclude if _REGEX_SYNTAX.isdisjoint(p)]
         else:
             self.simple = exclude
-        self.globs = GlobIndex(self.simple, classes=False)
+        self.budget = Budget(where)
+        self.globs = GlobIndex(self.simple, classes=False, budget=self.budget)
         translated = {_sglang_regex(p): p for p in exclude if not _REGEX_SYNTAX.isdisjoint(p)} if len(
             self.simple) < len(exclude) else {}
         self.regexes = RegexList(translated, f"{where} (as SGLang's regexes)", fullmatch=True, shown=translated)
@@ -169,7 +171,8 @@ class _SglangModelopt:
         self.tails = {p.rsplit(".", 1)[-1] for p in exclude} & _MLA_TAILS
 
     def path_match(self, name: str) -> bool:
-        return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots))
+        with self.budget:
+            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget))
 
     def glob_match(self, name: str) -> bool:
         if "\n" in name and any("*" in p for p in self.simple):
@@ -209,7 +212,7 @@ class _Trtllm:
     entry; ``re:`` entries are not understood (they match nothing)."""
 
     def __init__(self, exclude: list[str], where: str):
-        self.globs = GlobIndex(p for p in exclude if not p.startswith("re:"))
+        self.globs = GlobIndex((p for p in exclude if not p.startswith("re:")), budget=Budget(where))
 
     def __call__(self, module: str, shards: list[str] | None) -> bool:
         return self.globs.match(module)

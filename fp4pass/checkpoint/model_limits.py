@@ -23,6 +23,7 @@ builds, and so the memory the layer runner allocates. Each rule is exit 2 naming
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -211,23 +212,87 @@ def check_fits_shards(catalog, found, model_type: str, cfg) -> None:
                                   "config.json does not describe these shards")
 
 
-def available_bytes(device: torch.device) -> int:
-    """Memory the run may still take: the free GPU memory on CUDA; on the CPU, MemAvailable of
-    ``/proc/meminfo`` (free memory plus what the page cache can give back), else the physical memory."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+def _small_text(path: str) -> str | None:
     try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return None
+
+
+def _machine_bytes() -> int:
+    """MemAvailable of ``/proc/meminfo`` (free memory plus what the page cache can give back), else the
+    physical memory."""
+    text = _small_text("/proc/meminfo") or ""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            with contextlib.suppress(ValueError, IndexError):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
+
+
+def rlimit_headroom() -> int | None:
+    """What RLIMIT_AS (``ulimit -v``) still lets this process map: its soft limit less the address space in use
+    (VmSize of ``/proc/self/status``); None without a limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    used = 0
+    for line in (_small_text("/proc/self/status") or "").splitlines():
+        if line.startswith("VmSize:"):
+            with contextlib.suppress(ValueError, IndexError):
+                used = int(line.split()[1]) * 1024
+    return max(soft - used, 0)
+
+
+def cgroup_headroom(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """What this process's memory cgroup still allows: ``memory.max`` less ``memory.current`` (cgroup v2), or
+    ``memory.limit_in_bytes`` less ``memory.usage_in_bytes`` (v1), the smallest over the cgroup and the ones
+    above it; None where no limit is set or none can be read."""
+    found: list[int] = []
+    for line in (_small_text(membership) or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            names, base = ("memory.max", "memory.current"), root
+        elif "memory" in controllers.split(","):
+            names, base = ("memory.limit_in_bytes", "memory.usage_in_bytes"), os.path.join(root, "memory")
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            folder = os.path.join(base, *parts[:depth])
+            limit, usage = (_small_text(os.path.join(folder, name)) for name in names)
+            try:
+                limit_value = int(limit.strip()) if limit is not None else None
+            except ValueError:
+                limit_value = None  # "max": no limit at this level
+            if limit_value is None or limit_value >= 1 << 60:
+                continue
+            try:
+                used = int(usage.strip()) if usage is not None else 0
+            except ValueError:
+                used = 0
+            found.append(max(limit_value - used, 0))
+    return min(found) if found else None
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory the run may still take: the free GPU memory on CUDA; on the CPU, the least of the machine's
+    MemAvailable (:func:`_machine_bytes`), what RLIMIT_AS still allows (:func:`rlimit_headroom`) and what the
+    process's memory cgroup still allows (:func:`cgroup_headroom`, a container's memory.max): past either of
+    the last two an allocation fails (MemoryError, or the kernel kills the process) though the machine has
+    memory to spare."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    limits = [_machine_bytes(), rlimit_headroom(), cgroup_headroom()]
+    return min(v for v in limits if v is not None)
 
 
 def attention_bytes(rows: int, heads: int, tokens: int) -> int:

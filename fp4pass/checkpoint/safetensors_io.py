@@ -43,6 +43,7 @@ import torch
 
 from fp4pass.errors import FP4PassError
 from fp4pass.io import open_regular
+from fp4pass.io.jsonio import no_duplicate_keys, strict_json  # the one strict reader (re-exported)
 
 __all__ = ["CheckpointError", "DTYPES", "TensorEntry", "SafetensorsFile", "OutputSpec", "ShardWriter", "tensor_bytes",
            "no_duplicate_keys", "strict_json", "max_tensors"]
@@ -89,32 +90,6 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype][0]
-
-
-def no_duplicate_keys(pairs):
-    """``json.loads``' ``object_pairs_hook``: a dict, or ValueError when a key is given twice."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def strict_json(raw: bytes):
-    """Parse UTF-8 JSON: no key twice, no NaN/Infinity, no string that is not valid Unicode (a lone surrogate
-    escape such as ``\\ud800``, which no UTF-8 writer can write back). ValueError (or RecursionError) says why."""
-    data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys, parse_constant=_no_constant)
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = exc.object[max(exc.start - 20, 0):exc.end + 20] if isinstance(exc.object, str) else ""
-        raise ValueError(f"a string holds a lone surrogate, not valid Unicode (near {bad!r})") from None
-    return data
 
 
 def max_tensors(data_bytes: int) -> int:

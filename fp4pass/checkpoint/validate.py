@@ -51,7 +51,8 @@ import torch
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.families import family_of
 from fp4pass.checkpoint.forms import block_precision
-from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, member_path, read_json_file
+from fp4pass.checkpoint.catalog import (CONFIG_NAME, INDEX_LIMIT, INDEX_NAME, QUANT_CONFIG_NAME, member_path,
+                                        read_json_file)
 from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
 from fp4pass.hub import resolve_checkpoint
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
@@ -231,7 +232,7 @@ def _read_folder(folder, follow_symlinks: bool = False) -> _Folder:
     index_path = _member(folder, INDEX_NAME, follow_symlinks)
     weight_map = None
     if index_path.exists():
-        index = read_json_file(index_path, "the index")
+        index = read_json_file(index_path, "the index", INDEX_LIMIT)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: weight_map is not an object of tensor name -> shard file")
@@ -935,8 +936,8 @@ def _check_pairs(modules: dict[str, Module], problems: list[Problem]) -> None:
         gate, up = pair["gate"], pair["up"]
         for attr, what in (("global_value", "weight global scale"), ("input_value", "input scale")):
             a, b = getattr(gate, attr), getattr(up, attr)
-            if a is None or b is None or not a.size or not b.size or np.array_equal(a, b):
-                continue
+            if a is None or b is None or a.size != 1 or b.size != 1 or np.array_equal(a, b):
+                continue  # a scale that is not one number is a dtype_shape problem, named by its shape
             problems.append(Problem(
                 "w1_w3_mismatch", f"{expert}: {gate.name.rpartition('.')[2]} and {up.name.rpartition('.')[2]} have "
                 f"different {what}s ({float(a[0]):.6g} vs {float(b[0]):.6g}); the engines fuse them into one w13 "

@@ -116,7 +116,8 @@ def _check_flags(args) -> None:
     from fp4pass.io import check_output_folder
 
     check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
-    check_output_folder(args.output, overwrite=bool(args.overwrite))  # before a calibration that may take hours
+    check_output_folder(args.output, overwrite=bool(args.overwrite),  # before a calibration that may take hours
+                        inputs={"CKPT_DIR": args.model, "--scales": args.scales, "--calib": args.calib})
     for flag, default in _ONNX_ONLY.items():
         if getattr(args, flag, default) != default:
             data = " (a checkpoint folder's calibration data is --calib DATA)" if flag == "inputs" else ""

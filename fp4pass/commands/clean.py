@@ -20,7 +20,9 @@ host and the folder's inode. A run killed with SIGKILL cannot remove its own; th
 says they were made on this host (and pid namespace) by a process that no longer runs. A run still going
 (its pid alive with the same start time) is left alone, with --older-than too. Nothing without a valid marker
 is ever removed: a file or a folder merely named like a temporary stays. Any fp4pass run that writes into a
-folder does the same first. A pid says nothing about a run on another host or in another container sharing
+folder does the same first. An output folder that a killed `convert --overwrite` had moved aside into its
+temporary is put back first when nothing stands in its place (a temporary whose folder cannot go back stays).
+A pid says nothing about a run on another host or in another container sharing
 the folder: those temporaries go only with --older-than.
 """
 
@@ -49,7 +51,11 @@ def run(args) -> int:
     folder = Path(args.folder)
     if not folder.is_dir():
         raise UsageError(f"{folder}: not a folder")
-    removed = remove_stale(folder, None if args.older_than is None else args.older_than * 3600)
+    restored: list[Path] = []
+    removed = remove_stale(folder, None if args.older_than is None else args.older_than * 3600, restored=restored)
+    for path in restored:
+        print(f"fp4pass clean: put back {path}, the output folder a killed --overwrite had moved aside",
+              file=sys.stderr)
     for path in removed:
         print(path)
     print(f"fp4pass clean: removed {len(removed)} stale temporar{'y' if len(removed) == 1 else 'ies'} in {folder}",
