@@ -267,7 +267,8 @@ MUTANTS = [
          "inputs: tuple = (), overwrite: bool = True) -> Iterator[Path]:"),
     ], SWAP_TESTS),
     Mutant("checkpoint-api-overwrites-by-default", "fp4pass.checkpoint.convert replaces an output unasked", [
-        ("fp4pass/checkpoint/run.py", "            overwrite: bool = False) -> dict:", "            overwrite: bool = True) -> dict:"),
+        ("fp4pass/checkpoint/run.py", "            overwrite: bool = False, show_progress: bool | None = None) -> dict:",
+         "            overwrite: bool = True, show_progress: bool | None = None) -> dict:"),
     ], SWAP_TESTS),
     Mutant("swap-old-not-put-back", "a failed swap leaves the old folder in the temporary, which then goes", [
         ("fp4pass/io/swap.py", "    os.rename(aside, target)\n    _fsync(target.parent)\n    return True\n", "    return True\n"),

@@ -311,3 +311,17 @@ def test_vllm_loads_the_published_layouts_and_not_the_one_its_moe_misses(publish
     for loaded in (nvidia, llmc):
         assert loaded["errors"] == [] and loaded["skipped_tensors"] == [] and loaded["unloaded_params"] == []
     assert "build_error" in missed or missed["errors"], missed
+
+
+def test_an_alias_that_would_cover_a_converted_module_gives_way_to_exact_names():
+    """vLLM's ModelOpt rule takes an entry that is a substring of a module's name: SGLang's spelling
+    ``model.layers.1*`` of an entry for a kept layer 1 would also cover layer 10's NVFP4 experts."""
+    from fp4pass.checkpoint.output_forms import _sglang_aliases
+
+    kept = ["language_model.model.layers.1.self_attn.o_proj", "language_model.model.layers.1.block_sparse_moe.gate"]
+    converted = ["language_model.model.layers.10.block_sparse_moe.experts.0.w1"]
+    aliases = _sglang_aliases(["language_model.model.layers.1*"], kept, converted, "KimiK3ForConditionalGeneration",
+                              "modelopt")
+    assert aliases == ["model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate"]
+    arch = "KimiK3ForConditionalGeneration"
+    assert not engines.is_excluded("vllm", converted[0].rsplit(".", 2)[0], aliases, architecture=arch)
