@@ -627,7 +627,7 @@ MUTANTS = [
         ("fp4pass/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
     ], ["tests/test_hub.py"]),
     Mutant("checkpoint-counts-call-weights-experts", "inspect's and convert's summaries call every MXFP4 weight an "
-           "expert (the Kimi-shaped example's attention o_proj too)", [
+           "expert (the DeepSeek-V3-architecture example's attention o_proj too)", [
         ("fp4pass/checkpoint/run.py", "/{s['experts_total']} forecast lossless\"",
          "/{s['experts_total']} experts forecast lossless\""),
         ("fp4pass/checkpoint/run.py", "/{s['experts_total']} lossless, ", "/{s['experts_total']} experts lossless, "),

@@ -18,7 +18,7 @@ from fp4pass.checkpoint import calib_data, model_limits
 from fp4pass.checkpoint.calib_data import load_batches
 
 ROOT = Path(__file__).resolve().parents[1]
-KIMI = ROOT / "models" / "checkpoints" / "kimi"
+KIMI = ROOT / "models" / "checkpoints" / "deepseek_v3"
 VOCAB = 32
 
 

@@ -23,7 +23,7 @@ def test_builder_rebuilds_the_committed_examples(tmp_path):
             assert (ROOT / name / file).read_bytes() == (tmp_path / name / file).read_bytes(), f"{name}/{file}"
 
 
-@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("kimi", "modelopt"), ("kimi", "compressed-tensors"),
+@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("deepseek_v3", "modelopt"), ("deepseek_v3", "compressed-tensors"),
                                       ("deepseek", "modelopt"), ("deepseek", "compressed-tensors"),
                                       ("kimi_k3", "modelopt"), ("kimi_k3", "compressed-tensors")])
 def test_bundled_examples_convert_and_check(tmp_path, name, fmt):

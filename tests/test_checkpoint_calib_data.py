@@ -610,9 +610,9 @@ def test_calibrate_passes_its_flags(tmp_path, capsys, monkeypatch, argv, want):
     spy = _Spy()
     monkeypatch.setattr(fp4pass.checkpoint, "calibrate", spy)
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(capsys, "calibrate", ROOT / "kimi", "--data", TOKENS, "-o", "s.json", *argv)
+    code, out, err = run_cli(capsys, "calibrate", ROOT / "deepseek_v3", "--data", TOKENS, "-o", "s.json", *argv)
     assert code == 0, err
-    assert spy.calls == [(str(ROOT / "kimi"), str(TOKENS), want)]
+    assert spy.calls == [(str(ROOT / "deepseek_v3"), str(TOKENS), want)]
     assert json.loads((tmp_path / "s.json").read_text())["tensors"]["m.layers.0.mlp.experts.0.w1"]["amax"] == 2.0
     assert ("--quiet" in argv) == (out == "")
     if out:  # an expert with no checkpoint module of its own (none quantized) is named by its stack
@@ -646,9 +646,9 @@ def test_convert_calib_passes_its_flags_and_the_scales(tmp_path, capsys, monkeyp
         seen.update(kw)
         raise SystemExit(0)
     monkeypatch.setattr(api, "convert", convert)
-    code, err = cli(capsys, "convert", ROOT / "kimi", "-o", tmp_path / "o", "--calib", TOKENS, *argv)
+    code, err = cli(capsys, "convert", ROOT / "deepseek_v3", "-o", tmp_path / "o", "--calib", TOKENS, *argv)
     assert code == 0, err
-    assert spy.calls == [(str(ROOT / "kimi"), str(TOKENS), want)]
+    assert spy.calls == [(str(ROOT / "deepseek_v3"), str(TOKENS), want)]
     assert list(seen["scales"].tensors) == ["m.layers.0.mlp.experts.0.w1"]
     assert ("--quiet" in argv) == (err == "")  # --quiet: warnings and errors only
     assert err == "" or err.strip().endswith(f"-> {tmp_path / 'o'}")
@@ -660,7 +660,7 @@ def test_convert_calib_passes_its_flags_and_the_scales(tmp_path, capsys, monkeyp
     (["--activation", "x"], "--activation applies to ONNX models, not to checkpoint folders"),
 ])
 def test_calibrate_refuses_onnx_flags_for_a_folder(tmp_path, capsys, flags, message):
-    code, err = cli(capsys, "calibrate", ROOT / "kimi", "--data", TOKENS, "-o", tmp_path / "s.json", *flags)
+    code, err = cli(capsys, "calibrate", ROOT / "deepseek_v3", "--data", TOKENS, "-o", tmp_path / "s.json", *flags)
     assert code == 2 and one_line(err) == f"fp4pass calibrate: error: {message}"
     assert not (tmp_path / "s.json").exists()
 
@@ -675,7 +675,7 @@ def test_folder_flags_are_refused_for_an_onnx_model(tmp_path, capsys, flags, fla
 
 def test_calib_with_scales_is_refused(tmp_path, capsys):
     (tmp_path / "s.json").write_text('{"calibrator": "max", "tensors": {}}')
-    code, err = cli(capsys, "convert", ROOT / "kimi", "-o", tmp_path / "o", "--calib", TOKENS, "--scales",
+    code, err = cli(capsys, "convert", ROOT / "deepseek_v3", "-o", tmp_path / "o", "--calib", TOKENS, "--scales",
                     tmp_path / "s.json")
     assert code == 2 and one_line(err).endswith("give --calib, --scales or --input-scale, not two of them")
     assert not (tmp_path / "o").exists()
@@ -796,8 +796,8 @@ def test_checkpoint_calibration_flags_in_help_and_their_refusals(tmp_path, capsy
     the list is argparse's exit 2 naming the flag; --calib-batch-size is convert's only."""
     import re
 
-    head = ["calibrate", ROOT / "kimi", "--data", TOKENS, "-o", tmp_path / "s.json"] if command == "calibrate" else \
-        ["convert", ROOT / "kimi", "-o", tmp_path / "o", "--calib", TOKENS]
+    head = ["calibrate", ROOT / "deepseek_v3", "--data", TOKENS, "-o", tmp_path / "s.json"] if command == "calibrate" else \
+        ["convert", ROOT / "deepseek_v3", "-o", tmp_path / "o", "--calib", TOKENS]
     from fp4pass.cli import main
 
     with pytest.raises(SystemExit) as exit_:
@@ -853,7 +853,7 @@ def test_each_statistic_keeps_what_its_calibrator_reads(calibrator, detailed):
 def test_calibrate_never_writes_over_its_inputs(tmp_path, capsys):
     """-o and --report are checked against CKPT_DIR, --data and each other before the run, each named by its
     flag; the data is left as it was."""
-    ckpt = shutil.copytree(ROOT / "kimi", tmp_path / "ckpt")
+    ckpt = shutil.copytree(ROOT / "deepseek_v3", tmp_path / "ckpt")
     data = Path(shutil.copy(TOKENS, tmp_path / "d.npz"))
     before = data.read_bytes()
     for flags, message in [

@@ -63,36 +63,36 @@ def refused_by_both(capsys, tmp_path, src, data, *pieces, extra=()):
 
 
 @pytest.mark.parametrize("family,fields,pieces", [
-    ("kimi", {"num_hidden_layers": 0}, ("config.json: num_hidden_layers is 0", "at least 1")),
-    ("kimi", {"num_attention_heads": 0}, ("num_attention_heads is 0",)),
+    ("deepseek_v3", {"num_hidden_layers": 0}, ("config.json: num_hidden_layers is 0", "at least 1")),
+    ("deepseek_v3", {"num_attention_heads": 0}, ("num_attention_heads is 0",)),
     ("gpt_oss", {"num_key_value_heads": 0}, ("num_key_value_heads is 0",)),
     ("gpt_oss", {"num_experts_per_tok": 0}, ("num_experts_per_tok is 0",)),
-    ("kimi", {"num_hidden_layers": "2"}, ("num_hidden_layers is '2'", "whole number")),
-    ("kimi", {"hidden_size": True}, ("hidden_size is True",)),
-    ("kimi", {"num_experts_per_tok": 4}, ("num_experts_per_tok 4 is more than the 3 experts (n_routed_experts)",)),
+    ("deepseek_v3", {"num_hidden_layers": "2"}, ("num_hidden_layers is '2'", "whole number")),
+    ("deepseek_v3", {"hidden_size": True}, ("hidden_size is True",)),
+    ("deepseek_v3", {"num_experts_per_tok": 4}, ("num_experts_per_tok 4 is more than the 3 experts (n_routed_experts)",)),
     ("gpt_oss", {"num_experts_per_tok": 4}, ("num_experts_per_tok 4", "3 experts (num_local_experts)")),
     ("gpt_oss", {"num_attention_heads": 4, "num_key_value_heads": 3},
      ("num_attention_heads 4 is not a multiple of num_key_value_heads 3",)),
-    ("kimi", {"hidden_act": "swishy"}, ("hidden_act 'swishy' is no activation transformers has", "silu")),
-    ("kimi", {"num_hidden_layers": 10 ** 9}, ("num_hidden_layers 1000000000, but the shards hold 2 decoder",)),
+    ("deepseek_v3", {"hidden_act": "swishy"}, ("hidden_act 'swishy' is no activation transformers has", "silu")),
+    ("deepseek_v3", {"num_hidden_layers": 10 ** 9}, ("num_hidden_layers 1000000000, but the shards hold 2 decoder",)),
     ("deepseek", {"num_hidden_layers": 3}, ("num_hidden_layers 3, but the shards hold 2 decoder",)),
-    ("kimi", {"vocab_size": 10 ** 9}, ("config.json: vocab_size 1000000000:", "embed_tokens.weight [1000000000, 64]",
+    ("deepseek_v3", {"vocab_size": 10 ** 9}, ("config.json: vocab_size 1000000000:", "embed_tokens.weight [1000000000, 64]",
                                        "the shards hold [32, 64]", "(model.embed_tokens.weight)")),
     ("deepseek", {"vocab_size": 33}, ("config.json: vocab_size 33:", "[33, 64]", "[32, 64]")),
-    ("kimi", {"hidden_size": 10 ** 9}, ("config.json: hidden_size 1000000000:",)),
+    ("deepseek_v3", {"hidden_size": 10 ** 9}, ("config.json: hidden_size 1000000000:",)),
     ("gpt_oss", {"intermediate_size": 10 ** 9}, ("config.json: intermediate_size 1000000000:",
                                                  "layers.0.mlp.experts.gate_up_proj [3, 64, 2000000000]")),
-    ("kimi", {"moe_intermediate_size": 10 ** 6}, ("config.json: moe_intermediate_size 1000000:",)),
-    ("kimi", {"n_routed_experts": 10 ** 6}, ("config.json: n_routed_experts 1000000:",
+    ("deepseek_v3", {"moe_intermediate_size": 10 ** 6}, ("config.json: moe_intermediate_size 1000000:",)),
+    ("deepseek_v3", {"n_routed_experts": 10 ** 6}, ("config.json: n_routed_experts 1000000:",
                                              "the shards hold [3, 64, 64]")),
     ("gpt_oss", {"head_dim": 10 ** 6}, ("config.json: head_dim 1000000:", "q_proj.weight [4000000, 64]")),
     ("deepseek", {"hc_mult": 10 ** 6}, ("transformers cannot build the deepseek_v4 model", "hc_mult 1000000")),
-    ("kimi", {"n_group": 0}, ("n_group is 0",)),
-    ("kimi", {"n_group": 2}, ("n_routed_experts 3 does not split into n_group 2 equal groups",)),
-    ("kimi", {"topk_group": 2}, ("topk_group 2 is more than the n_group 1 groups",)),
-    ("kimi", {"n_group": 3, "topk_group": 1},
+    ("deepseek_v3", {"n_group": 0}, ("n_group is 0",)),
+    ("deepseek_v3", {"n_group": 2}, ("n_routed_experts 3 does not split into n_group 2 equal groups",)),
+    ("deepseek_v3", {"topk_group": 2}, ("topk_group 2 is more than the n_group 1 groups",)),
+    ("deepseek_v3", {"n_group": 3, "topk_group": 1},
      ("num_experts_per_tok 2 is more than the 1 experts of the topk_group 1 groups",)),
-    ("kimi", {"rms_norm_eps": "x"}, ("transformers' deepseek_v3 config refuses it", "rms_norm_eps")),
+    ("deepseek_v3", {"rms_norm_eps": "x"}, ("transformers' deepseek_v3 config refuses it", "rms_norm_eps")),
 ])
 def test_a_config_that_lies_is_refused_naming_the_field(tmp_path, capsys, no_runner, family, fields, pieces):
     src = lying_copy(tmp_path, family, **fields)
@@ -107,7 +107,7 @@ def test_a_config_that_tells_the_truth_gets_to_the_runner(no_runner):
     """The same checks pass the bundled examples (exactly as many layers and elements as the shards hold)."""
     import fp4pass.checkpoint
 
-    for family in ("gpt_oss", "kimi", "deepseek"):
+    for family in ("gpt_oss", "deepseek_v3", "deepseek"):
         with pytest.raises(AssertionError, match="the layer runner was built"):
             fp4pass.checkpoint.calibrate(ROOT / family, TOKENS, device="cpu")
 

@@ -30,7 +30,7 @@ TOKENS = ROOT / "calib_tokens.npz"
 BATCH = 4
 #: bundled example -> (transformers model type, dense MXFP4 module in transformers' names, in the checkpoint's)
 FAMILIES = {"gpt_oss": ("gpt_oss", None, None),
-            "kimi": ("deepseek_v3", "self_attn.o_proj", "model.layers.{}.self_attn.o_proj"),
+            "deepseek_v3": ("deepseek_v3", "self_attn.o_proj", "model.layers.{}.self_attn.o_proj"),
             "deepseek": ("deepseek_v4", "self_attn.o_b_proj", "layers.{}.attn.wo_b")}
 KIMI_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -173,7 +173,7 @@ def test_scales_keys_are_checkpoint_module_names(results, name):
             assert ours.tensors[f"{stack}.gate_up_proj"].amax == max(v[1] for v in routed.values())
             assert ours.tensors[f"{stack}.down_proj"].amax == max(v[2] for v in routed.values())
             continue
-        stack = f"model.layers.{layer}.mlp.experts" if name == "kimi" else f"layers.{layer}.ffn.experts"
+        stack = f"model.layers.{layer}.mlp.experts" if name == "deepseek_v3" else f"layers.{layer}.ffn.experts"
         for e, (_, gate_up, down) in routed.items():
             assert ours.tensors[f"{stack}.{e}.w1"].amax == gate_up == ours.tensors[f"{stack}.{e}.w3"].amax
             assert ours.tensors[f"{stack}.{e}.w2"].amax == down
@@ -189,7 +189,7 @@ def test_deepseek_hash_layer_leaves_its_last_expert_unrouted(results):
                                          "layers.0.ffn.experts.2.w2"]
 
 
-@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("kimi", "compressed-tensors"),
+@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("deepseek_v3", "compressed-tensors"),
                                       ("deepseek", "modelopt")])
 def test_convert_writes_amax_over_2688(results, tmp_path, name, fmt):
     """The converted checkpoint's input scales: amax / 2688 per expert (ModelOpt multiplier or compressed-tensors
@@ -217,7 +217,7 @@ def test_convert_writes_amax_over_2688(results, tmp_path, name, fmt):
             assert written(f"{stack}.gate_up_proj") == want(top[0])
             assert written(f"{stack}.down_proj") == want(top[1])
             continue
-        stack = f"model.layers.{layer}.mlp.experts" if name == "kimi" else f"layers.{layer}.ffn.experts"
+        stack = f"model.layers.{layer}.mlp.experts" if name == "deepseek_v3" else f"layers.{layer}.ffn.experts"
         for e, (tokens, gate_up, down) in rows.items():
             for proj, amax in (("w1", gate_up), ("w3", gate_up), ("w2", down)):
                 expect = want(amax if tokens else top[0 if proj != "w2" else 1])
@@ -225,7 +225,7 @@ def test_convert_writes_amax_over_2688(results, tmp_path, name, fmt):
 
 
 def test_calibrate_then_convert_scales_equals_convert_calib(tmp_path, capsys):
-    src = ROOT / "kimi"
+    src = ROOT / "deepseek_v3"
     code, err = cli(capsys, "calibrate", src, "--data", TOKENS, "-o", tmp_path / "s.json", "--batch-size", 4,
                     "--report", tmp_path / "r.json", "--device", "cpu")
     assert code == 0, err
@@ -267,7 +267,7 @@ def test_padding_is_not_counted(tmp_path):
     """Rows with attention_mask 0 at the end: the statistics equal those of the unpadded rows alone."""
     import fp4pass.checkpoint
 
-    src = ROOT / "kimi"
+    src = ROOT / "deepseek_v3"
     ids = np.load(TOKENS)["input_ids"][:2, :16].astype(np.int64)
     padded = np.concatenate([ids, np.full((2, 8), 5)], 1)
     mask = np.concatenate([np.ones((2, 16), np.int64), np.zeros((2, 8), np.int64)], 1)
@@ -333,12 +333,12 @@ def test_text_without_tokenizer_and_bad_jsonl(tmp_path, capsys):
 
 
 def test_unknown_architecture_is_refused_naming_it(tmp_path, capsys):
-    src = shutil.copytree(ROOT / "kimi", tmp_path / "ckpt")
+    src = shutil.copytree(ROOT / "deepseek_v3", tmp_path / "ckpt")
     config = json.loads((src / "config.json").read_text())
     config["architectures"] = ["KimiK3ForCausalLM"]
     (src / "config.json").write_text(json.dumps(config))
     code, err = cli(capsys, "calibrate", src, "--data", TOKENS, "-o", tmp_path / "s.json")
-    assert code == 2 and "model_type 'kimi_k3'" in one_line(err) and not (tmp_path / "s.json").exists()
+    assert code == 2 and "model_type 'kimi_k2'" in one_line(err) and not (tmp_path / "s.json").exists()
 
 
 def test_onnx_only_and_folder_only_flags(tmp_path, capsys):
@@ -447,7 +447,7 @@ def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(tmp_path):
 
     import fp4pass.checkpoint
 
-    src = ROOT / "kimi"
+    src = ROOT / "deepseek_v3"
     env = {**os.environ, "PYTHONPATH": str(ROOT.parents[1])}
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "store"), str(src), str(TOKENS),
                                str(tmp_path / f"r{r}.json")], env=env) for r in range(2)]
@@ -706,7 +706,7 @@ def test_calibrating_fp8_attention_equals_calibrating_its_bf16_decode(tmp_path):
 
 
 def test_hugging_face_expert_names_calibrate_as_the_w1_w2_w3_names(tmp_path):
-    """The Kimi-style example with its experts renamed to Hugging Face's gate_proj / up_proj / down_proj (as
+    """The DeepSeek-V3-architecture example with its experts renamed to Hugging Face's gate_proj / up_proj / down_proj (as
     DeepSeek-V3 checkpoints name them) gives the same statistics, keyed by the new names: gate and up fill the
     halves of each expert's gate_up_proj in that order (swapped halves change every expert's down input and the
     next layer's routing), down its down_proj."""
@@ -714,7 +714,7 @@ def test_hugging_face_expert_names_calibrate_as_the_w1_w2_w3_names(tmp_path):
     from checkpoint_oracles import rewrite_shard
 
     renamed = tmp_path / "kimi_hf"
-    shutil.copytree(ROOT / "kimi", renamed)
+    shutil.copytree(ROOT / "deepseek_v3", renamed)
 
     def hf(name: str) -> str:  # a tensor or a module name
         return re.sub(r"\.(w[123])(?=\.|$)", lambda m: "." + KIMI_PARTS[m.group(1)], name)
@@ -729,7 +729,7 @@ def test_hugging_face_expert_names_calibrate_as_the_w1_w2_w3_names(tmp_path):
     assert any(".gate_proj." in k for k in Folder(renamed).keys())
     assert not any(".w1." in k for k in Folder(renamed).keys())
     ours = fp4pass.checkpoint.calibrate(renamed, TOKENS, batch_size=BATCH, device="cpu")
-    base = fp4pass.checkpoint.calibrate(ROOT / "kimi", TOKENS, batch_size=BATCH, device="cpu")
+    base = fp4pass.checkpoint.calibrate(ROOT / "deepseek_v3", TOKENS, batch_size=BATCH, device="cpu")
     assert {k: v.amax for k, v in ours.tensors.items()} == {hf(k): v.amax for k, v in base.tensors.items()}
     assert [r["tokens"] for r in ours.experts] == [r["tokens"] for r in base.experts]
 

@@ -45,7 +45,7 @@ FAMILIES = {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "n_routed_experts": EXPERTS,
         "expert_dtype": "fp4", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                                        "weight_block_size": [128, 128]}}),
-    "kimi": ("model.layers.0.mlp.experts.{e}.{p}", {
+    "deepseek_v3": ("model.layers.0.mlp.experts.{e}.{p}", {
         "architectures": ["KimiK3ForCausalLM"], "model_type": "kimi_k3", "n_routed_experts": EXPERTS,
         "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}),
 }
@@ -81,7 +81,7 @@ def build_pairs(folder: Path, family: str, seed: int = 0) -> Path:
             e8m0[0, 0], e8m0[1, 0] = low, high
             codes[:2, :16] |= 0x66  # every element of those two blocks 4 or 6 in magnitude
             module = _module(family, e, proj)
-            if family == "kimi":
+            if family == "deepseek_v3":
                 tensors[f"{module}.weight_packed"] = torch.from_numpy(codes)
                 tensors[f"{module}.weight_scale"] = torch.from_numpy(e8m0)
             else:
@@ -226,7 +226,7 @@ def _halve_block_scale(out: Path, module: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", [CT, "modelopt"])
-@pytest.mark.parametrize("family,expert", [("deepseek-v4", 11), ("kimi", 1)])
+@pytest.mark.parametrize("family,expert", [("deepseek-v4", 11), ("deepseek_v3", 1)])
 def test_a_pair_worse_than_requantization_under_its_scale_fails_naming_expert_and_pair(sources, converted, tmp_path,
                                                                                        family, expert, fmt):
     """The largest block scale of w3 halved (one E4M3 binade down) in a correct output: by the oracle the pair's
@@ -262,13 +262,13 @@ def test_convert_check_refuses_a_conversion_worse_than_requantization_and_writes
 
     def worse(catalog, linears, method, **options):
         conv = convert_linears(catalog, linears, method, **options)
-        if linears[-1].module == _module("kimi", 11, "w3"):
+        if linears[-1].module == _module("deepseek_v3", 11, "w3"):
             _halve_largest(conv.scales[1])
         return conv
 
     monkeypatch.setattr(engine, "convert_linears", worse)
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "convert", sources["kimi"], "-o", out, "--format", CT, "--check", "--quiet")
+    code, _, err = run_cli(capsys, "convert", sources["deepseek_v3"], "-o", out, "--format", CT, "--check", "--quiet")
     assert code == 1
     assert (f"check FAILED: 1 expert(s), first model.layers.0.mlp.experts.11.w1+w3: SSE " in err
             and f"; {out} not written" in err), err

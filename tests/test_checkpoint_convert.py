@@ -691,7 +691,7 @@ def test_allow_partial_leaves_a_nan_scaled_compressed_tensors_expert_in_mxfp4_an
     from checkpoint_oracles import rewrite_shard
 
     src = tmp_path / "src"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "models", "checkpoints", "kimi"), src)
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "models", "checkpoints", "deepseek_v3"), src)
     w1 = "model.layers.1.mlp.experts.0.w1"
 
     def nan_scale(tensors):

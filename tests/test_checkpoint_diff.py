@@ -222,7 +222,7 @@ def test_one_expert_global_scale_off(clean, tmp_path, layer, expert, factor):
     def edit(t):
         for proj in ("w1", "w2", "w3"):
             t[f"{prefix}.{proj}.weight_global_scale"] = t[f"{prefix}.{proj}.weight_global_scale"] * factor
-    before, after = _planted(clean, tmp_path, "kimi", "compressed-tensors", edit)
+    before, after = _planted(clean, tmp_path, "deepseek_v3", "compressed-tensors", edit)
     _named(before, after, layer, expert)
 
 
@@ -246,7 +246,7 @@ def test_one_expert_block_scales_one_e4m3_step_up(clean, tmp_path, layer, expert
     def edit(t):
         codes = t[f"{prefix}.weight_scale"].view(torch.uint8)
         t[f"{prefix}.weight_scale"] = torch.where(codes == 0, codes, codes + 1).view(torch.float8_e4m3fn)
-    before, after = _planted(clean, tmp_path, "kimi", "compressed-tensors", edit)
+    before, after = _planted(clean, tmp_path, "deepseek_v3", "compressed-tensors", edit)
     _named(before, after, layer, expert, drop=1.0)
 
 
@@ -254,7 +254,7 @@ def test_global_scales_stored_as_reciprocals_fail_at_the_first_layer(clean, tmp_
     def edit(t):
         for key in [k for k in t if k.endswith(".weight_global_scale")]:
             t[key] = 1.0 / t[key]
-    before, after = _planted(clean, tmp_path, "kimi", "compressed-tensors", edit)
+    before, after = _planted(clean, tmp_path, "deepseek_v3", "compressed-tensors", edit)
     after.snr_min = 0.0
     assert after.first_below == 0
     assert not after.passed
@@ -277,7 +277,7 @@ def test_an_input_scale_far_off_in_each_convention(clean, tmp_path, fmt, key, fa
     def edit(t):
         for proj in ("w1", "w3"):
             t[f"{prefix}.{proj}.{key}"] = t[f"{prefix}.{proj}.{key}"] * factor
-    before, after = _planted(clean, tmp_path, "kimi", fmt, edit)
+    before, after = _planted(clean, tmp_path, "deepseek_v3", fmt, edit)
     if visible:
         _named(before, after, layer, expert, drop=1.0)
     else:
@@ -293,11 +293,11 @@ def test_w1_and_w3_input_scales_differ_and_w1s_quantizes_the_fused_input(clean, 
         def edit(t):
             t[f"{prefix}.{proj}.input_global_scale"] = t[f"{prefix}.{proj}.input_global_scale"] * 1000.0
         return edit
-    before, up = _planted(clean, tmp_path / "up", "kimi", "compressed-tensors", scale("w3"))
+    before, up = _planted(clean, tmp_path / "up", "deepseek_v3", "compressed-tensors", scale("w3"))
     assert up.layers == before.layers and up.experts == before.experts
     assert any("w1's" in note and f"{prefix[len('model.'):]}" in note for note in up.notes), up.notes
     assert not before.notes
-    _, gate = _planted(clean, tmp_path / "gate", "kimi", "compressed-tensors", scale("w1"))
+    _, gate = _planted(clean, tmp_path / "gate", "deepseek_v3", "compressed-tensors", scale("w1"))
     _named(before, gate, 1, 0, drop=1.0)
 
 
@@ -305,9 +305,9 @@ def test_w1_and_w3_input_scales_differ_and_w1s_quantizes_the_fused_input(clean, 
 
 def test_cli_writes_strict_json_and_a_plot_and_exits_1_under_the_limits(clean, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    folder, before = clean("kimi", "compressed-tensors")
+    folder, before = clean("deepseek_v3", "compressed-tensors")
     report, plot = tmp_path / "d.json", tmp_path / "d.png"
-    code, err = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--batch-size", BATCH,
+    code, err = cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--batch-size", BATCH,
                     "--json", report, "--plot", plot, "--quiet")
     assert code == 0, err
     data = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
@@ -317,17 +317,17 @@ def test_cli_writes_strict_json_and_a_plot_and_exits_1_under_the_limits(clean, t
     assert data["first_below"] is None and data["passed"] is True
     assert plot.stat().st_size > 1000
     worst = min(r["snr_db_local"] for r in before.layers)
-    code, _ = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--snr-min", worst + 0.5)
+    code, _ = cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--snr-min", worst + 0.5)
     assert code == 1
-    code, _ = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--kl-max", before.logits["kl_mean"] / 2)
+    code, _ = cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--kl-max", before.logits["kl_mean"] / 2)
     assert code == 1
-    code, _ = cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--kl-max", before.logits["kl_mean"] * 2,
+    code, _ = cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--kl-max", before.logits["kl_mean"] * 2,
                   "--snr-min", worst - 0.5)
     assert code == 0
 
 
 def test_cli_refuses_unrelated_models_bad_data_and_wrong_flags(clean, tmp_path, capsys):
-    folder, _ = clean("kimi", "compressed-tensors")
+    folder, _ = clean("deepseek_v3", "compressed-tensors")
     gpt, _ = clean("gpt_oss", "modelopt")
     report = tmp_path / "r.json"
     fewer = _copy(folder, tmp_path / "fewer")
@@ -336,23 +336,23 @@ def test_cli_refuses_unrelated_models_bad_data_and_wrong_flags(clean, tmp_path, 
     (fewer / "config.json").write_text(json.dumps(config))
     big = tmp_path / "big.npz"
     np.savez(big, input_ids=np.full((2, 8), 32, dtype=np.int64))  # the vocabulary is [0, 32)
-    lying, lying_src = _copy(folder, tmp_path / "lying"), _copy(ROOT / "kimi", tmp_path / "lying-src")
+    lying, lying_src = _copy(folder, tmp_path / "lying"), _copy(ROOT / "deepseek_v3", tmp_path / "lying-src")
     for lie in (lying, lying_src):  # the two agree, but not with their shards (which hold 32)
         config = json.loads((lie / "config.json").read_text())
         config["moe_intermediate_size"] = 4096
         (lie / "config.json").write_text(json.dumps(config))
     long_rows = tmp_path / "long.npz"
     np.savez(long_rows, input_ids=np.zeros((2, 400_000), dtype=np.int64))
-    cases = [((ROOT / "kimi", gpt, "--data", TOKENS), "not the same architecture"),
-             ((ROOT / "kimi", lying, "--data", TOKENS), "moe_intermediate_size"),
+    cases = [((ROOT / "deepseek_v3", gpt, "--data", TOKENS), "not the same architecture"),
+             ((ROOT / "deepseek_v3", lying, "--data", TOKENS), "moe_intermediate_size"),
              ((lying_src, lying, "--data", TOKENS), "config.json does not describe these shards"),
-             ((ROOT / "kimi", folder, "--data", long_rows, "--seq-len", 400_000), "--seq-len"),
-             ((ROOT / "kimi", fewer, "--data", TOKENS), "layer counts"),
-             ((ROOT / "kimi", folder, "--data", big), "outside the vocabulary"),
-             ((ROOT / "kimi", tmp_path / "missing", "--data", TOKENS), "missing"),
-             ((ROOT / "kimi", folder), "--data"),
-             ((folder, ROOT / "kimi", "--data", TOKENS), "give the MXFP4 (or bf16) source first"),
-             ((ROOT / "kimi", folder, "--data", TOKENS, "--intermediates"), "--intermediates applies to ONNX"),
+             ((ROOT / "deepseek_v3", folder, "--data", long_rows, "--seq-len", 400_000), "--seq-len"),
+             ((ROOT / "deepseek_v3", fewer, "--data", TOKENS), "layer counts"),
+             ((ROOT / "deepseek_v3", folder, "--data", big), "outside the vocabulary"),
+             ((ROOT / "deepseek_v3", tmp_path / "missing", "--data", TOKENS), "missing"),
+             ((ROOT / "deepseek_v3", folder), "--data"),
+             ((folder, ROOT / "deepseek_v3", "--data", TOKENS), "give the MXFP4 (or bf16) source first"),
+             ((ROOT / "deepseek_v3", folder, "--data", TOKENS, "--intermediates"), "--intermediates applies to ONNX"),
              ((ROOT.parent / "moe.onnx", ROOT.parent / "moe.onnx", "--data", TOKENS), "--data applies to checkpoint")]
     for argv, words in cases:
         code, err = cli(capsys, "diff", *argv, "--json", report)
@@ -366,7 +366,7 @@ def test_right_padding_is_not_compared(clean, tmp_path):
     rows run alone at their own lengths (causal attention: padding after a token never reaches it)."""
     import fp4pass.checkpoint
 
-    folder, _ = clean("kimi", "compressed-tensors")
+    folder, _ = clean("deepseek_v3", "compressed-tensors")
     ids = np.load(TOKENS)["input_ids"][:4].astype(np.int64)  # [4, 32]
     lengths = [32, 20, 27, 12]
     mask = (np.arange(32)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
@@ -376,8 +376,8 @@ def test_right_padding_is_not_compared(clean, tmp_path):
     alone.mkdir()
     for i, n in enumerate(lengths):
         np.savez(alone / f"row{i}.npz", input_ids=ids[i:i + 1, :n])
-    padded = fp4pass.checkpoint.diff(ROOT / "kimi", folder, tmp_path / "padded.npz", batch_size=2, device="cpu")
-    single = fp4pass.checkpoint.diff(ROOT / "kimi", folder, alone, batch_size=1, device="cpu")
+    padded = fp4pass.checkpoint.diff(ROOT / "deepseek_v3", folder, tmp_path / "padded.npz", batch_size=2, device="cpu")
+    single = fp4pass.checkpoint.diff(ROOT / "deepseek_v3", folder, alone, batch_size=1, device="cpu")
     assert padded.run["tokens"] == single.run["tokens"] == sum(lengths)
     for a, b in zip(padded.layers, single.layers):
         assert a["snr_db_local"] == pytest.approx(b["snr_db_local"], abs=0.02)
@@ -394,12 +394,12 @@ def test_hub_model_ids_diff_offline_from_the_cache(clean, tmp_path, capsys, monk
     the folders themselves."""
     from test_hub import COMMIT_A, COMMIT_B, add_snapshot
 
-    folder, before = clean("kimi", "compressed-tensors")
+    folder, before = clean("deepseek_v3", "compressed-tensors")
     cache = tmp_path / "hub-cache"
     cache.mkdir()
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    add_snapshot(cache, "acme/kimi-tiny", ROOT / "kimi", COMMIT_A)
+    add_snapshot(cache, "acme/kimi-tiny", ROOT / "deepseek_v3", COMMIT_A)
     add_snapshot(cache, "acme/kimi-tiny-nvfp4", folder, COMMIT_B)
     report = tmp_path / "hub.json"
     code, err = cli(capsys, "diff", "acme/kimi-tiny", "acme/kimi-tiny-nvfp4", "--data", TOKENS, "--batch-size", BATCH,
@@ -433,9 +433,9 @@ def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(clean, tmp_p
     import subprocess
     import sys
 
-    folder, single = clean("kimi", "compressed-tensors")
+    folder, single = clean("deepseek_v3", "compressed-tensors")
     env = {**os.environ, "PYTHONPATH": str(ROOT.parents[1])}
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "store"), str(ROOT / "kimi"),
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "store"), str(ROOT / "deepseek_v3"),
                                str(folder), str(TOKENS), str(tmp_path / f"r{r}.json")], env=env) for r in range(2)]
     assert [p.wait(timeout=600) for p in ranks] == [0, 0]
     want = single.to_json()
@@ -452,7 +452,7 @@ def test_two_gloo_ranks_split_the_batches_and_reduce_to_one_process(clean, tmp_p
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("kimi", "compressed-tensors"),
+@pytest.mark.parametrize("name,fmt", [("gpt_oss", "modelopt"), ("deepseek_v3", "compressed-tensors"),
                                       ("deepseek", "compressed-tensors")])
 def test_cuda_run_gives_the_cpu_figures(clean, name, fmt):
     """On CUDA (bf16 products there, float32 products on this CPU) every figure within 0.5 dB of the CPU's."""

@@ -25,7 +25,7 @@ pytest.importorskip("compressed_tensors")
 # -- what a script reads: every expert by its checkpoint module, the limit that failed, --seq-len 1 -------------
 
 @pytest.mark.parametrize("name,fmt,layer_prefix,expert_module", [
-    ("kimi", "compressed-tensors", "model.layers.{l}", "model.layers.{l}.mlp.experts.{e}"),
+    ("deepseek_v3", "compressed-tensors", "model.layers.{l}", "model.layers.{l}.mlp.experts.{e}"),
     ("gpt_oss", "modelopt", "model.layers.{l}", "model.layers.{l}.mlp.experts"),  # one stack holds every expert
     ("deepseek", "compressed-tensors", "layers.{l}", "layers.{l}.ffn.experts.{e}"),  # the model says mlp
 ])
@@ -49,12 +49,12 @@ def test_json_names_every_expert_and_layer_by_its_checkpoint_module(clean, name,
 
 
 def test_cli_json_says_which_limit_failed(clean, tmp_path, capsys):
-    folder, before = clean("kimi", "compressed-tensors")
+    folder, before = clean("deepseek_v3", "compressed-tensors")
     worst = min(range(2), key=lambda i: before.layers[i]["snr_db_local"])
     snr = before.layers[worst]["snr_db_local"]
     kl = before.logits["kl_mean"]
     report = tmp_path / "f.json"
-    code, out, _ = run_cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--json", report,
+    code, out, _ = run_cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--json", report,
                            "--snr-min", snr + 0.25, "--kl-max", kl * 2)  # the SNR fails, the KL does not
     assert code == 1
     data = json.loads(report.read_text())
@@ -62,7 +62,7 @@ def test_cli_json_says_which_limit_failed(clean, tmp_path, capsys):
     assert data["failed"] == [{"limit": "snr_min", "value": round(snr, 4), "threshold": snr + 0.25, "layer": worst,
                                "where": f"model.layers.{worst}", "found": data["failed"][0]["found"]}]
     assert f"FAILED --snr-min {snr + 0.25}: layer {worst} (model.layers.{worst}): local SNR" in out
-    code, out, _ = run_cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--json", report,
+    code, out, _ = run_cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--json", report,
                            "--snr-min", snr - 0.25, "--kl-max", kl / 2)  # now the KL alone
     assert code == 1
     assert [(f["limit"], f["threshold"], f["where"]) for f in json.loads(report.read_text())["failed"]] == \
@@ -71,9 +71,9 @@ def test_cli_json_says_which_limit_failed(clean, tmp_path, capsys):
 
 def test_cli_seq_len_1_prints_its_table_and_writes_its_json(clean, tmp_path, capsys):
     """Rows of one token have no next token to score: no perplexity (null), and the rest of the figures."""
-    folder, _ = clean("kimi", "compressed-tensors")
+    folder, _ = clean("deepseek_v3", "compressed-tensors")
     report = tmp_path / "one.json"
-    code, out, err = run_cli(capsys, "diff", ROOT / "kimi", folder, "--data", TOKENS, "--seq-len", 1,
+    code, out, err = run_cli(capsys, "diff", ROOT / "deepseek_v3", folder, "--data", TOKENS, "--seq-len", 1,
                              "--json", report)
     assert code == 0, err
     data = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
@@ -96,11 +96,11 @@ def _cli_failed(capsys, name, folder, tmp_path):
 
 
 def test_nan_global_scale_of_one_expert_fails_at_its_layer_and_expert(clean, tmp_path, capsys):
-    folder, before = clean("kimi", "compressed-tensors")
+    folder, before = clean("deepseek_v3", "compressed-tensors")
     bad = _copy(folder, tmp_path / "nan")
     tensor = "model.layers.1.mlp.experts.2.w2.weight_global_scale"
     _edit(bad, lambda t: t.__setitem__(tensor, torch.tensor([float("nan")])))
-    data, out = _cli_failed(capsys, "kimi", bad, tmp_path)
+    data, out = _cli_failed(capsys, "deepseek_v3", bad, tmp_path)
     assert [(f["limit"], f["layer"], f["where"]) for f in data["failed"]] == [
         ("finite", 1, tensor), ("finite", 1, "model.layers.1.mlp.experts.2"), ("finite", None, "logits")]
     assert data["failed"][0]["found"] == "global scale NaN"
@@ -112,10 +112,10 @@ def test_nan_global_scale_of_one_expert_fails_at_its_layer_and_expert(clean, tmp
 def test_zero_divisor_global_scale_of_an_attention_output_is_named_at_that_module(clean, tmp_path, capsys):
     """A zero compressed-tensors global scale (a divisor) is finite, but decodes to Inf weights: the first module
     whose output holds NaN/Inf is named, in the first layer where they appear."""
-    folder, _ = clean("kimi", "compressed-tensors")
+    folder, _ = clean("deepseek_v3", "compressed-tensors")
     bad = _copy(folder, tmp_path / "zero")
     _edit(bad, lambda t: t.__setitem__("model.layers.1.self_attn.o_proj.weight_global_scale", torch.tensor([0.0])))
-    data, _ = _cli_failed(capsys, "kimi", bad, tmp_path)
+    data, _ = _cli_failed(capsys, "deepseek_v3", bad, tmp_path)
     assert data["nonfinite_scales"] == []
     assert [(f["limit"], f["layer"], f["where"]) for f in data["failed"]][0] == \
         ("finite", 1, "model.layers.1.self_attn.o_proj")
@@ -135,11 +135,11 @@ def test_nan_input_scale_of_a_gpt_oss_stack_is_named(clean, tmp_path, capsys):
 def test_an_infinite_input_scale_fails_even_where_the_outputs_stay_finite(clean, tmp_path, capsys):
     """An infinite activation global scale zeroes that input (every block's step s / g is 0): nothing in the
     outputs is NaN, yet the checkpoint is broken."""
-    folder, _ = clean("kimi", "compressed-tensors")
+    folder, _ = clean("deepseek_v3", "compressed-tensors")
     bad = _copy(folder, tmp_path / "inf")
     tensor = "model.layers.1.mlp.experts.0.w1.input_global_scale"
     _edit(bad, lambda t: t.__setitem__(tensor, torch.tensor([float("inf")])))
-    data, _ = _cli_failed(capsys, "kimi", bad, tmp_path)
+    data, _ = _cli_failed(capsys, "deepseek_v3", bad, tmp_path)
     assert data["failed"] == [{"limit": "finite", "value": None, "threshold": None, "layer": 1, "where": tensor,
                                "found": "input scale inf"}]
 
@@ -185,7 +185,7 @@ def _doubled(name: str, dim: int):
 
 @pytest.mark.parametrize("name,fmt,edit,declared,words", [
     # 8 GiB of codes (and the block scales that go with them) where expert 2's w1 needs 1 KiB
-    ("kimi", "compressed-tensors", {"model.layers.1.mlp.experts.2.w1.weight_packed": [1 << 20, 1 << 13],
+    ("deepseek_v3", "compressed-tensors", {"model.layers.1.mlp.experts.2.w1.weight_packed": [1 << 20, 1 << 13],
                                     "model.layers.1.mlp.experts.2.w1.weight_scale": [1 << 20, 1 << 10]},
      "model.layers.1.mlp.experts.2.w1.weight_packed", ["[1048576, 8192]", "needs [32, 32]"]),
     # the same for a whole gpt-oss stack: [E, K/2, N] declared 16 GiB
@@ -200,12 +200,12 @@ def _doubled(name: str, dim: int):
                                                     torch.ones(4)),
      "model.layers.0.mlp.experts.down_proj_weight_scale_2", ["holds 4 values", "needs 1 or 3"]),
     # an NVFP4 Linear whose codes and block scales agree with each other, not with the model: half its rows
-    ("kimi", "compressed-tensors", lambda t: [t.__setitem__(k, t[k][:32]) for k in
+    ("deepseek_v3", "compressed-tensors", lambda t: [t.__setitem__(k, t[k][:32]) for k in
                                                ("model.layers.0.self_attn.o_proj.weight_packed",
                                                 "model.layers.0.self_attn.o_proj.weight_scale")],
      "model.layers.0.self_attn.o_proj.weight_packed", ["[32, 32]", "needs [64, 32]"]),
     # a bf16 tensor the NVFP4 side keeps as it is, twice the model's rows
-    ("kimi", "compressed-tensors", _doubled("model.layers.1.mlp.shared_experts.gate_proj.weight", 0),
+    ("deepseek_v3", "compressed-tensors", _doubled("model.layers.1.mlp.shared_experts.gate_proj.weight", 0),
      "model.layers.1.mlp.shared_experts.gate_proj.weight", ["[64, 64]", "needs [32, 64]"]),
 ])
 def test_headers_that_do_not_fit_the_model_are_refused_before_any_read(clean, tmp_path, capsys, monkeypatch, name,

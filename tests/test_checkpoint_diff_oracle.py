@@ -17,12 +17,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 #: bundled family -> (transformers model type, {checkpoint dense module: model module} where they differ)
-FAMILIES = {"gpt_oss": ("gpt_oss", {}), "kimi": ("deepseek_v3", {}),
+FAMILIES = {"gpt_oss": ("gpt_oss", {}), "deepseek_v3": ("deepseek_v3", {}),
             "deepseek": ("deepseek_v4", {f"layers.{i}.attn.wo_b": f"model.layers.{i}.self_attn.o_b_proj"
                                          for i in range(2)})}
 #: (family, --format, calibrated input scales: W4A4)
-CASES = [("gpt_oss", "modelopt", True), ("gpt_oss", "modelopt", False), ("kimi", "compressed-tensors", True),
-         ("kimi", "modelopt", False),
+CASES = [("gpt_oss", "modelopt", True), ("gpt_oss", "modelopt", False), ("deepseek_v3", "compressed-tensors", True),
+         ("deepseek_v3", "modelopt", False),
          ("deepseek", "compressed-tensors", True), ("deepseek", "modelopt", True)]
 
 
@@ -68,7 +68,7 @@ def test_figures_match_an_independent_forward(tmp_path, name, fmt, calibrated):
     model_type, dense = FAMILIES[name]
     oracle = figures(bf16_source(name, tmp_path), nvfp4, model_type, _ids(), BATCH, tmp_path, dense)
     _agree(ours, oracle)
-    if (name, calibrated) == ("kimi", False):  # every Kimi expert converts losslessly: W4A16 changes nothing
+    if (name, calibrated) == ("deepseek_v3", False):  # every Kimi expert converts losslessly: W4A16 changes nothing
         assert all(r["snr_db_local"] is None for r in ours.layers) and ours.logits["kl_mean"] == 0.0
     else:
         assert all(r["snr_db_local"] is not None for r in ours.layers)
@@ -144,12 +144,12 @@ def test_rows_of_one_token_match_an_independent_forward(tmp_path):
     """``--seq-len 1``: every figure but the perplexities (no row has a next token: both None), as the oracle's."""
     import fp4pass.checkpoint
 
-    nvfp4 = _convert(tmp_path, "kimi", "compressed-tensors", True)
+    nvfp4 = _convert(tmp_path, "deepseek_v3", "compressed-tensors", True)
     ids = _ids()[:, :1]
     data = tmp_path / "one.npz"
     np.savez(data, input_ids=ids.numpy())
-    ours = fp4pass.checkpoint.diff(ROOT / "kimi", nvfp4, data, batch_size=BATCH, device="cpu")
-    oracle = figures(bf16_source("kimi", tmp_path), nvfp4, "deepseek_v3", ids, BATCH, tmp_path)
+    ours = fp4pass.checkpoint.diff(ROOT / "deepseek_v3", nvfp4, data, batch_size=BATCH, device="cpu")
+    oracle = figures(bf16_source("deepseek_v3", tmp_path), nvfp4, "deepseek_v3", ids, BATCH, tmp_path)
     assert ours.logits["ppl_source"] is None and ours.logits["ppl_nvfp4"] is None and ours.logits["tokens"] == 16
     assert oracle["logits"]["ppl_source"] is None
     _agree(ours, oracle)

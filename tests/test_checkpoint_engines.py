@@ -37,7 +37,7 @@ from vllm_probe import vllm_path  # noqa: E402
 INPUT_SCALE = 0.0123  # a multiplier (amax / 2688), distinct from every weight scale of the examples
 
 # family -> (source folder or builder, formats the converter writes for it)
-FAMILIES = {"gpt_oss": ("modelopt",), "kimi": ("modelopt", "compressed-tensors"),
+FAMILIES = {"gpt_oss": ("modelopt",), "deepseek_v3": ("modelopt", "compressed-tensors"),
             "kimi_k3": ("modelopt", "compressed-tensors"),
             "deepseek": ("modelopt", "compressed-tensors"), "deepseek_experts": ("modelopt", "compressed-tensors")}
 
@@ -46,10 +46,10 @@ FAMILIES = {"gpt_oss": ("modelopt",), "kimi": ("modelopt", "compressed-tensors")
 EXPECTED = {
     ("gpt_oss", "modelopt", False): {"vllm": None, "sglang": None, "trtllm": None},
     ("gpt_oss", "modelopt", True): {"vllm": None, "sglang": None, "trtllm": None},
-    ("kimi", "modelopt", False): {"vllm": "W4A16", "sglang": "W4A16", "trtllm": "W4A16"},
-    ("kimi", "modelopt", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": "W4A4"},
-    ("kimi", "compressed-tensors", False): {"vllm": "W4A16", "sglang": "W4A16", "trtllm": None},
-    ("kimi", "compressed-tensors", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": None},
+    ("deepseek_v3", "modelopt", False): {"vllm": "W4A16", "sglang": "W4A16", "trtllm": "W4A16"},
+    ("deepseek_v3", "modelopt", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": "W4A4"},
+    ("deepseek_v3", "compressed-tensors", False): {"vllm": "W4A16", "sglang": "W4A16", "trtllm": None},
+    ("deepseek_v3", "compressed-tensors", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": None},
     # Kimi-K3 as released (nested text_config, latent MoE, vision tower): TensorRT-LLM's loader was not read
     ("kimi_k3", "modelopt", False): {"vllm": "W4A16", "sglang": "W4A16", "trtllm": None},
     ("kimi_k3", "modelopt", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": None},
@@ -174,11 +174,11 @@ def test_convert_engine_flag_refuses_what_that_engine_does_not_load(tmp_path, ca
     from fp4pass.cli import main
 
     out = tmp_path / "o"
-    rc = main(["convert", str(BUNDLED / "kimi"), "-o", str(out), "--format", "compressed-tensors", "--engine",
+    rc = main(["convert", str(BUNDLED / "deepseek_v3"), "-o", str(out), "--format", "compressed-tensors", "--engine",
                "trtllm", "--quiet"])
     assert rc == 2 and not out.exists()
     assert "would not load in trtllm" in capsys.readouterr().err
-    rc = main(["convert", str(BUNDLED / "kimi"), "-o", str(out), "--engine", "sglang"])
+    rc = main(["convert", str(BUNDLED / "deepseek_v3"), "-o", str(out), "--engine", "sglang"])
     err = capsys.readouterr().err
     assert rc == 0 and out.exists()
     assert "engines: vllm loads W4A16; sglang loads W4A16; trtllm loads W4A16" in err
@@ -442,7 +442,7 @@ def test_vllm_moe_create_weights_takes_our_expert_tensors(outputs, vllm_results)
     """ModelOptNvFp4FusedMoE.create_weights: w13 = [w1; w3] per expert, our per-expert shapes fit its slices."""
     from checkpoint_oracles import Folder
 
-    folder = outputs[("kimi", "modelopt", True)][0]
+    folder = outputs[("deepseek_v3", "modelopt", True)][0]
     params = {n: (d, s) for n, d, s in vllm_results[str(folder)]["moe_params"]}
     out = Folder(folder)
     w1 = "model.layers.0.mlp.experts.0.w1"

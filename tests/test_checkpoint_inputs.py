@@ -99,7 +99,7 @@ FORECAST_INPUTS = [("compressed-tensors", "w", None), ("compressed-tensors", "hf
 
 def _forecast_cases():
     cases = [pytest.param(("built", *c), id=f"{c[0]}-{c[1]}-{len(c[2] or {})}lossy") for c in FORECAST_INPUTS]
-    for folder in ("models/tiny_gpt_oss", "models/checkpoints/kimi", "models/checkpoints/deepseek"):
+    for folder in ("models/tiny_gpt_oss", "models/checkpoints/deepseek_v3", "models/checkpoints/deepseek"):
         cases.append(pytest.param(("bundled", folder), id=folder.rpartition("/")[2]))
     return cases
 

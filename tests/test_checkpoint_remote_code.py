@@ -48,7 +48,7 @@ class ToyMoeForCausalLM(DeepseekV3ForCausalLM):
 def remote(tmp_path):
     """(folder, marker): the bundled DeepSeek-V3-architecture weights under a model type only its code knows."""
     folder = tmp_path / "toy"
-    shutil.copytree(ROOT / "kimi", folder)
+    shutil.copytree(ROOT / "deepseek_v3", folder)
     marker = tmp_path / "imported.txt"
     (folder / "configuration_toy.py").write_text(CONFIG_CODE)
     (folder / "modeling_toy.py").write_text(MODEL_CODE.format(marker=str(marker)))
@@ -74,7 +74,7 @@ def test_with_the_flag_it_runs_the_folders_code_and_calibrates_as_the_known_mode
     folder, marker = remote
     ours = fp4pass.checkpoint.calibrate(folder, DATA, trust_remote_code=True)
     assert marker.exists() and ours.model_type == "toy_moe"
-    known = fp4pass.checkpoint.calibrate(ROOT / "kimi", DATA)  # transformers' own DeepseekV3ForCausalLM
+    known = fp4pass.checkpoint.calibrate(ROOT / "deepseek_v3", DATA)  # transformers' own DeepseekV3ForCausalLM
     assert known.model_type == "deepseek_v3"
     assert ours.to_json()["tensors"] == known.to_json()["tensors"] and len(known.tensors) == 20
 

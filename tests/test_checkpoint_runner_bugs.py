@@ -30,8 +30,8 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
 TOKENS = ROOT / "calib_tokens.npz"
-MODEL_TYPES = {"kimi": "deepseek_v3", "gpt_oss": "gpt_oss"}
-DENSE = {"kimi": ("self_attn.o_proj", "model.layers.{}.self_attn.o_proj"), "gpt_oss": (None, None)}
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
+DENSE = {"deepseek_v3": ("self_attn.o_proj", "model.layers.{}.self_attn.o_proj"), "gpt_oss": (None, None)}
 
 
 def masked_oracle(ckpt: Path, model_type: str, dense: str | None, tmp: Path, batches) -> dict:
@@ -115,8 +115,8 @@ def padded_rows() -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-@pytest.mark.parametrize("family,rows", [("kimi", slice(0, 4)), ("gpt_oss", slice(0, 4)), ("kimi", slice(0, 2)),
-                                         ("kimi", slice(2, 4))], ids=["kimi", "gpt_oss", "kimi-left", "kimi-middle"])
+@pytest.mark.parametrize("family,rows", [("deepseek_v3", slice(0, 4)), ("gpt_oss", slice(0, 4)), ("deepseek_v3", slice(0, 2)),
+                                         ("deepseek_v3", slice(2, 4))], ids=["deepseek_v3", "gpt_oss", "kimi-left", "kimi-middle"])
 def test_left_and_middle_padding_match_the_whole_model_forward_with_the_mask(tmp_path, family, rows):
     """Two batches of the same shape [2, 32] with different masks (left padding, then middle padding), or one
     of them alone: every expert's token count and amax, and the dense MXFP4 input, equal hooks on transformers'
@@ -141,10 +141,10 @@ def test_left_and_middle_padding_match_the_whole_model_forward_with_the_mask(tmp
 
 
 def many_experts(folder: Path, count: int, seed: int = 7) -> Path:
-    """The bundled Kimi example with ``count`` MXFP4 experts a layer (compressed-tensors ``experts.<e>.w1|w3|w2``),
+    """The bundled DeepSeek-V3-architecture example with ``count`` MXFP4 experts a layer (compressed-tensors ``experts.<e>.w1|w3|w2``),
     each expert's codes random and its scales around its own exponent (-7 + e % 6), and a random router."""
     rng = np.random.default_rng(seed)
-    src = Folder(ROOT / "kimi")
+    src = Folder(ROOT / "deepseek_v3")
     tensors = {n: src.get(n) for n in src.keys() if ".mlp.experts." not in n and ".mlp.gate." not in n}
     for layer in (0, 1):
         mlp = f"model.layers.{layer}.mlp"
@@ -157,7 +157,7 @@ def many_experts(folder: Path, count: int, seed: int = 7) -> Path:
                 scales = (127 - 7 + e % 6 + rng.integers(-1, 2, (rows, k // 32))).astype(np.uint8)
                 tensors[f"{mlp}.experts.{e}.{proj}.weight_packed"] = torch.from_numpy(codes)
                 tensors[f"{mlp}.experts.{e}.{proj}.weight_scale"] = torch.from_numpy(scales)
-    config = json.loads((ROOT / "kimi" / "config.json").read_text())
+    config = json.loads((ROOT / "deepseek_v3" / "config.json").read_text())
     config["n_routed_experts"] = count
     return write_checkpoint(folder, tensors, config)
 

@@ -521,9 +521,9 @@ def test_mxfp4_folder_keeps_the_mxfp4_inspection(tmp_path, capsys):
     forecast; an NVFP4 folder without any quantization config is found by its scale tensors."""
     from fp4pass.cli import main
 
-    folder = _copy(Path("models/checkpoints/kimi"), tmp_path)
+    folder = _copy(Path("models/checkpoints/deepseek_v3"), tmp_path)
     (folder / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
-    for source in ("models/checkpoints/kimi", folder):
+    for source in ("models/checkpoints/deepseek_v3", folder):
         assert main(["inspect", str(source), "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert "weights" in out and "problems" not in out
@@ -531,7 +531,7 @@ def test_mxfp4_folder_keeps_the_mxfp4_inspection(tmp_path, capsys):
     _edit_json(bare / "config.json", lambda d: d.pop("quantization_config"))
     assert main(["inspect", str(bare), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["form"] == "unknown"
-    code, err = cli(capsys, "inspect", "models/checkpoints/kimi", "--engine", "vllm")
+    code, err = cli(capsys, "inspect", "models/checkpoints/deepseek_v3", "--engine", "vllm")
     assert code == 2 and "--engine" in err
 
 
@@ -581,7 +581,7 @@ def test_reads_scales_not_codes(tmp_path, monkeypatch):
 
 # -------------------------------------------------------------------------------- fp4pass's own outputs
 
-OWN = [(model, fmt, scale) for model in ("gpt_oss", "kimi", "deepseek")
+OWN = [(model, fmt, scale) for model in ("gpt_oss", "deepseek_v3", "deepseek")
        for fmt in ("modelopt", "compressed-tensors") for scale in (None, 0.5)
        if not (model == "gpt_oss" and fmt == "compressed-tensors")]
 
@@ -616,11 +616,11 @@ def test_convert_checks_its_own_output(tmp_path, monkeypatch, capsys):
     stores a multiplier where compressed-tensors keeps a divisor is exit 3, with nothing written."""
     from fp4pass.checkpoint import convert, engine
 
-    report = convert("models/checkpoints/kimi", tmp_path / "good", format="compressed-tensors", input_scale=0.5)
+    report = convert("models/checkpoints/deepseek_v3", tmp_path / "good", format="compressed-tensors", input_scale=0.5)
     assert report["validation"]["problems"] == validate(tmp_path / "good")["problems"]
     assert set(report["validation"]["engines"]) == {"vllm", "sglang", "trtllm"}
     monkeypatch.setattr(engine, "reciprocal", lambda value: value)  # the writer's bug: no 1/x
-    code, err = cli(capsys, "convert", "models/checkpoints/kimi", "-o", tmp_path / "bad", "--format",
+    code, err = cli(capsys, "convert", "models/checkpoints/deepseek_v3", "-o", tmp_path / "bad", "--format",
                     "compressed-tensors", "--input-scale", "0.5")
     assert code == 3 and "scale_convention" in err and not (tmp_path / "bad").exists()
 
@@ -629,14 +629,14 @@ def test_convert_checks_its_own_output(tmp_path, monkeypatch, capsys):
 def test_convert_of_large_or_zero_weights_is_not_called_a_writer_bug(tmp_path, capsys, fmt):
     """The validator's magnitude guesses cannot tell a weight amax above 2^10 from a swapped global scale, nor an
     all-zero expert's global scale of 1 from a folded one. In a folder fp4pass wrote the scales are the weights'
-    own: a Kimi-style expert whose E8M0 codes reach 137 (amax 6 x 2^10) and an all-zero expert convert (exit 0,
+    own: a compressed-tensors expert whose E8M0 codes reach 137 (amax 6 x 2^10) and an all-zero expert convert (exit 0,
     also with --method requant), and the same folder through `inspect` still shows the guess, marked as one."""
     import shutil
 
     from checkpoint_oracles import rewrite_shard
 
     src = tmp_path / "src"
-    shutil.copytree("models/checkpoints/kimi", src)
+    shutil.copytree("models/checkpoints/deepseek_v3", src)
     layer = "model.layers.1.mlp.experts"
 
     def edit(tensors):

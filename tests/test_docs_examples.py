@@ -1,6 +1,6 @@
 """What the README, docs/ and --help examples say about their outputs holds: a report file name names one kind of
 report, a documented conversion of a bundled checkpoint writes a form some engine loads (unless none does for
-that family), the counts printed for the Kimi-shaped example count what they say, and fp4pass.onnx.convert
+that family), the counts printed for the DeepSeek-V3-architecture example count what they say, and fp4pass.onnx.convert
 returns what docs/usage.md says for each kind of input.
 
 Oracles: the engine verdicts are fp4pass's encoded engine rules (tested against vLLM's own code in
@@ -23,7 +23,7 @@ from cli_helpers import run_cli
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
-KIMI = ROOT / "models" / "checkpoints" / "kimi"
+KIMI = ROOT / "models" / "checkpoints" / "deepseek_v3"
 
 
 def _help_texts() -> list[str]:
@@ -131,7 +131,7 @@ def test_documented_bundled_conversions_write_a_form_an_engine_loads(tmp_path, c
     """Each documented ``convert models/checkpoints/...`` writes a form some engine loads; where none does, the
     other form loads nowhere either (gpt-oss: compressed-tensors is refused, ModelOpt loads nowhere yet)."""
     conversions = _bundled_conversions()
-    assert {words[0] for _, words in conversions} >= {"models/checkpoints/kimi", "models/checkpoints/gpt_oss",
+    assert {words[0] for _, words in conversions} >= {"models/checkpoints/deepseek_v3", "models/checkpoints/gpt_oss",
                                                         "models/checkpoints/deepseek"}
     wrong = []
     for n, (where, words) in enumerate(conversions):
@@ -148,7 +148,7 @@ def test_documented_bundled_conversions_write_a_form_an_engine_loads(tmp_path, c
     assert wrong == []
 
 
-# -- counts of the Kimi-shaped example ------------------------------------------------------------------------
+# -- counts of the DeepSeek-V3-architecture example ------------------------------------------------------------------------
 
 
 def _expert_matrices(weights: list[dict]) -> int:
@@ -162,7 +162,7 @@ def _expert_counts(line: str) -> list[int]:
 
 
 def test_kimi_counts_say_weights_where_attention_is_counted_too(tmp_path, capsys):
-    """The bundled Kimi-shaped example has 18 expert weights and 2 attention o_proj Linears in MXFP4: no count
+    """The bundled DeepSeek-V3-architecture example has 18 expert weights and 2 attention o_proj Linears in MXFP4: no count
     of all 20 may call them experts, in inspect's or convert's summary, and the README quotes inspect's line."""
     import fp4pass.checkpoint
 
@@ -176,7 +176,7 @@ def test_kimi_counts_say_weights_where_attention_is_counted_too(tmp_path, capsys
     assert code == 0, err
     (converted,) = [line for line in err.splitlines() if "weights converted" in line]
     assert all(total == 18 for total in _expert_counts(converted)), converted
-    (comment,) = re.findall(r"fp4pass inspect models/checkpoints/kimi\s+# (.*)$", README.read_text(), flags=re.M)
+    (comment,) = re.findall(r"fp4pass inspect models/checkpoints/deepseek_v3\s+# (.*)$", README.read_text(), flags=re.M)
     assert comment == summary
 
 

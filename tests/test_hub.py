@@ -27,7 +27,7 @@ from fp4pass.hub import HUB_FILES, HUB_IGNORED, HubError, parse_hub_id, resolve_
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 ROOT = Path(__file__).resolve().parents[1]
-KIMI, GPT_OSS, DEEPSEEK = (ROOT / "models" / "checkpoints" / name for name in ("kimi", "gpt_oss", "deepseek"))
+KIMI, GPT_OSS, DEEPSEEK = (ROOT / "models" / "checkpoints" / name for name in ("deepseek_v3", "gpt_oss", "deepseek"))
 COMMIT_A, COMMIT_B = "a1" * 20, "b2" * 20
 
 
@@ -92,7 +92,7 @@ def _tensors(folder: Path) -> dict:
     ("org/name@refs/pr/12", ("org/name", "refs/pr/12")),
     (f"org/name@{COMMIT_B}", ("org/name", COMMIT_B)),
     ("gpt-oss-20b", None),                   # a folder name: no organisation
-    ("models/checkpoints/kimi", None),       # a path of three parts
+    ("models/checkpoints/deepseek_v3", None),       # a path of three parts
     ("models/moe.onnx", None),               # a file
     ("data/calib.npz", None),
     ("/abs/org", None), ("./org/name", None), ("../org/name", None), ("org/name/", None),

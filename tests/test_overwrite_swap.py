@@ -258,7 +258,7 @@ def test_a_swap_state_that_fp4pass_did_not_write_is_ignored(tmp_path):
     assert fswap.read_state(staging) == {"target": "x", "new": (1, 2)}
 
 
-KIMI = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "kimi"
+KIMI = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "deepseek_v3"
 
 
 def test_convert_overwrite_with_scales_inside_out_is_refused_and_keeps_them(tmp_path, capsys):

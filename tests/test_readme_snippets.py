@@ -127,7 +127,7 @@ def _run_python(code: str, folder: Path) -> subprocess.CompletedProcess:
 
 def test_the_git_oracle_sees_what_is_not_ignored(tmp_path):
     """The oracle itself: an ignored name is not listed, a name .gitignore does not cover is."""
-    assert _untracked(["tiny_gpt_oss.nvfp4.onnx", "kimi-nvfp4/", "notes.txt", "models.json"], tmp_path / "o") == \
+    assert _untracked(["tiny_gpt_oss.nvfp4.onnx", "deepseek-v3-nvfp4/", "notes.txt", "models.json"], tmp_path / "o") == \
         ["models.json", "notes.txt"]
 
 
@@ -264,7 +264,7 @@ def test_outputs_named_by_the_examples_are_ignored(tmp_path):
     texts += [p.format_help() for p in _subparsers().values()]
     lines = [line.strip().removeprefix(INSTALL) for text in texts for line in text.splitlines()]
     outputs = sorted({o for line in lines for o in _outputs_of(line)})
-    assert {"kimi-report.json", "kimi-nvfp4/", "report.json", "moe.nvfp4.onnx", "bench.json"} <= set(outputs)
+    assert {"deepseek-v3-report.json", "deepseek-v3-nvfp4/", "report.json", "moe.nvfp4.onnx", "bench.json"} <= set(outputs)
     assert _untracked(outputs, tmp_path / "oracle") == []
 
 

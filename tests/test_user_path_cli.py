@@ -18,7 +18,7 @@ from fp4pass.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = ROOT / "models" / "moe.onnx"
-KIMI = ROOT / "models" / "checkpoints" / "kimi"
+KIMI = ROOT / "models" / "checkpoints" / "deepseek_v3"
 
 
 def _run(capsys, *argv):

@@ -17,7 +17,7 @@ from tests.cli_helpers import cli, one_line, run_cli
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 MOE, CALIB = MODELS / "moe.onnx", MODELS / "calib.npz"
-KIMI = MODELS / "checkpoints" / "kimi"
+KIMI = MODELS / "checkpoints" / "deepseek_v3"
 TEXT = MODELS / "checkpoints" / "calib_text.jsonl"
 
 

@@ -21,7 +21,7 @@ from tests.cli_helpers import cli, one_line, run_cli
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 MOE, CALIB = MODELS / "moe.onnx", MODELS / "calib.npz"
-KIMI = MODELS / "checkpoints" / "kimi"
+KIMI = MODELS / "checkpoints" / "deepseek_v3"
 TOKENS = MODELS / "checkpoints" / "calib_tokens.npz"
 THIRD_PARTY = ROOT / "tests" / "fixtures" / "nvfp4_thirdparty"
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -407,7 +407,7 @@ def test_the_folder_convert_table_has_a_header_over_its_columns(work, capsys):
 
 
 def test_sub_folders_left_out_are_named(work, capsys):
-    src = work / "kimi"
+    src = work / "deepseek_v3"
     shutil.copytree(KIMI, src)
     (src / "original").mkdir()
     (src / "original" / "consolidated.00.pth").write_bytes(b"x")

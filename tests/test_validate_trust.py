@@ -58,10 +58,10 @@ def _inspect(capsys, folder: Path, *flags: str) -> tuple[int, dict]:
 
 # --------------------------------------------------------------------------------- correct checkpoints
 
-OWN = [("gpt_oss", "modelopt", ["--input-scale", "0.5"]), ("kimi", "compressed-tensors", []),
-       ("kimi", "modelopt", ["--input-scale", "0.5"]), ("deepseek", "compressed-tensors", ["--input-scale", "0.5"]),
+OWN = [("gpt_oss", "modelopt", ["--input-scale", "0.5"]), ("deepseek_v3", "compressed-tensors", []),
+       ("deepseek_v3", "modelopt", ["--input-scale", "0.5"]), ("deepseek", "compressed-tensors", ["--input-scale", "0.5"]),
        ("deepseek", "modelopt", ["--input-scale", "0.5"]),
-       ("kimi", "compressed-tensors", ["--calib", "models/checkpoints/calib_tokens.npz"])]
+       ("deepseek_v3", "compressed-tensors", ["--calib", "models/checkpoints/calib_tokens.npz"])]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def _kimi_pair_source(tmp_path: Path) -> Path:
     from checkpoint_oracles import rewrite_shard
 
     src = tmp_path / "src"
-    shutil.copytree("models/checkpoints/kimi", src)
+    shutil.copytree("models/checkpoints/deepseek_v3", src)
     layer = "model.layers.1.mlp.experts.0"
 
     def spread(shape, lo: int, hi: int) -> torch.Tensor:
@@ -311,7 +311,7 @@ def test_checkpoint_inspect_validates_an_nvfp4_folder():
 
 
 def test_strict_is_refused_for_an_mxfp4_folder(capsys):
-    code, err = cli(capsys, "inspect", "models/checkpoints/kimi", "--strict")
+    code, err = cli(capsys, "inspect", "models/checkpoints/deepseek_v3", "--strict")
     assert code == 2 and "--strict" in err
 
 

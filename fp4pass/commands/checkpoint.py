@@ -22,7 +22,7 @@ FORMATS = ("modelopt", "compressed-tensors")
 CONVERT_EPILOG = """
 checkpoint folders (config.json + *.safetensors, MXFP4 experts in gpt-oss, compressed-tensors mxfp4-pack-quantized
 or DeepSeek-V4 form) convert into a new folder:
-  fp4pass convert models/checkpoints/kimi -o kimi-nvfp4 --format compressed-tensors --check   # bundled example
+  fp4pass convert models/checkpoints/deepseek_v3 -o deepseek-v3-nvfp4 --format compressed-tensors --check   # bundled example
   fp4pass convert gpt-oss-20b -o gpt-oss-20b-nvfp4 --format modelopt --check
   fp4pass convert kimi-k3 -o kimi-k3-nvfp4 --format compressed-tensors --input-scale 1.0 --report report.json
   fp4pass convert deepseek-v4 -o deepseek-v4-nvfp4 --scales SCALES.json

@@ -42,7 +42,7 @@ every tensor both graphs produce under the same name and names the first diverge
 scale are not compared with the other model's (a note names them): they differ by that scale by design.
 
 checkpoint folders (A: the MXFP4 or bf16 source, B: any NVFP4 checkpoint of that model, whoever wrote it):
-  fp4pass diff models/checkpoints/kimi kimi-nvfp4 --data models/checkpoints/calib_tokens.npz
+  fp4pass diff models/checkpoints/deepseek_v3 deepseek-v3-nvfp4 --data models/checkpoints/calib_tokens.npz
   fp4pass diff gpt-oss-20b gpt-oss-20b-nvfp4 --data calib.jsonl --seq-len 512 --num-samples 64 --json diff.json
   fp4pass diff deepseek-v4 deepseek-v4-nvfp4 --data calib.npz --snr-min 15 --kl-max 0.05 --plot snr.png
 Both run through transformers' own modeling code, one decoder layer at a time; the NVFP4 side decodes its

@@ -13,7 +13,7 @@ from fp4pass.io import json_text
 EPILOG = """examples:
   fp4pass inspect models/moe.onnx
   fp4pass inspect big/model.onnx --json > fp4.json
-""" + checkpoint.INSPECT_EPILOG + """  fp4pass inspect kimi-nvfp4 --strict  # an NVFP4 folder: warnings (magnitude guesses, an engine that does not load
+""" + checkpoint.INSPECT_EPILOG + """  fp4pass inspect deepseek-v3-nvfp4 --strict  # an NVFP4 folder: warnings (magnitude guesses, an engine that does not load
                                        # the form yet) exit 1 too; without --strict only errors do
 """
 

@@ -6,8 +6,8 @@ and a generation config to be copied) whose MXFP4 tensors are:
 
 - ``gpt-oss``: ``model.layers.{L}.mlp.experts.gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16] + ``_scales``
   uint8 [E, 2I, H/32], ``down_proj_*`` [E, H, I/32, 16] / [E, H, I/32], biases, a bf16 router;
-- ``compressed-tensors`` (Kimi-K3 style ``mxfp4-pack-quantized``): ``model.layers.{L}.mlp.experts.{e}.w1|w2|w3
-  .weight_packed`` uint8 [out, in/2] + ``.weight_scale`` uint8 E8M0 [out, in/32], a bf16 ``mlp.gate``;
+- ``compressed-tensors`` (``mxfp4-pack-quantized``, the form Kimi-K3's experts ship in, on a DeepSeek-V3-architecture
+  model): ``model.layers.{L}.mlp.experts.{e}.w1|w2|w3.weight_packed`` uint8 [out, in/2] + ``.weight_scale`` uint8 E8M0 [out, in/32], a bf16 ``mlp.gate``;
 - ``deepseek`` (DeepSeek-V4 native): ``layers.{L}.ffn.experts.{e}.w1|w2|w3.weight`` int8 packed E2M1 [out, in/2]
   + ``.scale`` float8_e8m0fnu [out, in/32], a bf16 ``ffn.gate``.
 
@@ -240,7 +240,9 @@ def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) ->
                                                                    "model.layers.*.mlp.router",
                                                                    "model.embed_tokens", "lm_head"]}}
     if form == "compressed-tensors":
-        return {**base, "architectures": ["KimiK3ForCausalLM"], "model_type": "kimi_k3", "n_routed_experts": experts,
+        # a DeepSeek-V3-architecture model under a model type transformers does not know, as Kimi-K2 ships
+        # (model_type kimi_k2, architectures DeepseekV3ForCausalLM); its experts in Kimi-K3's MXFP4 form
+        return {**base, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "n_routed_experts": experts,
                 "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
                                         "config_groups": {"group_0": {"targets": ["re:.*experts.*"], "weights": {
                                             "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
@@ -258,7 +260,7 @@ def _config(form: str, layers: int, experts: int, h: int, i: int, vocab: int) ->
 #: (layer 1, expert 2) and, except gpt-oss, a dense MXFP4 Linear per layer; the DeepSeek one is sharded.
 #: "kimi-k3" is the Kimi-K3 release's structure (:mod:`fp4pass.examples.kimi_k3`: compressed-tensors MXFP4
 #: experts, 12 a layer, the lossy one layer 2's expert 11)
-BUNDLED = {"gpt_oss": "gpt-oss", "kimi": "compressed-tensors", "deepseek": "deepseek", "kimi_k3": KIMI_K3}
+BUNDLED = {"gpt_oss": "gpt-oss", "deepseek_v3": "compressed-tensors", "deepseek": "deepseek", "kimi_k3": KIMI_K3}
 
 
 def build_bundled(root) -> list[Path]:

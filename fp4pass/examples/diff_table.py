@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "models" / "checkpoints"
 TOKENS = ROOT / "calib_tokens.npz"
 #: bundled example -> the form written (gpt-oss's fused stacks have only ModelOpt's)
-EXAMPLES = {"gpt_oss": "modelopt", "kimi": "compressed-tensors", "deepseek": "compressed-tensors"}
+EXAMPLES = {"gpt_oss": "modelopt", "deepseek_v3": "compressed-tensors", "deepseek": "compressed-tensors"}
 BATCH = 4
 
 
