@@ -129,6 +129,10 @@ MUTANTS = [
         ("fp4pass/checkpoint/engines.py", "        self._rename = family_of(architecture).sglang_name if engine == "
          "\"sglang\" else None", "        self._rename = None"),
     ], KIMI_K3_TESTS),
+    Mutant("examples-cli-not-runnable", "python -m fp4pass.examples.checkpoints writes what calibrate refuses", [
+        ("fp4pass/examples/checkpoints.py", "                         runnable=not args.names_only)",
+         "                         runnable=False)"),
+    ], ["tests/test_examples_checkpoints.py"]),
     Mutant("remote-code-without-the-flag", "a folder's own modeling code run without --trust-remote-code", [
         ("fp4pass/checkpoint/layerwise.py", "    if trust_remote_code and auto_map:", "    if auto_map:"),
     ], REMOTE_CODE_TESTS),

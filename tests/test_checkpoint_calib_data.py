@@ -595,14 +595,14 @@ class _Spy:
 
 @pytest.mark.parametrize("argv,want", [
     ([], {"calibrator": "max", "device": "auto", "batch_size": None, "seq_len": None, "num_samples": None,
-          "show_progress": None, "report_detail": False}),
+          "show_progress": None, "report_detail": False, "trust_remote_code": False}),
     (["--calibrator", "headroom", "--rho", "4096", "--margin", "1.5", "--device", "cpu", "--batch-size", "3",
-      "--seq-len", "7", "--num-samples", "9", "--quiet", "--report", "r.json"],
+      "--seq-len", "7", "--num-samples", "9", "--quiet", "--report", "r.json", "--trust-remote-code"],
      {"calibrator": "headroom", "rho": 4096.0, "margin": 1.5, "device": "cpu", "batch_size": 3, "seq_len": 7,
-      "num_samples": 9, "show_progress": False, "report_detail": True}),
+      "num_samples": 9, "show_progress": False, "report_detail": True, "trust_remote_code": True}),
     (["--calibrator", "percentile", "--percentile", "99.5"],
      {"calibrator": "percentile", "percentile": 99.5, "device": "auto", "batch_size": None, "seq_len": None,
-      "num_samples": None, "show_progress": None, "report_detail": False}),
+      "num_samples": None, "show_progress": None, "report_detail": False, "trust_remote_code": False}),
 ])
 def test_calibrate_passes_its_flags(tmp_path, capsys, monkeypatch, argv, want):
     import fp4pass.checkpoint

@@ -22,7 +22,9 @@ gives that expert (its w1, or its rows of a gpt-oss stack) a block 20 octaves be
 intermediate=2880, experts=32``.
 
 This module uses numpy, torch's dtypes and the safetensors package only, never fp4pass's conversion code.
-``python -m fp4pass.examples.checkpoints OUT_DIR --form deepseek --layers 2 --experts 4`` builds one;
+``python -m fp4pass.examples.checkpoints OUT_DIR --form deepseek --layers 2 --experts 4`` builds one that
+transformers' model of the form runs (what calibrate and diff need; ``--names-only`` for just the tensors
+conversion reads);
 ``python -m fp4pass.examples.checkpoints models/checkpoints --bundled`` rebuilds the committed tiny examples.
 """
 
@@ -288,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-bytes", type=int)
     p.add_argument("--gpt-oss-20b-shapes", action="store_true", help="hidden = intermediate = 2880, 32 experts")
     p.add_argument("--bundled", action="store_true", help="write the tiny examples of models/checkpoints/ into folder")
+    p.add_argument("--names-only", action="store_true",
+                   help="only the tensors conversion reads (attention as plain bf16 squares): calibrate and diff "
+                        "cannot run it; by default every weight transformers' model of the form needs is written")
     args = p.parse_args(argv)
     try:
         return _build(args)
@@ -308,7 +313,8 @@ def _build(args) -> int:
                       seed=args.seed, shard_bytes=args.shard_bytes)
     else:
         build_checkpoint(args.folder, args.form, layers=args.layers, experts=experts, hidden=hidden,
-                         intermediate=inter, seed=args.seed, dense=args.dense, shard_bytes=args.shard_bytes)
+                         intermediate=inter, seed=args.seed, dense=args.dense, shard_bytes=args.shard_bytes,
+                         runnable=not args.names_only)
     print(args.folder)
     return 0
 
