@@ -628,11 +628,11 @@ def test_calibrate_passes_its_flags(tmp_path, capsys, monkeypatch, argv, want):
 
 @pytest.mark.parametrize("argv,want", [
     ([], {"calibrator": "max", "device": "auto", "batch_size": None, "seq_len": None, "num_samples": None,
-          "show_progress": None, "report_detail": False}),
+          "show_progress": None, "report_detail": False, "trust_remote_code": False}),
     (["--calib-batch-size", "5", "--seq-len", "6", "--num-samples", "2", "--device", "cpu", "--calibrator",
       "percentile", "--quiet"],
      {"calibrator": "percentile", "device": "cpu", "batch_size": 5, "seq_len": 6, "num_samples": 2,
-      "show_progress": False, "report_detail": False}),
+      "show_progress": False, "report_detail": False, "trust_remote_code": False}),
 ])
 def test_convert_calib_passes_its_flags_and_the_scales(tmp_path, capsys, monkeypatch, argv, want):
     import fp4pass.checkpoint
