@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vllm_probe import vllm_path  # noqa: E402
 
 INPUT_SCALE = 0.0123  # a multiplier (amax / 2688), distinct from every weight scale of the examples
+DEEPSEEK_V4 = ("deepseek", "deepseek_experts")  # the DeepSeek-V4 families (deepseek_v3 is another architecture)
 
 # family -> (source folder or builder, formats the converter writes for it)
 FAMILIES = {"gpt_oss": ("modelopt",), "deepseek_v3": ("modelopt", "compressed-tensors"),
@@ -127,7 +128,7 @@ def test_weight_only_modelopt_says_w4a16_nvfp4_in_both_files_and_names_modelopt(
     for (family, fmt, w4a4), (folder, _) in outputs.items():
         config, hf_quant, _ = _read(folder)
         qc = config["quantization_config"]
-        if fmt != "modelopt" or family.startswith("deepseek"):
+        if fmt != "modelopt" or family in DEEPSEEK_V4:
             continue
         algo = "NVFP4" if w4a4 else "W4A16_NVFP4"
         assert qc["quant_algo"] == algo and hf_quant["quantization"]["quant_algo"] == algo
@@ -147,7 +148,7 @@ def test_exclusions_never_glob_an_index(outputs):
                 assert r"\d" not in entry, (key, entry)
             else:
                 assert "*" not in entry[:-1], (key, entry)
-        if key[1] == "compressed-tensors" or key[0].startswith("deepseek"):
+        if key[1] == "compressed-tensors" or key[0] in DEEPSEEK_V4:
             assert not any(e.endswith("*") for lst in lists for e in lst), key
 
 
@@ -399,7 +400,7 @@ def test_vllm_code_agrees_with_every_vllm_verdict(outputs, vllm_results):
 def test_vllm_resolves_our_configs_to_the_intended_method(outputs, vllm_results):
     for (family, fmt, w4a4), (folder, _) in outputs.items():
         result = vllm_results[str(folder)]
-        if family.startswith("deepseek") and fmt == "modelopt":
+        if family in DEEPSEEK_V4 and fmt == "modelopt":
             assert result["quant_method"] == "deepseek_v4_fp8" and "error" not in result, result
             assert result["moe_quant_algo"] == "NVFP4"
         elif fmt == "modelopt":
@@ -463,7 +464,7 @@ def test_encoded_vllm_rule_matches_vllm_code_on_every_module(outputs, vllm_resul
     compared = 0
     for (family, fmt, _), (folder, _) in outputs.items():
         result = vllm_results[str(folder)]
-        if "modules" not in result or (family.startswith("deepseek") and fmt == "modelopt"):
+        if "modules" not in result or (family in DEEPSEEK_V4 and fmt == "modelopt"):
             continue
         config, _, _ = _read(folder)
         arch = config["architectures"][0]
