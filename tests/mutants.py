@@ -251,15 +251,16 @@ MUTANTS = [
          "replacing = replacing and _replaceable(tmp, path, overwrite)"),
     ], SWAP_TESTS),
     Mutant("overwrite-marker-unbounded", "the output marker is read whatever its size", [
-        ("fp4pass/io/folders.py", "if not stat.S_ISREG(info.st_mode) or info.st_size > OUTPUT_MARKER_MAX:", "if not stat.S_ISREG(info.st_mode):"),
-        ("fp4pass/io/folders.py", "        if size > OUTPUT_MARKER_MAX:\n            return None\n", ""),
-        ("fp4pass/io/folders.py", "min(1 << 20, OUTPUT_MARKER_MAX + 1 - size)", "1 << 20"),
+        ("fp4pass/io/jsonio.py", "        while size <= limit:", "        while True:"),
+        ("fp4pass/io/jsonio.py", "        return None if size > limit else strict_json(", "        return None if False else strict_json("),
+        ("fp4pass/io/jsonio.py", "min(1 << 20, limit + 1 - size)", "1 << 20"),
     ], SWAP_TESTS),
     Mutant("overwrite-marker-limit-inclusive", "a marker of exactly the bound is refused (>= for >)", [
-        ("fp4pass/io/folders.py", "info.st_size > OUTPUT_MARKER_MAX", "info.st_size >= OUTPUT_MARKER_MAX"),
+        ("fp4pass/io/jsonio.py", "        return None if size > limit else strict_json(",
+         "        return None if size >= limit else strict_json("),
     ], SWAP_TESTS),
     Mutant("overwrite-marker-any-depth", "the output marker is parsed however deep it nests", [
-        ("fp4pass/io/folders.py", "max_depth=_OUTPUT_MARKER_DEPTH", "max_depth=10**9"),
+        ("fp4pass/io/folders.py", "OUTPUT_MARKER_MAX, _OUTPUT_MARKER_DEPTH)", "OUTPUT_MARKER_MAX, 10**9)"),
     ], SWAP_TESTS),
     Mutant("overwrite-replaced-folder-rolled-back", "a run failing after the swap removes the new folder too", [
         ("fp4pass/io/folders.py", "        if replacing:\n            swap(staging, tmp, target)\n",
@@ -291,7 +292,8 @@ MUTANTS = [
         ("fp4pass/io/swap.py", "    if name in (\"\", \".\", \"..\") or \"/\" in name", "    if name in (\"\",)"),
     ], SWAP_TESTS),
     Mutant("temp-marker-read-unbounded-depth", "a temporary's marker is parsed however deep it nests", [
-        ("fp4pass/io/stale.py", "strict_json(os.read(fd, _MARKER_MAX + 1), max_depth=2)", "json.loads(os.read(fd, _MARKER_MAX + 1))"),
+        ("fp4pass/io/stale.py", "    data = read_small_json(folder / MARKER, _MARKER_MAX, 2)",
+         "    data = read_small_json(folder / MARKER, _MARKER_MAX, 10**9)"),
     ], SWAP_TESTS),
     Mutant("input-links-protect-whole-folders", "every folder an input's link leads into is refused for outputs", [
         ("fp4pass/io/outputs.py", "                where = blobs if hub and os.path.dirname(real) == blobs else real\n",
@@ -471,8 +473,8 @@ MUTANTS = [
          "    marker = _read_output_marker(target) or {\"files\": {}}\n    if False:"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-marker-through-link", "a marker that is a symlink to one elsewhere is taken", [
-        ("fp4pass/io/folders.py", "os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
-         "os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NONBLOCK)"),
+        ("fp4pass/io/jsonio.py", "        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
+         "        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)"),
     ], OVERWRITE_TESTS),
     Mutant("overwrite-without-the-flag", "an fp4pass folder is replaced without --overwrite", [
         ("fp4pass/io/folders.py", "    if not overwrite:\n        raise UsageError", "    if False:\n        raise UsageError"),

@@ -42,30 +42,9 @@ _OUTPUT_MARKER_DEPTH = 4
 def _read_output_marker(folder: Path) -> dict | None:
     """The JSON object of ``folder``'s :data:`OUTPUT_MARKER` when it is a regular file (not a link) of at most
     :data:`OUTPUT_MARKER_MAX` bytes, nested at most 4 deep, naming fp4pass as its writer; else None."""
-    from fp4pass.io.jsonio import strict_json
+    from fp4pass.io.jsonio import read_small_json
 
-    try:
-        fd = os.open(folder / OUTPUT_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > OUTPUT_MARKER_MAX:
-            return None
-        chunks, size = [], 0
-        while size <= info.st_size:
-            chunk = os.read(fd, min(1 << 20, OUTPUT_MARKER_MAX + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > OUTPUT_MARKER_MAX:
-            return None
-        data = strict_json(b"".join(chunks), max_depth=_OUTPUT_MARKER_DEPTH)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    data = read_small_json(folder / OUTPUT_MARKER, OUTPUT_MARKER_MAX, _OUTPUT_MARKER_DEPTH)
     if not isinstance(data, dict) or data.get("written_by") != "fp4pass":
         return None
     return data

@@ -101,3 +101,32 @@ def strict_json(raw: bytes, max_depth: int = JSON_MAX_DEPTH):
         bad = exc.object[max(exc.start - 20, 0):exc.end + 20] if isinstance(exc.object, str) else ""
         raise ValueError(f"a string holds a lone surrogate, not valid Unicode (near {bad!r})") from None
     return data
+
+
+def read_small_json(path, limit: int, max_depth: int):
+    """The JSON of ``path`` when it is a regular file of at most ``limit`` bytes, opened without following a
+    link and without blocking on a FIFO, nested at most ``max_depth`` deep; None for anything else (no such
+    file, a link, a device, too large, not strict JSON). For the small files fp4pass itself leaves (output
+    markers, temporaries' markers, swap states), which a stranger may have replaced."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return None if size > limit else strict_json(b"".join(chunks), max_depth=max_depth)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)

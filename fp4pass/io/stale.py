@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from fp4pass.errors import UsageError
-from fp4pass.io.jsonio import strict_json
+from fp4pass.io.jsonio import read_small_json
 from fp4pass.io.names import TMP_PREFIX
 
 #: a temporary's pid and host token (``h`` + 8 hex digits); names without a token are from older versions
@@ -95,19 +95,7 @@ def write_marker(folder: str | os.PathLike, pid: int | None = None, host: str | 
 def _marker(folder: Path, st: os.stat_result) -> dict | None:
     """The marker of the temporary ``folder`` (``st``: its lstat), or None when it is not one fp4pass made
     there: no marker, not a small regular file, not the marker's JSON, or made for another inode (a copy)."""
-    try:
-        fd = os.open(folder / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX:
-            return None
-        data = strict_json(os.read(fd, _MARKER_MAX + 1), max_depth=2)  # bounded: 4 KB of '[' is no RecursionError
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    data = read_small_json(folder / MARKER, _MARKER_MAX, 2)  # bounded: 4 KB of '[' is no RecursionError
     if not isinstance(data, dict) or data.get("fp4pass") != 1:
         return None
     if type(data.get("pid")) is not int or data["pid"] < 1 or not isinstance(data.get("host"), str):

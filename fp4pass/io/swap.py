@@ -64,21 +64,9 @@ def write_state(staging: Path, target: Path, new: tuple[int, int]) -> None:
 def read_state(staging: Path) -> dict | None:
     """The swap state of ``staging`` (:func:`write_state`), or None when it holds none or one fp4pass did not
     write (not a small regular file, not its JSON, a target name that is not a plain name)."""
-    from fp4pass.io.jsonio import strict_json
+    from fp4pass.io.jsonio import read_small_json
 
-    try:
-        fd = os.open(staging / SWAP_STATE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _STATE_MAX:
-            return None
-        data = strict_json(os.read(fd, _STATE_MAX + 1), max_depth=2)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    data = read_small_json(staging / SWAP_STATE, _STATE_MAX, 2)
     if not isinstance(data, dict) or not isinstance(data.get("target"), str):
         return None
     name, new = data["target"], data.get("new")
