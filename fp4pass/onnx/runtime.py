@@ -45,7 +45,8 @@ from fp4pass.formats.constants import QUARK_DOMAIN
 from fp4pass.onnx.loading import external_tensors, proto_tensors
 
 __all__ = ["make_session", "cuda_available", "installed_runtimes", "provider_options", "profiling", "end_profile",
-           "node_placement", "weight_nodes", "run_with_past_buffers", "Placement", "CUDA_OPTIONS", "PROVIDERS", "RUNTIME_DISTRIBUTIONS"]
+           "node_placement", "weight_nodes", "run_with_past_buffers", "Placement", "CUDA_OPTIONS", "PROVIDERS",
+           "RUNTIME_DISTRIBUTIONS"]
 
 logger = logging.getLogger(__name__)
 
