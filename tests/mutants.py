@@ -1322,6 +1322,15 @@ MUTANTS = [
          "    if is_nvfp4_folder(src_dir, follow_symlinks=follow_symlinks):\n        return validate(",
          "    if False:\n        return validate("),
     ], VALIDATE_TRUST_TESTS),
+    # -- diff/--check on KV caches: a present of its past's shape runs in a copy of the past ----------------------
+    Mutant("kv-present-uninitialised", "a ring-buffer present left to onnxruntime's allocator (rows unwritten)", [
+        ("fp4pass/onnx/numerics.py", "        if not self.past_buffers:\n            return session.run(",
+         "        if True:\n            return session.run("),
+    ], ["tests/test_check_inputs.py"]),
+    Mutant("kv-present-past-slot", "the past/present pairs read from the wrong GroupQueryAttention slots", [
+        ("fp4pass/onnx/feeds.py", '_PAST_PRESENT = {"GroupQueryAttention": ((3, 1), (4, 2))',
+         '_PAST_PRESENT = {"GroupQueryAttention": ((3, 2), (4, 1))'),
+    ], ["tests/test_check_inputs.py"]),
 ]
 
 

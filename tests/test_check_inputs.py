@@ -92,3 +92,25 @@ def test_check_input_flags_need_check(tmp_path, capsys, flag):
     code = main(["convert", MOE, "-o", str(tmp_path / "o.onnx"), *flag])
     err = capsys.readouterr().err
     assert code == 2 and f"{flag[0]} applies to --check" in err and not (tmp_path / "o.onnx").exists()
+
+
+def test_a_ring_buffer_present_is_defined_beyond_the_new_rows():
+    """Layer 0 of the genai fixture reads a 128-row sliding-window cache; onnxruntime writes only the 6 new rows of
+    present.0.*. The rest must be the past's own values (numpy's feed, the oracle), the same on every run, not
+    whatever the allocator held (zeros or garbage: never the random past)."""
+    from fp4pass.onnx.loading import load
+    from fp4pass.onnx.numerics import _Runner, make_inputs
+
+    notes = []
+    given = {"input_ids": np.array([[3, 1, 4, 1, 5, 9]], np.int64)}
+    runner = _Runner(load(GENAI / "model.onnx").model, "cpu", "genai", notes, fed=given)
+    feeds = make_inputs(runner.model, given, notes=notes)
+    first, second = runner.run(feeds), runner.run(feeds)
+    for kind in ("key", "value"):
+        past, present = feeds[f"past_key_values.0.{kind}"], first[f"present.0.{kind}"]
+        assert present.shape == past.shape == (1, 1, 128, 64)
+        np.testing.assert_array_equal(present[:, :, 6:], past[:, :, 6:])
+        assert not np.array_equal(present[:, :, :6], past[:, :, :6])  # the new rows were written
+        np.testing.assert_array_equal(second[f"present.0.{kind}"], present)
+        assert first[f"present.1.{kind}"].shape == (1, 1, 6, 64)  # the growing cache: its own buffer
+    assert any("['present.0.key', 'present.0.value'] have their past input's shape" in n for n in notes)

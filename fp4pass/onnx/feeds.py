@@ -28,10 +28,33 @@ import onnx_ir as ir
 
 from fp4pass.formats.constants import MS_DOMAIN as _MS
 
-__all__ = ["plan_feeds", "dims_mismatch"]
+__all__ = ["plan_feeds", "dims_mismatch", "kv_cache_pairs"]
 
 # input positions of the past key and value in onnxruntime's attention contrib ops
 _PAST_INPUTS = {"GroupQueryAttention": (3, 4), "MultiHeadAttention": (6, 7)}
+
+
+# (past input, present output) positions of the attention contrib ops whose present may be the past's buffer
+_PAST_PRESENT = {"GroupQueryAttention": ((3, 1), (4, 2)), "MultiHeadAttention": ((6, 1), (7, 2))}
+
+
+def kv_cache_pairs(model: ir.Model) -> dict[str, str]:
+    """``{present output: past input}`` for each graph output an attention contrib op writes from a graph input
+    it reads as its past key/value. A past buffer longer than the tokens (a sliding-window ring buffer,
+    onnxruntime-genai's shared past/present buffer) gives a present of the past's shape of which the kernel
+    writes only the new token rows: a diff must give those outputs a defined buffer (fp4pass.onnx.numerics)."""
+    inputs = {v.name for v in model.graph.inputs if v.const_value is None}
+    outputs = {v.name for v in model.graph.outputs}
+    pairs = {}
+    for node in model.graph:
+        if node.domain != _MS:
+            continue
+        for past_at, present_at in _PAST_PRESENT.get(node.op_type, ()):
+            past = node.inputs[past_at] if len(node.inputs) > past_at else None
+            present = node.outputs[present_at] if len(node.outputs) > present_at else None
+            if past is not None and present is not None and past.name in inputs and present.name in outputs:
+                pairs[present.name] = past.name
+    return pairs
 
 
 def _head_size(value: ir.Value) -> int | None:

@@ -54,11 +54,12 @@ from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.npz import read_npz
 from fp4pass.onnx.alpha_scope import missing_global_scale
-from fp4pass.onnx.feeds import dims_mismatch, plan_feeds
+from fp4pass.onnx.feeds import dims_mismatch, kv_cache_pairs, plan_feeds
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
 from fp4pass.onnx.lower import lower
-from fp4pass.onnx.runtime import Placement, cuda_available, end_profile, make_session, node_placement, profiling
+from fp4pass.onnx.runtime import (Placement, cuda_available, end_profile, make_session, node_placement, profiling,
+                                  run_with_past_buffers)
 from fp4pass.onnx.runtime import provider_options as session_provider_options
 from fp4pass.onnx.tables import aligned
 from fp4pass.progress import progress
@@ -357,6 +358,9 @@ class _Runner:
         self.provider_options: dict = {}
         self.input_names = [v.name for v in self.model.graph.inputs if v.const_value is None]
         self.output_names = [v.name for v in self.model.graph.outputs]
+        self.notes = notes
+        self.kv_pairs = kv_cache_pairs(self.model)  # {present output: past input}
+        self.past_buffers: dict[str, str] | None = None  # the pairs of equal shapes, learned on the first run
 
     def run(self, feeds: dict, extra: list[str] = ()) -> dict[str, np.ndarray]:
         model = _with_outputs(self.model, list(extra)) if extra else self.model
@@ -385,7 +389,7 @@ class _Runner:
         if missing:
             raise ModelError(f"{self.label}: needs inputs {missing} that the original model does not have")
         try:
-            values = session.run(names, {n: feeds[n] for n in self.input_names}, _run_options())
+            values = self._run_feeds(session, names, {n: feeds[n] for n in self.input_names})
         except Exception as exc:  # onnxruntime's own error types
             first = str(exc).strip().splitlines()[0]
             raise ModelError(f"{self.label}: onnxruntime failed to run it: {first}") from None
@@ -394,6 +398,26 @@ class _Runner:
             if self.provider == "cuda":
                 self.placement = node_placement(events, model)
         return dict(zip(names, values))
+
+    def _run_feeds(self, session, names: list[str], feeds: dict) -> list:
+        """One run. A present output of the same shape as its non-empty past input (a ring buffer longer than
+        the tokens) gets a copy of the past as its buffer (:func:`run_with_past_buffers`): the attention kernel
+        writes only the new rows, and the rest would be uninitialised memory, different from run to run. Which
+        presents have their past's shape is learned once, by a plain run whose values are dropped."""
+        if self.past_buffers is None:
+            candidates = {p: q for p, q in self.kv_pairs.items() if p in names and q in feeds and feeds[q].size}
+            self.past_buffers = {}
+            if candidates:
+                plain = dict(zip(names, session.run(names, feeds, _run_options())))
+                self.past_buffers = {p: q for p, q in candidates.items() if plain[p].shape == feeds[q].shape}
+                del plain
+            if self.past_buffers:
+                self.notes.append(f"{self.label}: outputs {sorted(self.past_buffers)} have their past input's shape: "
+                                  "run in a copy of it (the rows the attention kernel does not write keep the past's "
+                                  "values, as in onnxruntime-genai's shared buffer)")
+        if not self.past_buffers:
+            return session.run(names, feeds, _run_options())
+        return run_with_past_buffers(session, names, feeds, self.past_buffers, self.provider, _run_options())
 
     def _run_reference(self, model: ir.Model, feeds: dict) -> dict[str, np.ndarray]:
         from onnx.reference import ReferenceEvaluator

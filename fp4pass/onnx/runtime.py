@@ -45,7 +45,8 @@ from fp4pass.formats.constants import QUARK_DOMAIN
 from fp4pass.onnx.loading import external_tensors, proto_tensors
 
 __all__ = ["make_session", "cuda_available", "installed_runtimes", "provider_options", "profiling", "end_profile",
-           "node_placement", "weight_nodes", "Placement", "CUDA_OPTIONS", "PROVIDERS", "RUNTIME_DISTRIBUTIONS"]
+           "node_placement", "weight_nodes", "run_with_past_buffers", "Placement", "CUDA_OPTIONS", "PROVIDERS",
+           "RUNTIME_DISTRIBUTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,36 @@ def make_session(model, provider: str = "auto", *, options: ort.SessionOptions |
         provider_used = "cpu"
         note = "the CUDA execution provider did not load for this model; running on CPU"
     return session, provider_used, note
+
+
+def run_with_past_buffers(session, names: list[str], feeds: dict, past_of: dict[str, str], provider: str,
+                          run_options=None) -> list:
+    """``session.run(names, feeds)`` with each output in ``past_of`` (``{present: past input}``, same shapes)
+    written into a copy of its past input, through onnxruntime's IOBinding.
+
+    An attention kernel given a past buffer longer than the tokens writes only the new rows of its present;
+    left to onnxruntime's allocator the other rows hold whatever memory held before, so two runs differ.
+    Given the past's own values (as onnxruntime-genai's shared past/present buffer holds them), every row is
+    defined. On the CUDA EP the buffers live on the GPU, so that no uninitialised device copy is made."""
+    import numpy as np
+
+    device = "cuda" if provider == "cuda" else "cpu"
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    buffers = {}
+    for name in names:
+        if name in past_of:
+            copy = np.ascontiguousarray(feeds[past_of[name]]).copy()
+            buffers[name] = ort.OrtValue.ortvalue_from_numpy(copy, device, 0)
+            binding.bind_ortvalue_output(name, buffers[name])
+        else:
+            binding.bind_output(name, "cpu")
+    if run_options is None:
+        session.run_with_iobinding(binding)
+    else:
+        session.run_with_iobinding(binding, run_options)
+    return binding.copy_outputs_to_cpu()
 
 
 def provider_options(session) -> dict[str, str]:
