@@ -295,15 +295,15 @@ def test_a_temporarys_marker_nested_deep_is_no_marker_and_no_crash(tmp_path):
 
 
 def test_a_link_out_of_an_input_folder_protects_its_file_not_the_folder_around_it(tmp_path):
-    """An ONNX calibration folder may hold a link to ``../shared.npz``: writing that file is refused, writing
+    """An ONNX calibration folder may hold a link to ``../common.npz`` beside it: writing that file is refused, writing
     beside it is not (only a Hub snapshot's blobs/ folder is protected whole)."""
     data = tmp_path / "calib"
     data.mkdir()
-    shared = tmp_path / "shared.npz"
-    shared.write_bytes(b"npz")
-    (data / "a.npz").symlink_to(shared)
+    common = tmp_path / "common.npz"
+    common.write_bytes(b"npz")
+    (data / "a.npz").symlink_to(common)
     with pytest.raises(UsageError, match="where the files of the input"):
-        fio.check_outputs({"-o": str(shared)}, {"--calib": str(data)})
+        fio.check_outputs({"-o": str(common)}, {"--calib": str(data)})
     fio.check_outputs({"-o": str(tmp_path / "SCALES.json")}, {"--calib": str(data)})
     with pytest.raises(UsageError, match="holds the input folder"):
         fio.check_output_folder(tmp_path, inputs={"--calib": data})
