@@ -295,7 +295,7 @@ def test_a_temporarys_marker_nested_deep_is_no_marker_and_no_crash(tmp_path):
 
 
 def test_a_link_out_of_an_input_folder_protects_its_file_not_the_folder_around_it(tmp_path):
-    """An ONNX calibration folder may hold a link to ``../common.npz`` beside it: writing that file is refused, writing
+    """An ONNX calibration folder may hold a link to ``../common.npz``: writing that file is refused, writing
     beside it is not (only a Hub snapshot's blobs/ folder is protected whole)."""
     data = tmp_path / "calib"
     data.mkdir()
