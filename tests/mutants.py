@@ -89,6 +89,14 @@ class Mutant:
 
 MUTANTS = [
     # -- forms, families and Kimi-K3 ------------------------------------------------------------------------
+    Mutant("deepseek-v4-weight-only-fp8-form-written", "DeepSeek-V4's W4A4-only FP8 config form written without "
+           "input scales", [
+        ("fp4pass/checkpoint/run.py", '    if with_input or output_style(fmt, config) != "deepseek-v4-fp8":',
+         "    if True:"),
+    ], ["tests/test_checkpoint_engines.py"]),
+    Mutant("deepseek-v4-refusal-ignores-input-scales", "DeepSeek-V4's FP8 config form refused even with input scales",
+           [("fp4pass/checkpoint/run.py", '    if with_input or output_style(fmt, config) != "deepseek-v4-fp8":',
+             '    if output_style(fmt, config) != "deepseek-v4-fp8":')], ["tests/test_checkpoint_engines.py"]),
     Mutant("kimi-sglang-aliases-dropped", "the exclusion list without SGLang's run-time spelling of each entry", [
         ("fp4pass/checkpoint/output_forms.py",
          "    return list(out) + _sglang_aliases(list(out), kept_modules, converted_modules, architecture, style)",

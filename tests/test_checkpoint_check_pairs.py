@@ -38,6 +38,7 @@ from fp4pass.examples.checkpoints import build_checkpoint
 pytest.importorskip("compressed_tensors")
 
 CT = "compressed-tensors"
+INPUT_SCALE = 0.0123  # an activation input_scale (amax / 2688), distinct from every weight scale here
 EXPERTS = 12
 #: family -> (module of expert e's projection p, the MXFP4 tensors' suffixes and dtypes, config.json)
 FAMILIES = {
@@ -135,7 +136,7 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(sources, tmp_path_factory):
     """(family, method, format) -> (output folder, report) of ``convert(..., check=True)`` (``convert --check``);
-    a failed check raises CheckFailed here."""
+    a failed check raises CheckFailed here. W4A4 (DeepSeek-V4's FP8 config form has no weight-only variant)."""
     root = tmp_path_factory.mktemp("converted")
     outs = {}
     for family, src in sources.items():
@@ -143,7 +144,7 @@ def converted(sources, tmp_path_factory):
             for fmt in (CT, "modelopt"):
                 out = root / f"{family}-{method}-{fmt}"
                 outs[family, method, fmt] = out, fp4pass.checkpoint.convert(src, out, format=fmt, method=method,
-                                                                            check=True)
+                                                                            check=True, input_scale=INPUT_SCALE)
     return outs
 
 

@@ -21,6 +21,10 @@ from fp4pass.examples.checkpoints import build_checkpoint
 pytest.importorskip("safetensors")
 
 
+#: DeepSeek-V4's default output (its own FP8 config with NVFP4 experts) is W4A4 only: convert needs an input scale
+W4A4 = ("--input-scale", "0.0123")
+
+
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("src")
@@ -77,7 +81,7 @@ def test_inspect_json(ckpt, capsys):
 
 def test_existing_empty_out_dir_is_used(ckpt, tmp_path, capsys):
     (tmp_path / "o").mkdir()
-    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", *W4A4)
     assert code == 0, err
     assert (tmp_path / "o" / "model.safetensors").exists()
 
@@ -85,7 +89,7 @@ def test_existing_empty_out_dir_is_used(ckpt, tmp_path, capsys):
 def test_out_dir_not_empty(ckpt, tmp_path, capsys):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "keep.txt").write_text("mine")
-    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", *W4A4)
     assert code == 2 and "not empty" in err
     assert os.listdir(tmp_path / "o") == ["keep.txt"]
 
@@ -113,7 +117,7 @@ def test_truncated_shard(ckpt, tmp_path, capsys):
     shard = _shard(ckpt["deepseek"])
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])
-    _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=(shard.name, "truncated", "tensor '"))
+    _fails(capsys, ckpt["deepseek"], tmp_path / "o", *W4A4, expect=(shard.name, "truncated", "tensor '"))
 
 
 def test_header_that_lies(ckpt, tmp_path, capsys):
@@ -164,7 +168,8 @@ def test_e8m0_nan(ckpt, tmp_path, capsys, form, tensor):
 
     shard = _shard(ckpt[form])
     _rewrite(shard, patch=patch)
-    _fails(capsys, ckpt[form], tmp_path / "o", expect=(shard.name, tensor, "255"))
+    flags = W4A4 if form == "deepseek" else ()
+    _fails(capsys, ckpt[form], tmp_path / "o", *flags, expect=(shard.name, tensor, "255"))
 
 
 def test_index_naming_a_file_outside(ckpt, tmp_path, capsys):
@@ -198,7 +203,7 @@ def test_full_disk(ckpt, tmp_path, capsys, monkeypatch, after):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "copy_file_range", no_room)
-    _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=("model.safetensors", "No space left", "tensor"))
+    _fails(capsys, ckpt["deepseek"], tmp_path / "o", *W4A4, expect=("model.safetensors", "No space left", "tensor"))
 
 
 def test_full_disk_at_preallocation(ckpt, tmp_path, capsys, monkeypatch):
@@ -206,7 +211,7 @@ def test_full_disk_at_preallocation(ckpt, tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    _fails(capsys, ckpt["deepseek"], tmp_path / "o", expect=("model.safetensors", "No space left", "tensor"))
+    _fails(capsys, ckpt["deepseek"], tmp_path / "o", *W4A4, expect=("model.safetensors", "No space left", "tensor"))
 
 
 def test_failed_check_exits_1_and_writes_nothing(ckpt, tmp_path, capsys, monkeypatch):
@@ -254,7 +259,7 @@ def test_every_file_fsynced_before_the_rename(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     out = tmp_path / "o"
-    fp4pass.checkpoint.convert(ckpt["deepseek"], out)
+    fp4pass.checkpoint.convert(ckpt["deepseek"], out, input_scale=0.0123)
     renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(out)]
     assert len(renames) == 1
     tmp = events[renames[0]][1]
@@ -278,6 +283,6 @@ def test_interrupted_run_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "convert_linears", interrupt)
-    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o")
+    code, _, err = run_cli(capsys, "convert", ckpt["deepseek"], "-o", tmp_path / "o", *W4A4)
     assert code == 130 and calls["n"] == 3
     nothing_left(tmp_path / "o")

@@ -56,15 +56,16 @@ EXPECTED = {
     ("kimi_k3", "modelopt", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": None},
     ("kimi_k3", "compressed-tensors", False): {"vllm": "W4A16", "sglang": "W4A16", "trtllm": None},
     ("kimi_k3", "compressed-tensors", True): {"vllm": "W4A4", "sglang": "W4A4", "trtllm": None},
-    ("deepseek", "modelopt", False): {"vllm": None, "sglang": None, "trtllm": None},
     ("deepseek", "modelopt", True): {"vllm": None, "sglang": None, "trtllm": None},
     ("deepseek", "compressed-tensors", False): {"vllm": "W4A16", "sglang": None, "trtllm": None},
     ("deepseek", "compressed-tensors", True): {"vllm": "W4A4", "sglang": None, "trtllm": None},
-    ("deepseek_experts", "modelopt", False): {"vllm": None, "sglang": None, "trtllm": None},
     ("deepseek_experts", "modelopt", True): {"vllm": "W4A4", "sglang": None, "trtllm": None},
     ("deepseek_experts", "compressed-tensors", False): {"vllm": "W4A16", "sglang": None, "trtllm": None},
     ("deepseek_experts", "compressed-tensors", True): {"vllm": "W4A4", "sglang": None, "trtllm": None},
 }
+
+#: outputs convert refuses to write: DeepSeek-V4's FP8 config form is W4A4 only (vLLM has no weight-only variant)
+REFUSED = {(family, "modelopt", False) for family in DEEPSEEK_V4}
 
 
 def _source(family: str, root: Path) -> Path:
@@ -85,6 +86,8 @@ def outputs(tmp_path_factory):
     for family, formats in FAMILIES.items():
         for fmt in formats:
             for w4a4 in (False, True):
+                if (family, fmt, w4a4) in REFUSED:
+                    continue
                 folder = root / f"{family}-{fmt}-{'w4a4' if w4a4 else 'w4a16'}"
                 report = fp4pass.checkpoint.convert(_source(family, root), folder, format=fmt,
                                                     input_scale=INPUT_SCALE if w4a4 else None)
@@ -156,7 +159,7 @@ def test_deepseek_v4_keeps_its_fp8_config_and_adds_moe_quant_algo(outputs):
     for family in ("deepseek", "deepseek_experts"):
         source = json.loads((_source(family, outputs[(family, "modelopt", True)][0].parent) / "config.json")
                             .read_text())["quantization_config"]
-        for w4a4 in (False, True):
+        for w4a4 in (True,):
             folder = outputs[(family, "modelopt", w4a4)][0]
             config, hf_quant, names = _read(folder)
             qc = config["quantization_config"]
@@ -165,10 +168,30 @@ def test_deepseek_v4_keeps_its_fp8_config_and_adds_moe_quant_algo(outputs):
             assert qc["moe_quant_algo"] == "NVFP4" and qc["activation_scheme"] == "dynamic"
             assert "layers.0.attn.wq_a" in qc["ignored_layers"] and "head" in qc["ignored_layers"]
             assert not any(n.startswith("layers.0.ffn.experts.") for n in qc["ignored_layers"])
-    weight_only = outputs[("deepseek_experts", "modelopt", False)][1]["engines"]["vllm"]
+    # the same folder without its input scales (another writer's): vLLM's DeepSeek-V4 FP8 form cannot load it
+    config, hf_quant, names = _read(outputs[("deepseek_experts", "modelopt", True)][0])
+    weight_only = engine_verdicts(config, hf_quant, [n for n in names if not n.endswith(".input_scale")])["vllm"]
     assert not weight_only["loads"] and "input_scale" in weight_only["why"]
     dense = outputs[("deepseek", "modelopt", True)][1]["engines"]["vllm"]
     assert not dense["loads"] and "wo_b" in dense["why"]
+
+
+@pytest.mark.parametrize("family", DEEPSEEK_V4)
+def test_deepseek_v4_fp8_form_without_input_scales_is_refused_naming_the_flags(family, tmp_path, capsys):
+    """What vLLM's DeepSeek-V4 FP8 config cannot load (NVFP4 experts with no input scale) is never written:
+    exit 2 before anything is written, naming the flags that make it valid; the compressed-tensors form and
+    --input-scale both convert."""
+    from fp4pass.cli import main
+
+    src, out = _source(family, tmp_path), tmp_path / "o"
+    rc = main(["convert", str(src), "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not out.exists() and len(err) == 1, err
+    for flag in ("--input-scale", "--scales", "--calib", "--format compressed-tensors"):
+        assert flag in err[0], err
+    assert main(["convert", str(src), "-o", str(tmp_path / "ct"), "--format", "compressed-tensors", "--quiet"]) == 0
+    assert main(["convert", str(src), "-o", str(tmp_path / "a4"), "--input-scale", "0.5", "--quiet"]) == 0
+    assert main(["inspect", str(tmp_path / "a4"), "--quiet"]) == 0
 
 
 def test_convert_engine_flag_refuses_what_that_engine_does_not_load(tmp_path, capsys):

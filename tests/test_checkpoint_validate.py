@@ -583,7 +583,8 @@ def test_reads_scales_not_codes(tmp_path, monkeypatch):
 
 OWN = [(model, fmt, scale) for model in ("gpt_oss", "deepseek_v3", "deepseek")
        for fmt in ("modelopt", "compressed-tensors") for scale in (None, 0.5)
-       if not (model == "gpt_oss" and fmt == "compressed-tensors")]
+       if not (model == "gpt_oss" and fmt == "compressed-tensors")
+       and not (model == "deepseek" and fmt == "modelopt" and scale is None)]  # refused: W4A4 only
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ from fp4pass.examples.checkpoints import build_checkpoint
 
 safetensors = pytest.importorskip("safetensors")
 
+#: DeepSeek-V4's default output (its FP8 config with NVFP4 experts) is W4A4 only: convert needs an input scale
+W4A4 = ["--input-scale", "0.0123"]
 FORMS = {"gpt-oss": "modelopt", "compressed-tensors": "compressed-tensors", "deepseek": "modelopt"}
 DEFAULT_CASES = int(os.environ.get("FP4PASS_CKPT_FUZZ_CASES", "24"))
 SLOW_CASES = int(os.environ.get("FP4PASS_CKPT_FUZZ_SLOW_CASES", "300"))
@@ -373,7 +375,7 @@ def test_follow_symlinks_reads_them_and_copies_exactly(role, tmp_path, capsys):
     if not (outside / "file").exists():
         (outside / "file").write_text("{{ messages }}")
     out = tmp_path / "out"
-    code, err = _run(["convert", str(src), "-o", str(out), "--follow-symlinks"], capsys)
+    code, err = _run(["convert", str(src), "-o", str(out), "--follow-symlinks", *W4A4], capsys)
     assert code == 0, err
     if role in ("tokenizer.model", "chat_template.jinja"):
         assert (out / role).read_bytes() == (outside / "file").read_bytes() and not (out / role).is_symlink()
@@ -399,7 +401,7 @@ def test_a_hugging_face_cache_snapshot_reads_its_blobs(tmp_path, capsys):
     of another repository is not."""
     snapshot = _hf_cache(tmp_path)
     out = tmp_path / "out"
-    code, err = _run(["convert", str(snapshot), "-o", str(out)], capsys)
+    code, err = _run(["convert", str(snapshot), "-o", str(out), *W4A4], capsys)
     assert code == 0, err
     assert (out / "tokenizer.model").read_bytes() == b"tokenizer bytes"
     other = tmp_path / "hub" / "models--org--other" / "blobs"
@@ -418,7 +420,7 @@ def test_a_symlink_inside_the_folder_is_read(tmp_path, capsys):
     (src / "chat_template.jinja").unlink(missing_ok=True)
     (src / "chat_template.jinja").symlink_to("real_template.jinja")
     out = tmp_path / "out"
-    code, err = _run(["convert", str(src), "-o", str(out)], capsys)
+    code, err = _run(["convert", str(src), "-o", str(out), *W4A4], capsys)
     assert code == 0, err
     assert (out / "chat_template.jinja").read_text() == "{{ x }}"
 
@@ -560,7 +562,7 @@ def test_an_snr_that_is_not_finite_is_null_with_a_note(form, tmp_path, capsys):
     src = _small(tmp_path, form)
     _lossy_at_254(src)
     out, report = tmp_path / "out", tmp_path / "report.json"
-    code, err = _run(["convert", str(src), "-o", str(out), "--report", str(report)], capsys)
+    code, err = _run(["convert", str(src), "-o", str(out), "--report", str(report), *W4A4], capsys)
     assert code == 0, err
     data = json.loads(report.read_text())  # strict JSON: no NaN
     assert data["tensors"][0]["snr_db"] is None and "tensors[0].snr_db" in data["not_finite"]["figures"]
@@ -592,7 +594,7 @@ def test_sigterm_after_the_rename_takes_out_dir_back_out(moment, tmp_path, capsy
                       and out.exists())
     else:
         _sigterm_when(monkeypatch, command, "summary_line")
-    code, err = _run(["convert", str(src), "-o", str(out), "--report", str(report)], capsys)
+    code, err = _run(["convert", str(src), "-o", str(out), "--report", str(report), *W4A4], capsys)
     assert code == 143 and "terminated" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
@@ -604,7 +606,7 @@ def test_an_empty_out_dir_given_is_an_empty_folder_again_after_a_signal(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     _sigterm_when(monkeypatch, command, "summary_line")
-    code, err = _run(["convert", str(src), "-o", str(out)], capsys)
+    code, err = _run(["convert", str(src), "-o", str(out), *W4A4], capsys)
     assert code == 143 and out.is_dir() and list(out.iterdir()) == []
 
 
@@ -622,7 +624,7 @@ def test_a_report_that_cannot_be_written_is_exit_2_naming_it_and_no_out_dir(tmp_
     monkeypatch.setattr(fio.outputs, "finish", full)
     src = _small(tmp_path)
     out, report = tmp_path / "out", tmp_path / "report.json"
-    _refused(tmp_path, ["convert", str(src), "-o", str(out), "--report", str(report)], capsys, str(report),
+    _refused(tmp_path, ["convert", str(src), "-o", str(out), "--report", str(report), *W4A4], capsys, str(report),
              "No space left on device", out=out)
     assert not report.exists()
 
@@ -651,7 +653,7 @@ def test_an_input_named_like_a_dead_runs_temporary_is_never_removed(kind, tmp_pa
     name = f"{TMP_PREFIX}{int(proc.stdout)}-h{host_token()}-abcd-salvaged"
     if kind == "checkpoint folder":
         src = build_checkpoint(tmp_path / name, "deepseek", layers=1, experts=2, hidden=64, intermediate=32)
-        argv = ["convert", str(src), "-o", str(tmp_path / "out")]
+        argv = ["convert", str(src), "-o", str(tmp_path / "out"), *W4A4]
     else:
         src = tmp_path / (name + ".onnx")
         src.write_bytes(Path("models/moe.onnx").read_bytes())
@@ -686,7 +688,7 @@ def test_check_passes_bit_exact_conversions_at_the_ends_of_the_e8m0_range(form, 
     _all_scales(src, code)
     out, report = tmp_path / "out", tmp_path / "report.json"
     code_, err = _run(["convert", str(src), "-o", str(out), "--format", FORMS[form], "--check",
-                       "--report", str(report)], capsys)
+                       "--report", str(report), *(W4A4 if form == "deepseek" else [])], capsys)
     assert code_ == 0, err
     check = json.loads(report.read_text())["check"]
     assert check["passed"] and check["experts_identical"] == check["experts_checked"] > 0
@@ -762,7 +764,7 @@ def test_a_checkpoint_of_more_shards_than_open_files_converts(tmp_path):
               "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
               "from fp4pass.cli import main\n"
               f"code = main(['inspect', {str(src)!r}, '--json'])\n"
-              f"sys.exit(code or main(['convert', {str(src)!r}, '-o', {str(tmp_path / 'out')!r}]))\n")
+              f"sys.exit(code or main(['convert', {str(src)!r}, '-o', {str(tmp_path / 'out')!r}, *{W4A4!r}]))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     from safetensors import safe_open
@@ -801,7 +803,7 @@ def test_a_failed_copy_names_the_source_shard_and_the_tensor(tmp_path, capsys, m
     monkeypatch.setattr(os, "copy_file_range", fail)
     src = _small(tmp_path)
     out = tmp_path / "out"
-    err = _refused(tmp_path, ["convert", str(src), "-o", str(out)], capsys, "Input/output error", out=out)
+    err = _refused(tmp_path, ["convert", str(src), "-o", str(out), *W4A4], capsys, "Input/output error", out=out)
     assert "error: model.safetensors: tensor '" in err and "copy to model.safetensors failed" in err
 
 
@@ -821,12 +823,13 @@ def test_before_rename_runs_before_out_dir_appears_and_its_failure_leaves_none(t
 
     src, out = _small(tmp_path), tmp_path / "out"
     seen = []
-    report = convert(src, out, before_rename=lambda r: seen.append((out.exists(), r["summary"]["tensors_converted"])))
+    report = convert(src, out, input_scale=0.0123,
+                     before_rename=lambda r: seen.append((out.exists(), r["summary"]["tensors_converted"])))
     assert seen == [(False, report["summary"]["tensors_converted"])] and out.is_dir()
 
     def full(report):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError):
-        convert(src, tmp_path / "out2", before_rename=full)
+        convert(src, tmp_path / "out2", input_scale=0.0123, before_rename=full)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]

@@ -37,7 +37,7 @@ from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAM
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.input_scales import InputScales, resolve_input_scales
 from fp4pass.checkpoint.forms import CT_NVFP4, DIVISOR, MODELOPT_STACK
-from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT, nvfp4_form
+from fp4pass.checkpoint.output_forms import COMPRESSED_TENSORS_FORMAT, FORMATS, MODELOPT, nvfp4_form, output_style
 from fp4pass.checkpoint.safetensors_io import (DIRECT_ALIGN, CheckpointError, OutputSpec, SafetensorsFile, ShardWriter,
                                                aligned_view)
 from fp4pass.checkpoint.validate import validate_own_output
@@ -310,6 +310,19 @@ def _refuse_empty(found) -> None:
                                           "element: an empty MXFP4 weight has nothing to convert")
 
 
+def _refuse_weight_only_fp8_form(src_dir, fmt: str, config: dict | None, with_input: bool) -> None:
+    """DeepSeek-V4's own FP8 config with NVFP4 experts (``--format modelopt``) is W4A4 only: vLLM's DeepSeek-V4
+    loader builds its NVFP4 experts from ``moe_quant_algo`` with input scales (models/deepseek_v4/
+    quant_config.py) and has no weight-only variant, so without input scales that folder is one the validator
+    rejects (``missing_scale``). Refused before anything is written, naming the flags that make it valid."""
+    if with_input or output_style(fmt, config) != "deepseek-v4-fp8":
+        return
+    raise CheckpointError(f"{src_dir}: DeepSeek-V4 in its FP8 config form (--format modelopt) needs input scales "
+                          "(W4A4: vLLM's DeepSeek-V4 NVFP4 experts have no weight-only form); give --calib DATA, "
+                          "--scales SCALES.json or --input-scale X, or write --format compressed-tensors "
+                          "(weight-only)")
+
+
 def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None = None, scales=None,  # noqa: A002
             method: str = "auto", *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, check: bool = False,
             effort: str = DEFAULT_EFFORT, threads: int | None = DEFAULT_THREADS, allow_partial: bool = False,
@@ -365,6 +378,7 @@ def convert(src_dir, out_dir, format: str = MODELOPT, input_scale: float | None 
         while True:
             in_scales = resolve_input_scales(found.units, input_scale, scales_obj, scales_path or "SCALES.json")
             with_input = bool(in_scales.values)
+            _refuse_weight_only_fp8_form(src_dir, fmt, catalog.config, with_input)
             if fmt == COMPRESSED_TENSORS_FORMAT:  # its divisors: refused now rather than half-way through
                 for unit in found.units:
                     for lin in ([] if isinstance(unit, FusedExperts) else _members(unit)):
