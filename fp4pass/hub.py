@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fp4pass.errors import UsageError
 
-__all__ = ["HubError", "HUB_FILES", "cached_snapshot", "missing_files", "parse_hub_id", "resolve_checkpoint"]
+__all__ = ["HubError", "HUB_FILES", "cached_snapshot", "missing_files", "parse_hub_id", "resolve_checkpoint", "uncached_hub_id", "hub_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -273,3 +273,27 @@ def resolve_checkpoint(path_or_id, *, show_progress: bool | None = None):
         raise _not_available(name, cache_dir, folder, missing, "the Hub did not provide them (it cannot be "
                              "reached, or the repository holds no safetensors checkpoint at its top level)")
     return folder
+
+
+def uncached_hub_id(path_or_id) -> tuple[str, str | None] | None:
+    """``(repo_id, revision)`` when ``path_or_id`` is a Hub model ID that is no local path and has no complete
+    snapshot in the cache, and the Hub may be asked (not offline): what :func:`resolve_checkpoint` would
+    download. None otherwise (a local path, a complete cached snapshot, or offline: then
+    :func:`resolve_checkpoint` decides, with its own errors)."""
+    parsed = parse_hub_id(path_or_id)
+    if parsed is None or os.path.lexists(path_or_id):
+        return None
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        return None
+    if _offline():
+        return None
+    folder, missing = _cached(*parsed, _cache_dir())
+    return None if folder is not None and not missing else parsed
+
+
+def hub_cache() -> str:
+    """The Hub cache folder as the environment names it now (``HF_HUB_CACHE``, ``HF_HOME``/hub, or
+    huggingface_hub's default)."""
+    return _cache_dir()

@@ -88,6 +88,22 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- inspect of a Hub ID that is not cached: headers only -------------------------------------------------
+    Mutant("hub-inspect-downloads-shards", "inspect of an uncached Hub ID downloads every shard", [
+        ("fp4pass/commands/checkpoint.py", "    remote = uncached_hub_id(args.model)\n", "    remote = None\n"),
+    ], ["tests/test_hub_headers.py"]),
+    Mutant("hub-partial-snapshot-as-local", "a cached snapshot that lacks shards taken for a local copy", [
+        ("fp4pass/hub.py", "    return None if folder is not None and not missing else parsed",
+         "    return None if folder is not None else parsed"),
+    ], ["tests/test_hub_headers.py"]),
+    Mutant("hub-headers-nvfp4-as-mxfp4", "an NVFP4 repository's E4M3 block scales not told from MXFP4", [
+        ("fp4pass/checkpoint/hub_headers.py", '    if any(block_precision(e.dtype) == "nvfp4"',
+         '    if False and any(block_precision(e.dtype) == "nvfp4"'),
+    ], ["tests/test_hub_headers.py"]),
+    Mutant("hub-headers-engine-exit", "inspect ORG/NAME --engine E exits 0 where E does not load it", [
+        ("fp4pass/commands/checkpoint.py", '    return 1 if engine and not info["engines"][engine]["loads"] else 0',
+         "    return 0"),
+    ], ["tests/test_hub_headers.py"]),
     # -- forms, families and Kimi-K3 ------------------------------------------------------------------------
     Mutant("deepseek-v4-weight-only-fp8-form-written", "DeepSeek-V4's W4A4-only FP8 config form written without "
            "input scales", [

@@ -229,6 +229,16 @@ def check_line(check: dict) -> str:
 
 def inspect_if_folder(args) -> int | None:
     """``fp4pass inspect CKPT_DIR [--json]`` (or a Hub model ID); None when ``args.model`` is not a folder."""
+    from fp4pass.hub import uncached_hub_id
+
+    remote = uncached_hub_id(args.model)
+    if remote is not None:  # not cached: its headers only, never the shards (fp4pass.checkpoint.hub_headers)
+        from fp4pass.checkpoint.hub_headers import HubUnavailable
+
+        try:
+            return _inspect_hub_headers(args, *remote)
+        except HubUnavailable:  # unreachable, no such model or revision, gated: resolving says which, in one line
+            pass
     _safety.resolve_hub_model(args)
     if not _is_folder(args.model):
         _safety.refuse_checkpoint_file(args.model)
@@ -258,6 +268,26 @@ def inspect_if_folder(args) -> int | None:
     else:
         messages.info(format_inspection(info))
     return 0
+
+
+def _inspect_hub_headers(args, repo_id: str, revision: str | None) -> int:
+    """``inspect ORG/NAME`` of a model not in the cache: from its configs and shard headers. Exit 0; 1 when
+    ``--engine`` names an engine that does not load that NVFP4 checkpoint."""
+    from fp4pass.checkpoint.hub_headers import format_hub_inspection, inspect_hub_headers
+
+    for flag in ("follow_symlinks", "allow_invalid", "strict"):
+        if getattr(args, flag, None):
+            raise UsageError(f"--{flag.replace('_', '-')} needs the checkpoint's files; {args.model} is not cached "
+                             "(inspect reads its headers only): hf download it first")
+    info = inspect_hub_headers(repo_id, revision, show_progress=False if messages.quiet() else None)
+    engine = getattr(args, "engine", None)
+    if engine and info["precision"] != "nvfp4":
+        raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not one")
+    if args.json:
+        messages.result(json_text(info))
+    else:
+        messages.info(format_hub_inspection(info))
+    return 1 if engine and not info["engines"][engine]["loads"] else 0
 
 
 def _problems_when_quiet(result: dict) -> None:
