@@ -6,8 +6,10 @@
     python tests/mutants.py --all-tests     # each mutant against the whole default suite (slow)
     python tests/mutants.py -j 4            # 4 mutants at a time (default: one per core this process may use)
 
-A mutant is a list of edits ``(file, exact old text, new text)``; every occurrence of the old text in that
-file is replaced. For each mutant the repository (without .git and caches) is copied into a temporary
+A mutant is a list of edits ``(where, exact old text, new text)``; every occurrence of the old text there is
+replaced. ``where`` is ``def NAME`` (or ``def Class.method``): the one definition of that name in the package,
+found wherever it lives, so a mutant follows its code from module to module; or a file path for text outside
+any function. For each mutant the repository (without .git and caches) is copied into a temporary
 folder, the edits applied there, and pytest run in the copy with ``PYTHONPATH`` pointing at it, so the
 checkout itself is never touched. Outcomes:
 
@@ -30,6 +32,7 @@ Exit status: 0 when no mutant survived and all applied, 1 otherwise, 2 when the 
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import os
 import shutil
@@ -1364,16 +1367,58 @@ def _copy_repo(dest: Path) -> None:
     shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
 
 
-def _apply(copy: Path, mutant: Mutant) -> str | None:
-    """Apply the edits in ``copy``; returns why not, or None when every edit applied."""
-    for rel, old, new in mutant.edits:
-        path = copy / rel
-        if not path.is_file():
-            return f"{rel}: no such file"
+def _definitions(tree: ast.AST, prefix: str = ""):
+    """``(qualified name, node)`` of every function and class of a module, nested ones as ``Outer.inner``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + node.name
+            yield name, node
+            yield from _definitions(node, name + ".")
+
+
+def locate(root: Path, where: str) -> tuple[Path, int, int] | str:
+    """Where an edit applies: ``(file, start, end)`` character offsets in it, or why it cannot be found.
+
+    ``where`` is a path relative to the repository (the whole file), or ``def NAME`` (``def Class.method``):
+    the one function or class of that qualified name anywhere in the package, so that the mutant follows the
+    code when it moves between modules; two definitions of the name are an error (make the name longer)."""
+    if not where.startswith("def "):
+        path = root / where
+        return (path, 0, len(path.read_text())) if path.is_file() else f"{where}: no such file"
+    name = where[len("def "):]
+    found = []
+    for path in sorted((root / "fp4pass").rglob("*.py")):
         text = path.read_text()
-        if old not in text:
-            return f"{rel}: text not found: {old!r}"
-        path.write_text(text.replace(old, new))
+        if name.rpartition(".")[2] not in text:
+            continue
+        lines = text.splitlines(keepends=True)
+        starts = [0]
+        for line in lines:
+            starts.append(starts[-1] + len(line))
+        for qualname, node in _definitions(ast.parse(text)):
+            if qualname == name:
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                found.append((path, starts[first - 1], starts[node.end_lineno]))
+    if len(found) != 1:
+        return f"{where}: {len(found)} definitions of {name} in fp4pass/"
+    return found[0]
+
+
+def _apply(copy: Path, mutant: Mutant) -> str | None:
+    """Apply the edits in ``copy``; returns why not, or None when every edit applied. Each old text is replaced
+    wherever it occurs in its file, or in its definition (:func:`locate`)."""
+    for where, old, new in mutant.edits:
+        place = locate(copy, where)
+        if isinstance(place, str):
+            return place
+        path, start, end = place
+        text = path.read_text()
+        if old not in text[start:end]:
+            return f"{where}: text not found: {old!r}"
+        path.write_text(text[:start] + text[start:end].replace(old, new) + text[end:])
+    missing = [t for t in mutant.tests if not (copy / t).exists()]
+    if missing:
+        return f"its test file {missing[0]} is gone (update the mutant's tests)"
     return None
 
 
@@ -1409,7 +1454,7 @@ def run_mutant(mutant: Mutant, all_tests: bool, verbose: bool) -> tuple[str, str
         why = _apply(copy, mutant)
         if why is not None:
             return "could not apply", why
-        tests = [] if all_tests else [t for t in mutant.tests if (copy / t).exists()]
+        tests = [] if all_tests else list(mutant.tests)
         proc = _pytest(copy, tmp, tests)
         tail, detail = _summary(proc)
         if verbose:

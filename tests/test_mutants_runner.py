@@ -56,7 +56,35 @@ def test_default_jobs_follow_the_cores_this_process_may_use(monkeypatch):
 def test_every_mutant_still_applies():
     """Each hand mutant's old texts are still in their files: a mutant whose code was rewritten plants nothing,
     and is reported as "could not apply" only when someone runs it (update its text with the code)."""
-    stale = [(m.name, path, old[:60]) for m in mutants.MUTANTS for path, old, _ in m.edits
-             if old not in (mutants.ROOT / path).read_text()]
+    stale = []
+    for m in mutants.MUTANTS:
+        for where, old, _ in m.edits:
+            place = mutants.locate(mutants.ROOT, where)
+            if isinstance(place, str) or old not in place[0].read_text()[place[1]:place[2]]:
+                stale.append((m.name, where, old[:60]))
+        stale += [(m.name, test, "test file gone") for test in m.tests if not (mutants.ROOT / test).exists()]
     assert stale == []
     assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS), "two mutants share a name"
+
+
+def test_a_def_anchor_finds_its_function_in_any_module_and_edits_only_inside_it(tmp_path):
+    pkg = tmp_path / "fp4pass" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "one.py").write_text("X = 1\n\n\ndef first():\n    return 1\n\n\nclass Box:\n    @staticmethod\n"
+                                "    def first():\n        return 1\n")
+    (tmp_path / "fp4pass" / "two.py").write_text("def second():\n    return 1\n")
+    path, start, end = mutants.locate(tmp_path, "def Box.first")
+    assert path == pkg / "one.py" and path.read_text()[start:end].startswith("    @staticmethod\n")
+    assert path.read_text()[start:end].endswith("        return 1\n")
+    assert mutants.locate(tmp_path, "def second")[0] == tmp_path / "fp4pass" / "two.py"
+    m = mutants.Mutant("t", "t", [("def first", "return 1", "return 2")], tests=[])
+    assert mutants._apply(tmp_path, m) is None
+    assert (pkg / "one.py").read_text().count("return 2") == 1  # the method of the same name is untouched
+    assert (tmp_path / "fp4pass" / "two.py").read_text() == "def second():\n    return 1\n"
+    (tmp_path / "fp4pass" / "three.py").write_text("def second():\n    pass\n")
+    assert "2 definitions" in mutants.locate(tmp_path, "def second")
+    gone = mutants.Mutant("g", "g", [("def second", "x", "y")], tests=["tests/test_gone.py"])
+    assert "2 definitions" in mutants._apply(tmp_path, gone)
+    (tmp_path / "fp4pass" / "three.py").unlink()
+    gone.edits = [("def second", "return 1", "return 3")]
+    assert "tests/test_gone.py is gone" in mutants._apply(tmp_path, gone)
