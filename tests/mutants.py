@@ -1376,29 +1376,33 @@ def _definitions(tree: ast.AST, prefix: str = ""):
             yield from _definitions(node, name + ".")
 
 
-def locate(root: Path, where: str) -> tuple[Path, int, int] | str:
+def definitions(root: Path) -> dict[str, list[tuple[Path, int, int]]]:
+    """Qualified name -> ``(file, start, end)`` character offsets of each function and class of the package
+    (decorators included), for :func:`locate`."""
+    found: dict[str, list[tuple[Path, int, int]]] = {}
+    for path in sorted((root / "fp4pass").rglob("*.py")):
+        text = path.read_text()
+        starts = [0]
+        for line in text.splitlines(keepends=True):
+            starts.append(starts[-1] + len(line))
+        for qualname, node in _definitions(ast.parse(text)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            found.setdefault(qualname, []).append((path, starts[first - 1], starts[node.end_lineno]))
+    return found
+
+
+def locate(root: Path, where: str, index: dict | None = None) -> tuple[Path, int, int] | str:
     """Where an edit applies: ``(file, start, end)`` character offsets in it, or why it cannot be found.
 
     ``where`` is a path relative to the repository (the whole file), or ``def NAME`` (``def Class.method``):
     the one function or class of that qualified name anywhere in the package, so that the mutant follows the
-    code when it moves between modules; two definitions of the name are an error (make the name longer)."""
+    code when it moves between modules; two definitions of the name are an error (make the name longer).
+    ``index``: :func:`definitions` of ``root``, when many edits are located in files that do not change."""
     if not where.startswith("def "):
         path = root / where
         return (path, 0, len(path.read_text())) if path.is_file() else f"{where}: no such file"
     name = where[len("def "):]
-    found = []
-    for path in sorted((root / "fp4pass").rglob("*.py")):
-        text = path.read_text()
-        if name.rpartition(".")[2] not in text:
-            continue
-        lines = text.splitlines(keepends=True)
-        starts = [0]
-        for line in lines:
-            starts.append(starts[-1] + len(line))
-        for qualname, node in _definitions(ast.parse(text)):
-            if qualname == name:
-                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                found.append((path, starts[first - 1], starts[node.end_lineno]))
+    found = (definitions(root) if index is None else index).get(name, [])
     if len(found) != 1:
         return f"{where}: {len(found)} definitions of {name} in fp4pass/"
     return found[0]
