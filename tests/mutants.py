@@ -64,6 +64,7 @@ CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests
 
 USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
 ROUND5_TESTS = ["tests/test_user_path_round5.py"]
+DOORS_TESTS = ["tests/test_cmd_doors.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 KIMI_K3_TESTS = ["tests/test_checkpoint_kimi_k3.py"]
@@ -348,11 +349,33 @@ MUTANTS = [
         ("fp4pass/cli.py", 'kwargs.setdefault("allow_abbrev", False)', 'kwargs.setdefault("allow_abbrev", True)'),
     ], ROUND5_TESTS),
     Mutant("diff-onnx-data-no-hint", "diff A.onnx B.onnx --data does not point at --inputs", [
-        ("fp4pass/commands/diff.py", 'if name == "data" else ""', 'if name == "none" else ""'),
+        ("fp4pass/commands/doors.py", '    hints={"data": " (ONNX models take their inputs as --inputs DATA.npz)"}, model=',
+         "    hints={}, model="),
     ], ROUND5_TESTS),
     Mutant("folder-inputs-no-hint", "convert CKPT_DIR --inputs does not point at --calib", [
-        ("fp4pass/commands/checkpoint.py", 'if flag == "inputs" else ""', 'if flag == "none" else ""'),
+        ("fp4pass/commands/doors.py", ',\n          "inputs": " (a checkpoint folder\'s calibration data is --calib DATA)"}', "}"),
     ], ROUND5_TESTS),
+    Mutant("door-flag-default-counted", "a door's flag at its parser default counts as given (--seed 0 refused)", [
+        ("fp4pass/commands/doors.py", "    return getattr(args, dest, default) != default",
+         "    return getattr(args, dest, default) is not None"),
+    ], DOORS_TESTS),
+    Mutant("door-nvfp4-flags-before-told", "inspect NVFP4_DIR --engine is refused before the folder is told NVFP4", [
+        ("fp4pass/commands/doors.py", " and (settled or owner.within is not door)", ""),
+    ], DOORS_TESTS),
+    Mutant("door-parent-flags-refused", "an NVFP4 folder is refused the flags of every checkpoint folder", [
+        ("fp4pass/commands/doors.py", "owner is not door and owner is not door.within and", "owner is not door and"),
+    ], DOORS_TESTS),
+    Mutant("door-kind-unworded", "inspect F.onnx --engine says F.onnx 'is not one' (an NVFP4 folder), not a folder", [
+        ("fp4pass/commands/doors.py",
+         'what = "one" if self.within is None or given is self.within else self.within.kind', 'what = "one"'),
+    ], DOORS_TESTS),
+    Mutant("door-command-wording-ignored", "diff's and inspect's own refusal lines replaced by the door's", [
+        ("fp4pass/commands/doors.py", "entrance.wording.get(owner.name)", "None"),
+    ], DOORS_TESTS),
+    Mutant("door-registry-typo-unchecked", "a door flag its command lacks goes unnoticed (a typo in the table)", [
+        ("fp4pass/commands/doors.py", "    if missing:\n        raise AssertionError",
+         "    if False:\n        raise AssertionError"),
+    ], DOORS_TESTS),
     Mutant("ckpt-convert-progress-stalls", "the folder convert's bar never advances", [
         ("fp4pass/checkpoint/run.py", "                    advance(item.nbytes)\n", ""),
     ], ROUND5_TESTS),
@@ -364,12 +387,11 @@ MUTANTS = [
          "show_progress=False"),
     ], ROUND5_TESTS),
     Mutant("strict-not-refused-for-folders", "calibrate CKPT_DIR --strict is accepted and does nothing", [
-        ("fp4pass/commands/_checkpoint_calib.py", '("provider", "strict", "activation", "allow_invalid")',
-         '("provider", "activation", "allow_invalid")'),
+        ("fp4pass/commands/doors.py", '"onnx": ("provider", "strict", "activation", "allow_invalid"),',
+         '"onnx": ("provider", "activation", "allow_invalid"),'),
     ], ROUND5_TESTS),
     Mutant("allow-invalid-not-refused-for-folders", "inspect CKPT_DIR --allow-invalid is accepted and does nothing", [
-        ("fp4pass/commands/checkpoint.py", '    if getattr(args, "allow_invalid", False):  # the ONNX checker',
-         '    if False:  # the ONNX checker'),
+        ("fp4pass/commands/doors.py", '    "onnx": ("allow_invalid",),\n}, wording=', '    "onnx": (),\n}, wording='),
     ], ROUND5_TESTS),
     Mutant("scales-report-not-recognized", "--scales given a calibration report says only what it expected", [
         ("fp4pass/calib/scales.py", 'if isinstance(data, dict) and isinstance(data.get("tensors"), list):',
@@ -624,10 +646,8 @@ MUTANTS = [
         ("fp4pass/hub.py", "    return env or bool(constants.HF_HUB_OFFLINE)", "    return bool(constants.HF_HUB_OFFLINE)"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-cli-convert-unresolved", "fp4pass convert takes a Hub ID for an ONNX file", [
-        ("fp4pass/commands/checkpoint.py", '    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None '
-         'otherwise."""\n    _safety.resolve_hub_model(args)\n',
-         '    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None '
-         'otherwise."""\n'),
+        ("fp4pass/commands/doors.py",
+         "        setattr(args, entrance.model, resolve(getattr(args, entrance.model), args))\n", "        pass\n"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-quiet-bars-shown", "--quiet leaves huggingface_hub's download bars on", [
         ("fp4pass/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
