@@ -377,7 +377,7 @@ MUTANTS = [
          "    if False:\n        raise AssertionError"),
     ], DOORS_TESTS),
     Mutant("ckpt-convert-progress-stalls", "the folder convert's bar never advances", [
-        ("fp4pass/checkpoint/run.py", "                    advance(item.nbytes)\n", ""),
+        ("fp4pass/checkpoint/shards.py", "                    advance(item.nbytes)\n", ""),
     ], ROUND5_TESTS),
     Mutant("ckpt-check-progress-off", "--check reading back shows no bar on a terminal", [
         ("fp4pass/checkpoint/check.py", 'enabled=show_progress, unit="unit"', 'enabled=False, unit="unit"'),
@@ -654,7 +654,7 @@ MUTANTS = [
     ], ["tests/test_hub.py"]),
     Mutant("checkpoint-counts-call-weights-experts", "inspect's and convert's summaries call every MXFP4 weight an "
            "expert (the DeepSeek-V3-architecture example's attention o_proj too)", [
-        ("fp4pass/checkpoint/run.py", "/{s['experts_total']} forecast lossless\"",
+        ("fp4pass/checkpoint/inspection.py", "/{s['experts_total']} forecast lossless\"",
          "/{s['experts_total']} experts forecast lossless\""),
         ("fp4pass/checkpoint/run.py", "/{s['experts_total']} lossless, ", "/{s['experts_total']} experts lossless, "),
     ], ["tests/test_docs_examples.py"]),
@@ -897,7 +897,7 @@ MUTANTS = [
     ], CHECKPOINT_TESTS),
     Mutant("checkpoint-fused-buffers-one-phase", "every expert of a gpt-oss stack is placed at the first "
            "expert's phase, so later experts miss the direct path", [
-        ("fp4pass/checkpoint/run.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
+        ("fp4pass/checkpoint/shards.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
     ], CHECKPOINT_TESTS),
     # -- the validator and the engine rules under hostile input (a downloaded checkpoint's configs) ----------
     Mutant("glob-as-backtracking-regex", "a *-only glob is matched by the .*-regex SGLang builds (re backtracks "
@@ -1338,7 +1338,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/validate.py", "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("checkpoint-inspect-nvfp4-as-mxfp4", "fp4pass.checkpoint.inspect: an NVFP4 folder's empty MXFP4 forecast", [
-        ("fp4pass/checkpoint/run.py",
+        ("fp4pass/checkpoint/inspection.py",
          "    if is_nvfp4_folder(src_dir, follow_symlinks=follow_symlinks):\n        return validate(",
          "    if False:\n        return validate("),
     ], VALIDATE_TRUST_TESTS),
