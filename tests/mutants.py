@@ -65,6 +65,7 @@ CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests
 USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
 ROUND5_TESTS = ["tests/test_user_path_round5.py"]
 DOORS_TESTS = ["tests/test_cmd_doors.py"]
+FORMS_USED_TESTS = ["tests/test_checkpoint_forms_used.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 KIMI_K3_TESTS = ["tests/test_checkpoint_kimi_k3.py"]
@@ -376,6 +377,12 @@ MUTANTS = [
         ("fp4pass/commands/doors.py", "    if missing:\n        raise AssertionError",
          "    if False:\n        raise AssertionError"),
     ], DOORS_TESTS),
+    Mutant("forms-suffix-spelled-in-plan", "the copied modules found by a '.weight' spelled in plan.py", [
+        ("fp4pass/checkpoint/plan.py", "name.endswith(WEIGHT_SUFFIX)", 'name.endswith(".weight")'),
+    ], FORMS_USED_TESTS),
+    Mutant("forms-suffix-spelled-in-detect", "DeepSeek-V4's block scales found by a '.scale' spelled in detect.py", [
+        ("fp4pass/checkpoint/detect.py", "scale_name = module + _DEEPSEEK_SCALES", 'scale_name = module + ".scale"'),
+    ], FORMS_USED_TESTS),
     Mutant("ckpt-convert-progress-stalls", "the folder convert's bar never advances", [
         ("fp4pass/checkpoint/shards.py", "                    advance(item.nbytes)\n", ""),
     ], ROUND5_TESTS),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from fp4pass.checkpoint import output_forms
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
+from fp4pass.checkpoint.forms import WEIGHT_SUFFIX
 from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec
 
 __all__ = ["Item", "Plan", "linears_of", "output_specs", "plan_output", "kept_modules", "converted_modules"]
@@ -93,8 +94,8 @@ def kept_modules(catalog: Catalog, found) -> list[str]:
     """The modules whose weight is copied as it is (not MXFP4): what the exclusion list is made of."""
     out = []
     for name in catalog.tensors:
-        if name not in found.consumed and name.endswith(".weight"):
-            out.append(name[: -len(".weight")])
+        if name not in found.consumed and name.endswith(WEIGHT_SUFFIX):
+            out.append(name[: -len(WEIGHT_SUFFIX)])
     return out
 
 

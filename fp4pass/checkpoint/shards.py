@@ -100,7 +100,8 @@ def _write_fused(catalog: Catalog, writer: ShardWriter, unit: FusedExperts, conv
     with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as helper:
         halves = helper if (os.cpu_count() or 1) > 1 else None
         pending = None
-        for name, width, stack in ((p, k // 2, conv.codes), (f"{p}_weight_scale", k // 16, conv.scales)):
+        codes, block_scales = MODELOPT_STACK.tensor(p, "codes"), MODELOPT_STACK.tensor(p, "block_scales")
+        for name, width, stack in ((codes, k // 2, conv.codes), (block_scales, k // 16, conv.scales)):
             part, start = width * n, writer.file_offset(name)
             backings = [np.empty(part + DIRECT_ALIGN, dtype=np.uint8) for _ in range(2)]
             for i in range(e):
