@@ -67,6 +67,8 @@ CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests
 
 USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
 ROUND5_TESTS = ["tests/test_user_path_round5.py"]
+DOORS_TESTS = ["tests/test_cmd_doors.py"]
+FORMS_USED_TESTS = ["tests/test_checkpoint_forms_used.py"]
 INPUT_TESTS = ["tests/test_user_path_inputs.py"]
 OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
 KIMI_K3_TESTS = ["tests/test_checkpoint_kimi_k3.py"]
@@ -93,7 +95,7 @@ class Mutant:
 MUTANTS = [
     # -- inspect of a Hub ID that is not cached: headers only -------------------------------------------------
     Mutant("hub-inspect-downloads-shards", "inspect of an uncached Hub ID downloads every shard", [
-        ("fp4pass/commands/checkpoint.py", "    remote = uncached_hub_id(args.model)\n", "    remote = None\n"),
+        ("fp4pass/commands/inspect.py", "    remote = uncached_hub_id(args.model)\n", "    remote = None\n"),
     ], ["tests/test_hub_headers.py"]),
     Mutant("hub-partial-snapshot-as-local", "a cached snapshot that lacks shards taken for a local copy", [
         ("fp4pass/hub.py", "    return None if folder is not None and not missing else parsed",
@@ -375,13 +377,41 @@ MUTANTS = [
         ("fp4pass/cli.py", 'kwargs.setdefault("allow_abbrev", False)', 'kwargs.setdefault("allow_abbrev", True)'),
     ], ROUND5_TESTS),
     Mutant("diff-onnx-data-no-hint", "diff A.onnx B.onnx --data does not point at --inputs", [
-        ("fp4pass/commands/diff.py", 'if name == "data" else ""', 'if name == "none" else ""'),
+        ("fp4pass/commands/doors.py", '    hints={"data": " (ONNX models take their inputs as --inputs DATA.npz)"}, model=',
+         "    hints={}, model="),
     ], ROUND5_TESTS),
     Mutant("folder-inputs-no-hint", "convert CKPT_DIR --inputs does not point at --calib", [
-        ("fp4pass/commands/checkpoint.py", 'if flag == "inputs" else ""', 'if flag == "none" else ""'),
+        ("fp4pass/commands/doors.py", ',\n          "inputs": " (a checkpoint folder\'s calibration data is --calib DATA)"}', "}"),
     ], ROUND5_TESTS),
+    Mutant("door-flag-default-counted", "a door's flag at its parser default counts as given (--seed 0 refused)", [
+        ("fp4pass/commands/doors.py", "    return getattr(args, dest, default) != default",
+         "    return getattr(args, dest, default) is not None"),
+    ], DOORS_TESTS),
+    Mutant("door-nvfp4-flags-before-told", "inspect NVFP4_DIR --engine is refused before the folder is told NVFP4", [
+        ("fp4pass/commands/doors.py", " and (settled or owner.within is not door)", ""),
+    ], DOORS_TESTS),
+    Mutant("door-parent-flags-refused", "an NVFP4 folder is refused the flags of every checkpoint folder", [
+        ("fp4pass/commands/doors.py", "owner is not door and owner is not door.within and", "owner is not door and"),
+    ], DOORS_TESTS),
+    Mutant("door-kind-unworded", "inspect F.onnx --engine says F.onnx 'is not one' (an NVFP4 folder), not a folder", [
+        ("fp4pass/commands/doors.py",
+         'what = "one" if self.within is None or given is self.within else self.within.kind', 'what = "one"'),
+    ], DOORS_TESTS),
+    Mutant("door-command-wording-ignored", "diff's and inspect's own refusal lines replaced by the door's", [
+        ("fp4pass/commands/doors.py", "entrance.wording.get(owner.name)", "None"),
+    ], DOORS_TESTS),
+    Mutant("door-registry-typo-unchecked", "a door flag its command lacks goes unnoticed (a typo in the table)", [
+        ("fp4pass/commands/doors.py", "    if missing:\n        raise AssertionError",
+         "    if False:\n        raise AssertionError"),
+    ], DOORS_TESTS),
+    Mutant("forms-suffix-spelled-in-plan", "the copied modules found by a '.weight' spelled in plan.py", [
+        ("fp4pass/checkpoint/plan.py", "name.endswith(WEIGHT_SUFFIX)", 'name.endswith(".weight")'),
+    ], FORMS_USED_TESTS),
+    Mutant("forms-suffix-spelled-in-detect", "DeepSeek-V4's block scales found by a '.scale' spelled in detect.py", [
+        ("fp4pass/checkpoint/detect.py", "scale_name = module + _DEEPSEEK_SCALES", 'scale_name = module + ".scale"'),
+    ], FORMS_USED_TESTS),
     Mutant("ckpt-convert-progress-stalls", "the folder convert's bar never advances", [
-        ("fp4pass/checkpoint/run.py", "                    advance(item.nbytes)\n", ""),
+        ("fp4pass/checkpoint/shards.py", "                    advance(item.nbytes)\n", ""),
     ], ROUND5_TESTS),
     Mutant("ckpt-check-progress-off", "--check reading back shows no bar on a terminal", [
         ("fp4pass/checkpoint/check.py", 'enabled=show_progress, unit="unit"', 'enabled=False, unit="unit"'),
@@ -391,12 +421,11 @@ MUTANTS = [
          "show_progress=False"),
     ], ROUND5_TESTS),
     Mutant("strict-not-refused-for-folders", "calibrate CKPT_DIR --strict is accepted and does nothing", [
-        ("fp4pass/commands/_checkpoint_calib.py", '("provider", "strict", "activation", "allow_invalid")',
-         '("provider", "activation", "allow_invalid")'),
+        ("fp4pass/commands/doors.py", '"onnx": ("provider", "strict", "activation", "allow_invalid"),',
+         '"onnx": ("provider", "activation", "allow_invalid"),'),
     ], ROUND5_TESTS),
     Mutant("allow-invalid-not-refused-for-folders", "inspect CKPT_DIR --allow-invalid is accepted and does nothing", [
-        ("fp4pass/commands/checkpoint.py", '    if getattr(args, "allow_invalid", False):  # the ONNX checker',
-         '    if False:  # the ONNX checker'),
+        ("fp4pass/commands/doors.py", '    "onnx": ("allow_invalid",),\n}, wording=', '    "onnx": (),\n}, wording='),
     ], ROUND5_TESTS),
     Mutant("scales-report-not-recognized", "--scales given a calibration report says only what it expected", [
         ("fp4pass/calib/scales.py", 'if isinstance(data, dict) and isinstance(data.get("tensors"), list):',
@@ -651,17 +680,15 @@ MUTANTS = [
         ("fp4pass/hub.py", "    return env or bool(constants.HF_HUB_OFFLINE)", "    return bool(constants.HF_HUB_OFFLINE)"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-cli-convert-unresolved", "fp4pass convert takes a Hub ID for an ONNX file", [
-        ("fp4pass/commands/checkpoint.py", '    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None '
-         'otherwise."""\n    _safety.resolve_hub_model(args)\n',
-         '    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None '
-         'otherwise."""\n'),
+        ("fp4pass/commands/doors.py",
+         "        setattr(args, entrance.model, resolve(getattr(args, entrance.model), args))\n", "        pass\n"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-quiet-bars-shown", "--quiet leaves huggingface_hub's download bars on", [
         ("fp4pass/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
     ], ["tests/test_hub.py"]),
     Mutant("checkpoint-counts-call-weights-experts", "inspect's and convert's summaries call every MXFP4 weight an "
            "expert (the DeepSeek-V3-architecture example's attention o_proj too)", [
-        ("fp4pass/checkpoint/run.py", "/{s['experts_total']} forecast lossless\"",
+        ("fp4pass/checkpoint/inspection.py", "/{s['experts_total']} forecast lossless\"",
          "/{s['experts_total']} experts forecast lossless\""),
         ("fp4pass/checkpoint/run.py", "/{s['experts_total']} lossless, ", "/{s['experts_total']} experts lossless, "),
     ], ["tests/test_docs_examples.py"]),
@@ -904,7 +931,7 @@ MUTANTS = [
     ], CHECKPOINT_TESTS),
     Mutant("checkpoint-fused-buffers-one-phase", "every expert of a gpt-oss stack is placed at the first "
            "expert's phase, so later experts miss the direct path", [
-        ("fp4pass/checkpoint/run.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
+        ("fp4pass/checkpoint/shards.py", "(start + i * part) % DIRECT_ALIGN", "start % DIRECT_ALIGN"),
     ], CHECKPOINT_TESTS),
     # -- the validator and the engine rules under hostile input (a downloaded checkpoint's configs) ----------
     Mutant("glob-as-backtracking-regex", "a *-only glob is matched by the .*-regex SGLang builds (re backtracks "
@@ -1345,7 +1372,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/validate.py", "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("checkpoint-inspect-nvfp4-as-mxfp4", "fp4pass.checkpoint.inspect: an NVFP4 folder's empty MXFP4 forecast", [
-        ("fp4pass/checkpoint/run.py",
+        ("fp4pass/checkpoint/inspection.py",
          "    if is_nvfp4_folder(src_dir, follow_symlinks=follow_symlinks):\n        return validate(",
          "    if False:\n        return validate("),
     ], VALIDATE_TRUST_TESTS),

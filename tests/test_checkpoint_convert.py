@@ -556,11 +556,11 @@ def test_at_most_one_unit_waits_for_the_writer(tmp_path, monkeypatch):
     import time
 
     import fp4pass.checkpoint.engine as engine
-    import fp4pass.checkpoint.run as run
+    import fp4pass.checkpoint.shards as shards
 
     src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=4, hidden=64, intermediate=32)
     state = {"held": 0, "most": 0}
-    real_convert, real_write = engine.convert_linears, run._write_linears
+    real_convert, real_write = engine.convert_linears, shards._write_linears
 
     def convert(*args, **kwargs):
         out = real_convert(*args, **kwargs)
@@ -574,7 +574,7 @@ def test_at_most_one_unit_waits_for_the_writer(tmp_path, monkeypatch):
         state["held"] -= 1
 
     monkeypatch.setattr(engine, "convert_linears", convert)
-    monkeypatch.setattr(run, "_write_linears", write)
+    monkeypatch.setattr(shards, "_write_linears", write)
     report = fp4pass.checkpoint.convert(src, tmp_path / "out", input_scale=W4A4_SCALE)
     assert report["summary"]["tensors_converted"] >= 8
     assert state["held"] == 0 and state["most"] == 2

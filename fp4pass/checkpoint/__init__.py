@@ -11,7 +11,8 @@
 Modules: ``safetensors_io`` (the file format, read and written streaming), ``catalog`` (a checkpoint folder),
 ``detect`` (the three MXFP4 input forms and the w1/w3 pairs), ``input_scales`` (activation scales onto module
 names), ``engine`` (one unit through ``fp4pass.convert``), ``output_forms`` (ModelOpt and compressed-tensors
-names, dtypes, shapes and configs), ``run`` (convert and inspect), ``check`` (the result read back by
+names, dtypes, shapes and configs), ``run`` (convert: ``plan`` the output, then ``shards`` writes it),
+``inspection`` (inspect), ``check`` (the result read back by
 compressed-tensors), ``validate`` (any NVFP4 checkpoint against the engines' rules), ``calibration``
 (activation scales from the model's own forward, with ``calib_data`` for the data and ``layerwise`` for the
 layer-by-layer run), ``numerics`` (an NVFP4 checkpoint against its source, layer by layer, expert by expert and
@@ -21,7 +22,8 @@ formats for users.
 
 from fp4pass.checkpoint.calibration import CheckpointScales, calibrate
 from fp4pass.checkpoint.numerics import CheckpointDiff, diff
-from fp4pass.checkpoint.run import CheckFailed, convert, format_inspection, format_report, inspect, summary_line
+from fp4pass.checkpoint.inspection import format_inspection, inspect
+from fp4pass.checkpoint.run import CheckFailed, convert, format_report, summary_line
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.checkpoint.validate import format_validation, validate
 

@@ -26,19 +26,25 @@ with any decline unless asked to copy them in their source form (``allow_partial
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from fp4pass.checkpoint.forms import block_precision
+from fp4pass.checkpoint.forms import (CT_MXFP4, CT_SHAPE_SUFFIX, DEEPSEEK_MXFP4, DOWN_NAMES, E8M0_DTYPES, EXPERT,
+                                      GATE_NAMES, GPT_OSS_MXFP4, UP_NAMES, WEIGHT_SUFFIX, block_precision)
 from fp4pass.checkpoint.safetensors_io import TensorEntry
 
 __all__ = ["Linear", "FusedExperts", "Detected", "detect", "GPT_OSS", "COMPRESSED_TENSORS", "DEEPSEEK"]
 
 GPT_OSS, COMPRESSED_TENSORS, DEEPSEEK = "gpt-oss", "compressed-tensors", "deepseek"
-GATE_NAMES, UP_NAMES, DOWN_NAMES = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
-_EXPERT = re.compile(r"^(?P<layer>.*)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
-_CODE_DTYPES = ("U8", "I8")
-_E8M0_DTYPES = ("U8", "F8_E8M0")
+# the suffixes of the three MXFP4 input forms (fp4pass.checkpoint.forms)
+_GPT_OSS_CODES, _GPT_OSS_SCALES = GPT_OSS_MXFP4.role("codes"), GPT_OSS_MXFP4.role("block_scales")
+_CT_CODES, _CT_SCALES = CT_MXFP4.role("codes").suffix, CT_MXFP4.role("block_scales").suffix
+_DEEPSEEK_CODES, _DEEPSEEK_SCALES = DEEPSEEK_MXFP4.role("codes"), DEEPSEEK_MXFP4.role("block_scales").suffix
+
+
+def _layer_and_projection(module: str) -> tuple[str, str] | None:
+    """(the module holding ``experts``, projection) of an expert's projection (``forms.EXPERT``), else None."""
+    match = EXPERT.match(module)
+    return (match["experts"].rpartition(".")[0], match["proj"]) if match else None
 
 
 @dataclass
@@ -61,11 +67,11 @@ class Linear:
     @property
     def fill_group(self) -> tuple[str, str] | None:
         """(layer, projection kind) for experts: the experts whose input scales fill a missing one."""
-        match = _EXPERT.match(self.module)
-        if not match:
+        parts = _layer_and_projection(self.module)
+        if not parts:
             return None
         role = self.role
-        return match.group("layer"), "gate_up" if role in ("gate", "up") else match.group("proj")
+        return parts[0], "gate_up" if role in ("gate", "up") else parts[1]
 
 
 @dataclass
@@ -138,14 +144,15 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
     linears: list[Linear] = []
     unscaled: list[TensorEntry] = []  # DeepSeek-form expert weights without a .scale
     for name, entry in tensors.items():
-        if name.endswith("_blocks"):
-            base = name[: -len("_blocks")]
-            module = base[: -len(".weight")] if base.endswith(".weight") else base
-            scales = tensors.get(base + "_scales")
+        if name.endswith(_GPT_OSS_CODES.suffix):
+            base = name[: -len(_GPT_OSS_CODES.suffix)]
+            module = base[: -len(WEIGHT_SUFFIX)] if base.endswith(WEIGHT_SUFFIX) else base
+            scales = tensors.get(_GPT_OSS_SCALES.name(base))
             if scales is None:
-                _decline(declined, gone, entry, module, f"MXFP4 codes without their scales tensor {base + '_scales'!r}")
+                _decline(declined, gone, entry, module,
+                         f"MXFP4 codes without their scales tensor {_GPT_OSS_SCALES.name(base)!r}")
                 continue
-            if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
+            if entry.dtype not in _GPT_OSS_CODES.dtypes or scales.dtype not in E8M0_DTYPES:
                 _decline(declined, gone, entry, module, f"blocks {entry.dtype} / scales {scales.dtype}: not uint8 "
                                                         "E2M1 codes with E8M0 scales")
                 continue
@@ -166,14 +173,14 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
                 continue
             consumed.update((name, scales.name))
             forms.add(GPT_OSS)
-        elif name.endswith(".weight_packed"):
-            module = name[: -len(".weight_packed")]
-            scales = tensors.get(module + ".weight_scale")
+        elif name.endswith(_CT_CODES):
+            module = name[: -len(_CT_CODES)]
+            scales = tensors.get(module + _CT_SCALES)
             if scales is None:
                 _decline(declined, gone, entry, module,
-                         f"MXFP4 codes without their scales tensor {module + '.weight_scale'!r}")
+                         f"MXFP4 codes without their scales tensor {module + _CT_SCALES!r}")
                 continue
-            if entry.dtype != "U8" or scales.dtype not in _E8M0_DTYPES:
+            if entry.dtype not in CT_MXFP4.role("codes").dtypes or scales.dtype not in E8M0_DTYPES:
                 _decline(declined, gone, entry, module, _ct_dtype_mismatch(entry, scales))
                 continue
             mismatch = _packed_mismatch(entry, scales)
@@ -181,19 +188,19 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
                 _decline(declined, gone, entry, module, mismatch)
                 continue
             rows, cols = entry.shape[0], entry.shape[1] * 2
-            used = [name, scales.name] + [n for n in (module + ".weight_shape",) if n in tensors]
+            used = [name, scales.name] + [n for n in (module + CT_SHAPE_SUFFIX,) if n in tensors]
             linears.append(Linear(module, COMPRESSED_TENSORS, entry, scales, rows, cols, used))
             consumed.update(used)
             forms.add(COMPRESSED_TENSORS)
-        elif name.endswith(".weight") and entry.dtype in _CODE_DTYPES:
-            module = name[: -len(".weight")]
-            scale_name = module + ".scale"
+        elif name.endswith(_DEEPSEEK_CODES.suffix) and entry.dtype in _DEEPSEEK_CODES.dtypes:
+            module = name[: -len(_DEEPSEEK_CODES.suffix)]
+            scale_name = module + _DEEPSEEK_SCALES
             if scale_name not in tensors:
-                if _EXPERT.match(module):
+                if _layer_and_projection(module):
                     unscaled.append(entry)
                 continue
             scales = tensors[scale_name]
-            if scales.dtype not in _E8M0_DTYPES:
+            if scales.dtype not in E8M0_DTYPES:
                 continue
             mismatch = _packed_mismatch(entry, scales)
             if mismatch:
@@ -214,22 +221,17 @@ def detect(tensors: dict[str, TensorEntry], config: dict) -> Detected:
     return Detected(units, consumed, declined, forms)
 
 
-def _expert_key(module: str) -> tuple[str, str] | None:
-    match = _EXPERT.match(module)
-    return (match.group("layer"), match.group("proj")) if match else None
-
-
 def _decline_unscaled_experts(unscaled: list[TensorEntry], linears: list[Linear], fp4_config: bool,
                               declined: list[dict], gone: set[str]) -> None:
     """A DeepSeek-form expert ``.weight`` (int8/uint8) without its ``.scale`` is an MXFP4 expert missing its
     scales when the config says the experts are FP4, or when another expert of its layer and projection is a
     DeepSeek MXFP4 weight; else it is some other integer weight, copied as it is."""
-    fp4_experts = {_expert_key(lin.module) for lin in linears if lin.form == DEEPSEEK}
+    fp4_experts = {_layer_and_projection(lin.module) for lin in linears if lin.form == DEEPSEEK}
     for entry in unscaled:
-        module = entry.name[: -len(".weight")]
-        if fp4_config or _expert_key(module) in fp4_experts:
+        module = entry.name[: -len(_DEEPSEEK_CODES.suffix)]
+        if fp4_config or _layer_and_projection(module) in fp4_experts:
             _decline(declined, gone, entry, module, f"MXFP4 expert weight without its scales tensor "
-                                                    f"{module + '.scale'!r}")
+                                                    f"{module + _DEEPSEEK_SCALES!r}")
 
 
 def _partner_name(module: str) -> str | None:

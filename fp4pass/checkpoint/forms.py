@@ -163,3 +163,13 @@ def block_precision(dtype: str) -> str | None:
     if dtype == E4M3_DTYPE:
         return "nvfp4"
     return None
+
+#: a Linear's plain weight: ``M.weight`` (copied, or FP8); gpt-oss writes a dense Linear's MXFP4 codes as
+#: ``M.weight`` + the gpt-oss codes suffix (``M.weight_blocks``)
+WEIGHT_SUFFIX = ".weight"
+#: compressed-tensors' record of a packed weight's unpacked shape, beside its codes (consumed with them)
+CT_SHAPE_SUFFIX = ".weight_shape"
+#: an FP8 weight's block scales, which keep it FP8: DeepSeek-V4's ``M.scale``, DeepSeek-V3's ``M.weight_scale_inv``
+FP8_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+#: a gpt-oss expert stack: ``<experts>.gate_up_proj`` / ``<experts>.down_proj`` (no expert number)
+STACK = re.compile(rf"^(?P<experts>.+\.experts)\.(?P<proj>{'|'.join(STACK_PROJS)})$")

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
+from fp4pass.checkpoint.forms import DOWN_NAMES, GATE_NAMES, STACK, UP_NAMES, expert_parts
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
 __all__ = ["InputScales", "resolve_input_scales"]
@@ -66,17 +67,25 @@ def _check(value: float, where: str) -> float:
     return float(value)
 
 
-#: key forms of the SCALES.json files fp4pass writes, and whose they are
-_FAMILIES = ((re.compile(r"\.experts\.(gate_up_proj|down_proj)$"), "gpt-oss's (fused expert stacks)"),
-             (re.compile(r"(^|\.)ffn\.experts\.\d+\.w[123]$"), "DeepSeek-V4's (layers.N.ffn.experts.E.w1)"),
-             (re.compile(r"\.experts\.\d+\.[^.]+$"), "another MoE checkpoint's (model.layers.N.mlp.experts.E.w1)"),
-             (re.compile(r"^[^.]+$"), "an ONNX model's activations (fp4pass calibrate on an ONNX file)"))
+def _deepseek_v4_expert(key: str) -> bool:
+    """DeepSeek-V4's native names: ``layers.N.ffn.experts.E.w1`` (w1, w2 or w3: its experts live under ``ffn``)."""
+    parts = expert_parts(key)
+    if parts is None or parts[2] not in (GATE_NAMES[0], UP_NAMES[0], DOWN_NAMES[0]):
+        return False
+    return parts[0].rpartition(".")[0].rpartition(".")[2] == "ffn"
+
+
+#: key forms of the SCALES.json files fp4pass writes, and whose they are (the names of forms.STACK, forms.EXPERT)
+_FAMILIES = ((lambda key: STACK.match(key) is not None, "gpt-oss's (fused expert stacks)"),
+             (_deepseek_v4_expert, "DeepSeek-V4's (layers.N.ffn.experts.E.w1)"),
+             (lambda key: expert_parts(key) is not None, "another MoE checkpoint's (model.layers.N.mlp.experts.E.w1)"),
+             (re.compile(r"^[^.]+$").search, "an ONNX model's activations (fp4pass calibrate on an ONNX file)"))
 
 
 def _whose(keys: list[str]) -> str:
     """``; they look like gpt-oss's ...`` for keys of a form fp4pass knows, else nothing."""
-    for pattern, family in _FAMILIES:
-        if all(pattern.search(key) for key in keys):
+    for looks_like, family in _FAMILIES:
+        if all(looks_like(key) for key in keys):
             return f"; they look like {family}"
     return f" (first {keys[0]!r})"
 

@@ -37,7 +37,7 @@ from fp4pass.checkpoint.configs import with_quantization_config
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.engines import ARCH_DEEPSEEK_V4, vllm_module_name
 from fp4pass.checkpoint.families import architecture_of, family_of
-from fp4pass.checkpoint.forms import CT_NVFP4, MODELOPT_LINEAR, MODELOPT_STACK, Form
+from fp4pass.checkpoint.forms import CT_NVFP4, FP8_SCALE_SUFFIXES, MODELOPT_LINEAR, MODELOPT_STACK, Form
 from fp4pass.checkpoint.safetensors_io import OutputSpec
 
 __all__ = ["MODELOPT", "COMPRESSED_TENSORS_FORMAT", "FORMATS", "linear_specs", "fused_specs", "exclude_list",
@@ -134,8 +134,8 @@ def exclude_list(kept_modules: list[str], converted_modules: list[str], fmt: str
         if style == MODELOPT:
             out.setdefault(_prefix_wildcard(module, converted_modules))
             continue
-        if style == "deepseek-v4-fp8" and tensor_names is not None and (
-                f"{module}.scale" in tensor_names or f"{module}.weight_scale_inv" in tensor_names):
+        if style == "deepseek-v4-fp8" and tensor_names is not None and any(
+                module + suffix in tensor_names for suffix in FP8_SCALE_SUFFIXES):
             continue
         renamed = vllm_module_name(architecture, module)
         if style == COMPRESSED_TENSORS_FORMAT and "." not in module and renamed != module and "." not in renamed:

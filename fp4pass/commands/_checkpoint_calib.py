@@ -12,8 +12,6 @@ from fp4pass.commands._safety import positive_int
 from fp4pass.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
-#: flags that only a checkpoint folder's calibration reads (None unless given; refused for ONNX files)
-FOLDER_ONLY = ("device", "seq_len", "num_samples", "trust_remote_code")
 
 
 def add_arguments(g, batch_size: bool = False) -> None:
@@ -32,12 +30,6 @@ def add_arguments(g, batch_size: bool = False) -> None:
     if batch_size:
         g.add_argument("--calib-batch-size", type=positive_int, default=None, metavar="B",
                        help="checkpoint calibration: sequences per forward batch (default 8)")
-
-
-def refuse_for_onnx(args) -> None:
-    for flag in FOLDER_ONLY:
-        if getattr(args, flag) is not None:
-            raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
 
 
 def run_calibration(args, data, batch_size, detail: bool = False):
@@ -59,14 +51,10 @@ def print_summary(scales, output: str) -> None:
 
 
 def calibrate_folder(args) -> int:
-    """``fp4pass calibrate CKPT_DIR --data DATA -o SCALES.json``."""
+    """``fp4pass calibrate CKPT_DIR --data DATA -o SCALES.json`` (its ONNX models' flags refused already)."""
     from fp4pass.commands import _safety
     from fp4pass.io import RESULT, write_json
 
-    for flag in ("provider", "strict", "activation", "allow_invalid"):  # ONNX-only: never silently ignored
-        value = getattr(args, flag)
-        if value not in (None, False, "auto"):
-            raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders")
     _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
     scales = run_calibration(args, args.data, args.batch_size, detail=bool(args.report))
     write_json(args.output, stamped(scales.to_json(), args), kind=RESULT)

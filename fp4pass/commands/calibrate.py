@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from fp4pass import messages
-from fp4pass.commands import _checkpoint_calib, _safety
+from fp4pass.commands import _checkpoint_calib, _safety, doors
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
 from fp4pass.commands._provenance import KEY, provenance, stamped
 from fp4pass.io import RESULT, write_json
@@ -49,14 +48,15 @@ def register(sub, common) -> None:
     p.add_argument("--report", metavar="REPORT.json", help="write the per-activation calibration report")
     _checkpoint_calib.add_arguments(p.add_argument_group("checkpoint folders (IN is a folder: CKPT_DIR)"))
     p.set_defaults(run=run)
+    doors.open_doors(p, doors.CALIBRATE)
 
 
 def run(args) -> int:
     check_calibrator_flags(args, "--data", data_given=True)
-    _safety.resolve_hub_model(args)
-    if os.path.isdir(args.model):
+    door = doors.enter(args, doors.CALIBRATE)
+    doors.refuse_foreign(args, doors.CALIBRATE, door)
+    if door is doors.CHECKPOINT_FOLDER:
         return _checkpoint_calib.calibrate_folder(args)
-    _checkpoint_calib.refuse_for_onnx(args)
     from fp4pass.calib import calibrate_model
     from fp4pass.onnx.loading import load
 

@@ -1,7 +1,7 @@
 """``fp4pass convert`` / ``fp4pass inspect`` when the input is a checkpoint folder (safetensors + config.json).
 
-``convert.py`` and ``inspect.py`` call :func:`convert_if_folder` / :func:`inspect_if_folder` first; these return
-None for an ONNX file, which then goes on as before.
+``convert.py`` and ``inspect.py`` call :func:`convert_folder` / :func:`inspect_folder` when the input came in
+through the checkpoint-folder door (:mod:`fp4pass.commands.doors`, which also resolved a Hub ID).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from fp4pass import messages
-from fp4pass.commands import _checkpoint_calib, _safety
+from fp4pass.commands import _checkpoint_calib, _safety, doors
 from fp4pass.commands._calibrator_flags import check_calibrator_flags
 from fp4pass.commands._provenance import stamped
 from fp4pass.errors import UsageError
@@ -37,12 +37,6 @@ INSPECT_EPILOG = """  fp4pass inspect gpt-oss-20b        # a checkpoint folder: 
   fp4pass inspect gpt-oss-20b-nvfp4  # an NVFP4 folder (ours, ModelOpt's, llm-compressor's): problems, engine verdicts
   fp4pass inspect Qwen3-30B-A3B-NVFP4 --engine vllm --json   # one engine; exit 0 clean, 1 problems, 2 unreadable
 """
-
-# ONNX-only flags of ``fp4pass convert`` and their defaults: given with a folder they are refused
-_ONNX_ONLY = {"scale_form": "dq", "target": "trt", "external_data": "auto", "snr_min": None,
-              "keep_unchecked": False, "provider": "auto", "strict": False, "allow_invalid": False,
-              "inputs": None, "shape": [], "past_length": 0}
-
 
 def _size(text: str) -> int:
     import argparse
@@ -93,35 +87,13 @@ def add_folder_arguments(g) -> None:
     g.add_argument("--follow-symlinks", action="store_true", default=None, help=FOLLOW_HELP)
 
 
-def _is_folder(path) -> bool:
-    return path is not None and os.path.isdir(path)
-
-
-def convert_if_folder(args) -> int | None:
-    """Run the checkpoint conversion when ``args.model`` is a folder or a Hub model ID; None otherwise."""
-    _safety.resolve_hub_model(args)
-    if not _is_folder(args.model):
-        if args.overwrite:
-            raise UsageError(f"--overwrite applies to checkpoint folders; {args.model} is not one (an ONNX output "
-                             "file is replaced anyway, never an input)")
-        for flag in ("format", "input_scale", "max_shard_size", "allow_partial", "follow_symlinks", "engine",
-                     *_checkpoint_calib.FOLDER_ONLY, "calib_batch_size"):
-            if getattr(args, flag, None) is not None:
-                raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoint folders; {args.model} is not one")
-        return None
-    return _convert(args)
-
-
 def _check_flags(args) -> None:
     from fp4pass.io import check_output_folder
 
     check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
     check_output_folder(args.output, overwrite=bool(args.overwrite),  # before a calibration that may take hours
                         inputs={"CKPT_DIR": args.model, "--scales": args.scales, "--calib": args.calib})
-    for flag, default in _ONNX_ONLY.items():
-        if getattr(args, flag, default) != default:
-            data = " (a checkpoint folder's calibration data is --calib DATA)" if flag == "inputs" else ""
-            raise UsageError(f"--{flag.replace('_', '-')} applies to ONNX models, not to checkpoint folders{data}")
+    doors.refuse_foreign(args, doors.CONVERT, doors.CHECKPOINT_FOLDER)
     if args.input_scale is not None and args.scales:
         raise UsageError("give --input-scale or --scales, not both")
     if args.input_scale is not None and not args.input_scale > 0:
@@ -159,7 +131,8 @@ def refuse_nvfp4_folder(folder, follow_symlinks: bool = False) -> None:
     raise UsageError(f"{folder}: already NVFP4{what}; nothing to convert; check it with `fp4pass inspect {folder}`")
 
 
-def _convert(args) -> int:
+def convert_folder(args) -> int:
+    """``fp4pass convert CKPT_DIR -o OUT_DIR``: ``args.model`` is the (resolved) checkpoint folder."""
     refuse_nvfp4_folder(args.model, follow_symlinks=bool(args.follow_symlinks))
     _check_flags(args)
     from fp4pass.checkpoint import CheckFailed, convert, format_report, summary_line
@@ -227,31 +200,16 @@ def check_line(check: dict) -> str:
     return f"{line}; decoded by {check.get('reader', 'an unnamed reader')}"
 
 
-def inspect_if_folder(args) -> int | None:
-    """``fp4pass inspect CKPT_DIR [--json]`` (or a Hub model ID); None when ``args.model`` is not a folder."""
-    from fp4pass.hub import uncached_hub_id
-
-    remote = uncached_hub_id(args.model)
-    if remote is not None:  # not cached: its headers only, never the shards (fp4pass.checkpoint.hub_headers)
-        from fp4pass.checkpoint.hub_headers import HubUnavailable
-
-        try:
-            return _inspect_hub_headers(args, *remote)
-        except HubUnavailable:  # unreachable, no such model or revision, gated: resolving says which, in one line
-            pass
-    _safety.resolve_hub_model(args)
-    if not _is_folder(args.model):
-        _safety.refuse_checkpoint_file(args.model)
-        if getattr(args, "follow_symlinks", None):
-            raise UsageError(f"--follow-symlinks applies to checkpoint folders; {args.model} is not one")
-        return None
-    if getattr(args, "allow_invalid", False):  # the ONNX checker's; a folder has no ONNX file to check
-        raise UsageError(f"--allow-invalid applies to ONNX models, not to checkpoint folders ({args.model} is one)")
+def inspect_folder(args) -> int:
+    """``fp4pass inspect CKPT_DIR [--json]``: ``args.model`` is the (resolved) checkpoint folder."""
+    doors.refuse_foreign(args, doors.INSPECT, doors.CHECKPOINT_FOLDER, settled=False)  # --allow-invalid
+    door = doors.refine(args, doors.INSPECT, doors.CHECKPOINT_FOLDER)
+    doors.refuse_foreign(args, doors.INSPECT, door)  # --engine, --strict of an MXFP4 folder
     from fp4pass.checkpoint import format_inspection, inspect
-    from fp4pass.checkpoint.validate import exit_status, format_validation, is_nvfp4_folder, validate
+    from fp4pass.checkpoint.validate import exit_status, format_validation, validate
 
     follow = bool(getattr(args, "follow_symlinks", False))
-    if is_nvfp4_folder(args.model, follow_symlinks=follow):  # an NVFP4 checkpoint: check it against the engines
+    if door is doors.NVFP4_FOLDER:  # an NVFP4 checkpoint: check it against the engines
         result = validate(args.model, engine=getattr(args, "engine", None), follow_symlinks=follow)
         if args.json:
             messages.result(json_text(result))
@@ -259,9 +217,6 @@ def inspect_if_folder(args) -> int | None:
             messages.info(format_validation(result))
             _problems_when_quiet(result)
         return exit_status(result, strict=bool(getattr(args, "strict", False)))
-    for flag in ("engine", "strict"):
-        if getattr(args, flag, None):
-            raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not one")
     info = inspect(args.model, follow_symlinks=follow)
     if args.json:
         messages.result(json_text(info))
@@ -270,16 +225,20 @@ def inspect_if_folder(args) -> int | None:
     return 0
 
 
-def _inspect_hub_headers(args, repo_id: str, revision: str | None) -> int:
+def inspect_from_headers(args, repo_id: str, revision: str | None) -> int | None:
     """``inspect ORG/NAME`` of a model not in the cache: from its configs and shard headers. Exit 0; 1 when
-    ``--engine`` names an engine that does not load that NVFP4 checkpoint."""
-    from fp4pass.checkpoint.hub_headers import format_hub_inspection, inspect_hub_headers
+    ``--engine`` names an engine that does not load that NVFP4 checkpoint. None when the Hub cannot answer
+    (unreachable, no such model or revision, gated): resolving the ID then says which, in one line."""
+    from fp4pass.checkpoint.hub_headers import HubUnavailable, format_hub_inspection, inspect_hub_headers
 
     for flag in ("follow_symlinks", "allow_invalid", "strict"):
         if getattr(args, flag, None):
             raise UsageError(f"--{flag.replace('_', '-')} needs the checkpoint's files; {args.model} is not cached "
                              "(inspect reads its headers only): hf download it first")
-    info = inspect_hub_headers(repo_id, revision, show_progress=False if messages.quiet() else None)
+    try:
+        info = inspect_hub_headers(repo_id, revision, show_progress=False if messages.quiet() else None)
+    except HubUnavailable:
+        return None
     engine = getattr(args, "engine", None)
     if engine and info["precision"] != "nvfp4":
         raise UsageError(f"--engine applies to NVFP4 checkpoint folders; {args.model} is not one")

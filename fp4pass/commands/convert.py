@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fp4pass import messages
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
-from fp4pass.commands import _safety, checkpoint
+from fp4pass.commands import _safety, checkpoint, doors
 from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
 from fp4pass.commands.diff import add_input_arguments, parse_shape, print_notes
 from fp4pass.commands._provenance import stamped
@@ -68,6 +68,7 @@ def register(sub, common) -> None:
     _add_safety_arguments(p)
     checkpoint.add_convert_arguments(p)  # IN a folder: a safetensors checkpoint (fp4pass.commands.checkpoint)
     p.set_defaults(run=run)
+    doors.open_doors(p, doors.CONVERT)
 
 
 def _add_safety_arguments(p) -> None:
@@ -170,9 +171,10 @@ def _check_verdict(check: dict) -> str | None:
 
 
 def run(args) -> int:
-    code = checkpoint.convert_if_folder(args)
-    if code is not None:
-        return code
+    door = doors.enter(args, doors.CONVERT)
+    if door is doors.CHECKPOINT_FOLDER:
+        return checkpoint.convert_folder(args)
+    doors.refuse_foreign(args, doors.CONVERT, door)
     check_calibrator_flags(args, "--calib", data_given=bool(args.calib))
     snr_min = _check_before_work(args)
     from fp4pass.io import write_json

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from fp4pass import messages
-from fp4pass.commands import _safety
+from fp4pass.commands import _safety, doors
 from fp4pass.commands._provenance import stamped
 from fp4pass.extras import require
 from fp4pass.errors import UsageError
@@ -128,40 +128,21 @@ def register(sub, common) -> None:
                    help="run the folders' own modeling code (config.json auto_map), as transformers and vLLM do "
                         "with this flag; it executes that code")
     p.set_defaults(run=run)
-
-
-#: flags only ONNX files take, with the value each has when not given
-_ONNX_ONLY = {"inputs": None, "shape": [], "past_length": 0, "seed": 0, "provider": "auto", "strict": False,
-              "allow_invalid": False, "intermediates": False}
-#: flags only checkpoint folders take (None when not given)
-_FOLDER_ONLY = ("data", "seq_len", "num_samples", "batch_size", "kl_max", "device", "follow_symlinks",
-                "trust_remote_code")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    doors.open_doors(p, doors.DIFF)
 
 
 def _run_folders(args) -> int:
-    """``fp4pass diff SRC_DIR NVFP4_DIR --data DATA``."""
+    """``fp4pass diff SRC_DIR NVFP4_DIR --data DATA`` (its ONNX models' flags refused already)."""
     from fp4pass.checkpoint.diff_plot import plot_checkpoint_diff
     from fp4pass.checkpoint.numerics import diff as checkpoint_diff
 
-    for name, default in _ONNX_ONLY.items():
-        if getattr(args, name, default) != default:
-            raise UsageError(f"{_flag(name)} applies to ONNX models; {args.original} is a checkpoint folder "
-                             "(give --data)")
-    if not _checkpoint(args.rewritten):
+    if doors.door_of(args, doors.DIFF, args.rewritten) is not doors.CHECKPOINT_FOLDER:
         raise UsageError(f"{args.rewritten}: not a folder; SRC_DIR {args.original} is one, so B must be the NVFP4 "
                          "checkpoint folder to compare with it")
     if args.data is None:
         raise UsageError("checkpoint folders need --data: the token ids or text to run (what calibrate --data "
                          "takes, e.g. models/checkpoints/calib_tokens.npz)")
-    from fp4pass.hub import resolve_checkpoint
-
-    progress = False if args.quiet else None
-    args.original = resolve_checkpoint(args.original, show_progress=progress)
-    args.rewritten = resolve_checkpoint(args.rewritten, show_progress=progress)
+    args.original, args.rewritten = doors.resolve(args.original, args), doors.resolve(args.rewritten, args)
     _safety.check_files({"--json": args.json, "--plot": args.plot},
                         {"SRC_DIR": args.original, "NVFP4_DIR": args.rewritten, "--data": args.data})
     if args.plot:
@@ -198,20 +179,11 @@ def print_notes(command: str, notes, args, provider_notes=()) -> None:
             print(f"fp4pass {command}: note: {note}", file=sys.stderr)
 
 
-def _checkpoint(path: str) -> bool:
-    """A checkpoint folder, or a Hugging Face Hub model ID with no local path of that name."""
-    from fp4pass.hub import parse_hub_id
-
-    return os.path.isdir(path) or (parse_hub_id(path) is not None and not os.path.lexists(path))
-
-
 def run(args) -> int:
-    if _checkpoint(args.original):
+    door = doors.door_of(args, doors.DIFF)  # the Hub IDs are resolved once, after the flags are checked
+    doors.refuse_foreign(args, doors.DIFF, door)
+    if door is doors.CHECKPOINT_FOLDER:
         return _run_folders(args)
-    for name in _FOLDER_ONLY:
-        if getattr(args, name) is not None:
-            raise UsageError(f"{_flag(name)} applies to checkpoint folders; {args.original} is not one"
-                             + (" (ONNX models take their inputs as --inputs DATA.npz)" if name == "data" else ""))
     if os.path.isdir(args.rewritten):
         raise UsageError(f"{args.rewritten}: a folder, but A ({args.original}) is not: give two ONNX files, or the "
                          "source checkpoint folder and the NVFP4 checkpoint folder")

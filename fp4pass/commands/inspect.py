@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from fp4pass import messages
-from fp4pass.commands import _safety, checkpoint
-from fp4pass.errors import UsageError
+from fp4pass.commands import _safety, checkpoint, doors
 from fp4pass.io import json_text
 
 EPILOG = """examples:
@@ -33,15 +32,22 @@ def register(sub, common) -> None:
                    help="an NVFP4 checkpoint folder: exit 1 on warnings too (magnitude guesses, an engine that does "
                         "not load the form)")
     p.set_defaults(run=run)
+    doors.open_doors(p, doors.INSPECT)
 
 
 def run(args) -> int:
-    code = checkpoint.inspect_if_folder(args)  # a safetensors checkpoint folder
-    if code is not None:
-        return code
-    for flag in ("engine", "strict"):
-        if getattr(args, flag):
-            raise UsageError(f"--{flag} applies to NVFP4 checkpoint folders; {args.model} is not a folder")
+    from fp4pass.hub import uncached_hub_id
+
+    remote = uncached_hub_id(args.model)
+    if remote is not None:  # not cached: its headers only, never the shards (fp4pass.checkpoint.hub_headers)
+        code = checkpoint.inspect_from_headers(args, *remote)
+        if code is not None:
+            return code
+    door = doors.enter(args, doors.INSPECT)
+    if door is doors.CHECKPOINT_FOLDER:  # a safetensors checkpoint folder
+        return checkpoint.inspect_folder(args)
+    _safety.refuse_checkpoint_file(args.model)
+    doors.refuse_foreign(args, doors.INSPECT, door)
     from fp4pass.onnx.inspection import format_inspection, inspect
 
     _safety.check_model(args, args.model)
