@@ -134,10 +134,10 @@ MUTANTS = [
          "                         runnable=False)"),
     ], ["tests/test_examples_checkpoints.py"]),
     Mutant("remote-code-without-the-flag", "a folder's own modeling code run without --trust-remote-code", [
-        ("fp4pass/checkpoint/layerwise.py", "    if trust_remote_code and auto_map:", "    if auto_map:"),
+        ("fp4pass/checkpoint/layerwise/model.py", "    if trust_remote_code and auto_map:", "    if auto_map:"),
     ], REMOTE_CODE_TESTS),
     Mutant("remote-model-built-without-its-code", "the folder's config class used, but transformers' model", [
-        ("fp4pass/checkpoint/layerwise.py",
+        ("fp4pass/checkpoint/layerwise/model.py",
          '    remote = {"trust_remote_code": True} if _is_remote(cfg) else {}', "    remote = {}"),
     ], REMOTE_CODE_TESTS),
     # -- calibration inputs bounded: the tokenizer's input, data links, the process's memory limits --------------
@@ -990,42 +990,42 @@ MUTANTS = [
     # -- checkpoint calibration (the layer runner: weights, layer inputs, numerics) -------------------------
     Mutant("ckpt-calib-hf-gate-up-swapped", "Hugging Face expert names fill the up half with gate_proj and the "
            "gate half with up_proj (w1/w3 still right)", [
-        ("fp4pass/checkpoint/layerwise.py", '"gate_proj": 0, "w3": 1, "up_proj": 1}',
+        ("fp4pass/checkpoint/layerwise/model.py", '"gate_proj": 0, "w3": 1, "up_proj": 1}',
          '"gate_proj": 1, "w3": 1, "up_proj": 0}'),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-hash-routing-stale-ids", "a layer's cached inputs keep the first batch's input_ids, so "
            "DeepSeek-V4's hash routing routes every later batch by them", [
-        ("fp4pass/checkpoint/layerwise.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
+        ("fp4pass/checkpoint/layerwise/model.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
          "            pass"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-layer-inputs-one-shape", "a layer's inputs (masks, rotary tables) are cached per layer, "
            "not per batch shape", [
-        ("fp4pass/checkpoint/layerwise.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
+        ("fp4pass/checkpoint/layerwise/model.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-fp8-scale-ignored", "FP8 E4M3 block-scaled weights are read without their block scales", [
-        ("fp4pass/checkpoint/layerwise.py", "        return weight * full\n", "        return weight\n"),
+        ("fp4pass/checkpoint/layerwise/model.py", "        return weight * full\n", "        return weight\n"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-float32-linear-drops-bias", "a Linear run as float32 products loses its bias", [
-        ("fp4pass/checkpoint/layerwise.py", "    bias = None if linear.bias is None else linear.bias.float()",
+        ("fp4pass/checkpoint/layerwise/model.py", "    bias = None if linear.bias is None else linear.bias.float()",
          "    bias = None"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-stack-decoded-into-first-expert", "a stack stored in the checkpoint's order has every "
            "expert decoded into expert 0's slot", [
-        ("fp4pass/checkpoint/layerwise.py", "out=out[i].t())", "out=out[0].t())"),
+        ("fp4pass/checkpoint/layerwise/model.py", "out=out[i].t())", "out=out[0].t())"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-heap-not-trimmed", "a released layer's freed heap is kept (peak memory creeps with depth)", [
-        ("fp4pass/checkpoint/layerwise.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
+        ("fp4pass/checkpoint/layerwise/model.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
          "        self.drop_cached(index)\n"),
     ], CKPT_CALIBRATE_TESTS),
     # -- checkpoint calibration: bugs nobody planned (padded batches, many experts, gpt-oss biases, hostile configs)
     Mutant("ckpt-runner-mask-lost", "the layer runner makes each layer's inputs without the batch's attention mask", [
-        ("fp4pass/checkpoint/layerwise.py",
+        ("fp4pass/checkpoint/layerwise/model.py",
          "attention_mask=None if attention_mask is None else attention_mask.to(self.device),",
          "attention_mask=None,"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-mask-of-an-earlier-batch", "a padded batch reuses the layer inputs (mask included) of an "
            "earlier batch of its shape", [
-        ("fp4pass/checkpoint/layerwise.py",
+        ("fp4pass/checkpoint/layerwise/model.py",
          "key = (index, tuple(input_ids.shape)) if attention_mask is None else None",
          "key = (index, tuple(input_ids.shape))"),
     ], CKPT_RUNNER_TESTS),
@@ -1033,11 +1033,11 @@ MUTANTS = [
         ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(dev)", "mask.reshape(-1).to(dev)"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-expert-index-one-digit", "an expert's index is read as its last digit (10 -> 0)", [
-        ("fp4pass/checkpoint/layerwise.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
+        ("fp4pass/checkpoint/layerwise/model.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-experts-sorted-as-text", "expert slot e gets the e-th expert in text order (0, 1, 10, 100, "
            "101, 102, 11, 2, ...)", [
-        ("fp4pass/checkpoint/layerwise.py", "found = parts.get(e, {})",
+        ("fp4pass/checkpoint/layerwise/model.py", "found = parts.get(e, {})",
          "found = parts.get(sorted(parts, key=str)[e], {})"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-report-experts-as-text", "the report lists a stack's experts in text order", [

@@ -73,7 +73,7 @@ def _plain_model(src: Path, device: torch.device):
 
     from fp4pass.checkpoint.catalog import Catalog
     from fp4pass.checkpoint.detect import detect
-    from fp4pass.checkpoint.layerwise import WeightLoader, WeightSources, resolve_architecture
+    from fp4pass.checkpoint.layerwise.model import WeightLoader, WeightSources, resolve_architecture
 
     with Catalog.open(src) as catalog:
         model_type, cfg = resolve_architecture(catalog.config, src)
@@ -82,7 +82,7 @@ def _plain_model(src: Path, device: torch.device):
         sources = WeightSources.build(catalog, detect(catalog.tensors, catalog.config), model_type)
         loader = WeightLoader(catalog, sources, device)
         base = model.model
-        from fp4pass.checkpoint.layerwise import materialize
+        from fp4pass.checkpoint.layerwise.model import materialize
 
         for name, child in base.named_children():
             if name == "layers":
@@ -99,7 +99,7 @@ def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, 
     fastest layout (weights [N, K], read transposed): ``bf16``, and ``float32_products`` (bf16 operands
     multiplied in float32, rounded to bf16, as the calibration does on CPUs without bf16 matrix instructions)
     where that applies."""
-    from fp4pass.checkpoint.layerwise import float32_products
+    from fp4pass.checkpoint.layerwise.model import float32_products
 
     rows = max(1, tokens * top_k // experts)
     x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device)

@@ -46,8 +46,9 @@ from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
-from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
-                                          float32_products, hidden_budget, resolve_architecture)
+from fp4pass.checkpoint.layerwise.model import (HiddenStore, LayerPrefetcher, LayerRunner, default_device,
+                                                experts_modules, float32_products, hidden_budget,
+                                                resolve_architecture)
 from fp4pass.checkpoint.model_limits import check_attention_memory, check_config_fields, check_fits_shards
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.hub import resolve_checkpoint

@@ -55,8 +55,9 @@ from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.diff_checks import CheckpointNames, check_stored_shapes, nonfinite_scales
 from fp4pass.checkpoint.diff_report import WORST_EXPERTS, CheckpointDiff
-from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
-                                          float32_products, hidden_budget, resolve_architecture)
+from fp4pass.checkpoint.layerwise.model import (HiddenStore, LayerPrefetcher, LayerRunner, default_device,
+                                                experts_modules, float32_products, hidden_budget,
+                                                resolve_architecture)
 from fp4pass.checkpoint.model_limits import (available_bytes, check_attention_memory, check_config_fields,
                                              check_fits_shards)
 from fp4pass.checkpoint.nvfp4_weights import NVFP4Weights, fake_quantize_activation, find_nvfp4
