@@ -984,7 +984,7 @@ MUTANTS = [
     ], CKPT_CALIB_TESTS),
     Mutant("ckpt-calib-rank-share-drops-the-rest", "under torch.distributed each rank takes a contiguous "
            "len // world batches, so the remainder is never calibrated", [
-        ("fp4pass/checkpoint/calibration.py", "    return batches[dist.get_rank()::world]",
+        ("fp4pass/checkpoint/layerwise/runner.py", "    return batches[dist.get_rank()::world]",
          "    n = len(batches) // world\n    return batches[dist.get_rank() * n:(dist.get_rank() + 1) * n]"),
     ], CKPT_CALIB_TESTS),
     # -- checkpoint calibration (the layer runner: weights, layer inputs, numerics) -------------------------
@@ -995,42 +995,42 @@ MUTANTS = [
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-hash-routing-stale-ids", "a layer's cached inputs keep the first batch's input_ids, so "
            "DeepSeek-V4's hash routing routes every later batch by them", [
-        ("fp4pass/checkpoint/layerwise/model.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
+        ("fp4pass/checkpoint/layerwise/runner.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
          "            pass"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-layer-inputs-one-shape", "a layer's inputs (masks, rotary tables) are cached per layer, "
            "not per batch shape", [
-        ("fp4pass/checkpoint/layerwise/model.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
+        ("fp4pass/checkpoint/layerwise/runner.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-fp8-scale-ignored", "FP8 E4M3 block-scaled weights are read without their block scales", [
         ("fp4pass/checkpoint/layerwise/model.py", "        return weight * full\n", "        return weight\n"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-float32-linear-drops-bias", "a Linear run as float32 products loses its bias", [
-        ("fp4pass/checkpoint/layerwise/model.py", "    bias = None if linear.bias is None else linear.bias.float()",
+        ("fp4pass/checkpoint/layerwise/runner.py", "    bias = None if linear.bias is None else linear.bias.float()",
          "    bias = None"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-stack-decoded-into-first-expert", "a stack stored in the checkpoint's order has every "
            "expert decoded into expert 0's slot", [
-        ("fp4pass/checkpoint/layerwise/model.py", "out=out[i].t())", "out=out[0].t())"),
+        ("fp4pass/checkpoint/layerwise/decode.py", "out=out[i].t())", "out=out[0].t())"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-heap-not-trimmed", "a released layer's freed heap is kept (peak memory creeps with depth)", [
-        ("fp4pass/checkpoint/layerwise/model.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
+        ("fp4pass/checkpoint/layerwise/runner.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
          "        self.drop_cached(index)\n"),
     ], CKPT_CALIBRATE_TESTS),
     # -- checkpoint calibration: bugs nobody planned (padded batches, many experts, gpt-oss biases, hostile configs)
     Mutant("ckpt-runner-mask-lost", "the layer runner makes each layer's inputs without the batch's attention mask", [
-        ("fp4pass/checkpoint/layerwise/model.py",
+        ("fp4pass/checkpoint/layerwise/runner.py",
          "attention_mask=None if attention_mask is None else attention_mask.to(self.device),",
          "attention_mask=None,"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-mask-of-an-earlier-batch", "a padded batch reuses the layer inputs (mask included) of an "
            "earlier batch of its shape", [
-        ("fp4pass/checkpoint/layerwise/model.py",
+        ("fp4pass/checkpoint/layerwise/runner.py",
          "key = (index, tuple(input_ids.shape)) if attention_mask is None else None",
          "key = (index, tuple(input_ids.shape))"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-mask-as-indices", "the statistics take the 0/1 mask as row indices, not as a mask", [
-        ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(dev)", "mask.reshape(-1).to(dev)"),
+        ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(self.dev)", "mask.reshape(-1).to(self.dev)"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-expert-index-one-digit", "an expert's index is read as its last digit (10 -> 0)", [
         ("fp4pass/checkpoint/layerwise/model.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
@@ -1046,7 +1046,7 @@ MUTANTS = [
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-gpt-oss-bias-before-rounding", "gpt-oss's expert biases are added to the float32 products "
            "before their bf16 rounding", [
-        ("fp4pass/checkpoint/calibration.py",
+        ("fp4pass/checkpoint/layerwise/runner.py",
          "        y = y.to(x.dtype)\n        return y + bias if bias is not None else y",
          "        return (y + bias if bias is not None else y).to(x.dtype)"),
     ], CKPT_RUNNER_TESTS),
@@ -1177,10 +1177,10 @@ MUTANTS = [
          'return -math.inf if row["snr_db"] is None else -row["snr_db"]'),
     ], DIFF_TESTS),
     Mutant("diff-first-position-scored", "perplexity scores each token as its own next token", [
-        ("fp4pass/checkpoint/numerics.py", "out[:, :-1] = ids[:, 1:]", "out[:, :-1] = ids[:, :-1]"),
+        ("fp4pass/checkpoint/diff_figures.py", "out[:, :-1] = ids[:, 1:]", "out[:, :-1] = ids[:, :-1]"),
     ], DIFF_ORACLE_TESTS),
     Mutant("diff-kl-reversed", "KL(nvfp4 || source) instead of KL(source || nvfp4)", [
-        ("fp4pass/checkpoint/numerics.py", "kl = (log_p.exp() * (log_p - log_q)).sum(-1)", "kl = (log_q.exp() * (log_q - log_p)).sum(-1)"),
+        ("fp4pass/checkpoint/diff_figures.py", "kl = (log_p.exp() * (log_p - log_q)).sum(-1)", "kl = (log_q.exp() * (log_q - log_p)).sum(-1)"),
     ], DIFF_TESTS),
     Mutant("diff-one-expert-scale", "every expert of a per-expert stack takes expert 0's activation scale", [
         ("fp4pass/checkpoint/numerics.py", "                g = g[expert]\n", "                g = g[0]\n"),

@@ -1,4 +1,4 @@
-"""A checkpoint's model, built by transformers' own modeling code, run one decoder layer at a time.
+"""A checkpoint's model, built by transformers' own modeling code, and the loader that fills it from the shards.
 
 Which model: ``config.json``'s ``model_type`` when transformers has that model type, else the first entry of
 ``architectures`` that transformers has (Kimi-K2 ships ``model_type: kimi_k2`` with ``architectures:
@@ -10,53 +10,27 @@ model type (DeepSeek-V4's native names ``layers.0.attn.wq_a`` -> ``layers.0.self
 ``model.`` prefix. Per-expert weights ``<layer>.experts.<e>.w1|gate_proj`` and ``w3|up_proj`` fill row halves
 (gate first) of expert e of the model's ``<layer>.experts.gate_up_proj`` [E, 2I, H], ``w2|down_proj`` its
 ``down_proj`` [E, H, I] (what transformers' ``MergeModulelist`` + ``Concatenate`` converters do). MXFP4 weights
-are dequantized with :class:`fp4pass.formats.MXFP4Tensor` (exact in bf16), a gpt-oss stack [E, N, K] into the
-model's [E, K, N] parameter expert by expert; FP8 (E4M3) weights with 128x128 block scales are dequantized too.
-
-The run (:class:`LayerRunner`):
-
-1. the embeddings, rotary tables and masks are made by the model's own ``forward``, with every decoder layer
-   replaced by a recorder that keeps the layer's inputs (hidden states and keyword arguments: masks, position
-   embeddings, ``input_ids`` for hash routing) and stops the forward there;
-2. for each layer: its weights are read from the shards into a module of its own class (allocated, filled,
-   run, then returned to the meta device; gpt-oss's [E, K, N] expert stacks over memory in the checkpoint's
-   [E, N, K] order, :func:`store_in_checkpoint_order`), and every batch goes through its ``forward``; its
-   outputs replace its inputs (one set of hidden states at a time, on disk when they exceed the budget). The
-   next layer's weights are read and dequantized by a background thread (:class:`LayerPrefetcher`) while a
-   layer runs.
-
-Peak memory: the embedding table + two layers' weights (experts dequantized to bf16: the one running and the
-one loading) + the hidden states of all calibration tokens (``tokens * hidden * 2`` bytes, or ``hc_mult`` times
-that for DeepSeek-V4) unless they spill to disk + one batch's activations. It does not grow with the number of
-layers.
+are dequantized with :mod:`fp4pass.checkpoint.layerwise.decode` (exact in bf16), a gpt-oss stack [E, N, K] into
+the model's [E, K, N] parameter expert by expert; FP8 (E4M3) weights with 128x128 block scales are dequantized
+too. :func:`materialize` allocates a module that is on the meta device and fills every tensor of it; the layer
+runner (:mod:`fp4pass.checkpoint.layerwise.runner`) does so for one decoder layer at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-import os
 import re
-import shutil
-import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
+from fp4pass.checkpoint.layerwise.decode import LoadCancelled, decode_experts, mx_dequantize
 from fp4pass.checkpoint.safetensors_io import CheckpointError
-from fp4pass.formats import MXFP4Tensor
 
-__all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "LayerPrefetcher", "HiddenStore",
-           "experts_modules", "mx_dequantize", "decode_experts", "store_in_checkpoint_order",
-           "float32_products", "float32_linears", "return_freed_memory"]
-
-log = logging.getLogger(__name__)
+__all__ = ["resolve_architecture", "build_skeleton", "Source", "WeightSources", "WeightLoader", "experts_modules",
+           "store_in_checkpoint_order", "materialize", "FP8_BLOCK"]
 
 _EXPERT_PART = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
                           r"\.weight$")
@@ -333,7 +307,7 @@ class WeightLoader:
                 what = ("gate", "up")[missing[0]] if gate_up else "down"
                 raise CheckpointError(f"{self.catalog.folder}: no {what} weight for expert {e} of {target}")
             if self.cancel.is_set():
-                raise _Cancelled
+                raise LoadCancelled
             if self._fill_expert_in_place(found, need, tensor[e]):
                 continue
             values = [self.value(found[p], tensor.dtype) for p in need]
@@ -359,93 +333,6 @@ class WeightLoader:
             self._mx(p.unit, out.dtype, out=out[row:row + p.unit.rows])
             row += p.unit.rows
         return True
-
-
-class _Cancelled(Exception):
-    """A fill stopped by :attr:`WeightLoader.cancel`."""
-
-
-_PAIRS: dict = {}
-_PAIRS_LOCK = threading.Lock()
-
-
-def _pair_table(device: torch.device) -> torch.Tensor:
-    """int64 [65536]: for each little-endian byte pair, its four E2M1 values in bf16 (byte 0's low nibble
-    first), built once per device from :func:`fp4pass.formats.codecs.decode_e2m1`."""
-    from fp4pass.formats.codecs import decode_e2m1
-
-    with _PAIRS_LOCK:
-        if device not in _PAIRS:
-            word = torch.arange(65536, dtype=torch.int32, device=device)
-            nibbles = [(word >> shift) & 0x0F for shift in (0, 4, 8, 12)]
-            values = torch.stack([decode_e2m1(n.to(torch.uint8)) for n in nibbles], -1).to(torch.bfloat16)
-            _PAIRS[device] = values.view(torch.int64).reshape(65536)
-        return _PAIRS[device]
-
-
-def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """MXFP4 codes [N, K/2] + E8M0 scales [N, K/32] -> [N, K] in ``dtype``, exact, on the codes' device.
-
-    bf16 holds every MXFP4 value e2m1 * 2^(code-127) that float32 holds (same exponent range; 2^-128 is a bf16
-    subnormal), so for bf16 each pair of bytes is looked up as its four bf16 values (a 65536-entry table, low
-    nibble first) and multiplied in place by the power of two in bf16: the numbers of
-    ``MXFP4Tensor.dequantize()`` cast to bf16, in two passes instead of six, the same operations on the CPU and
-    on a GPU. ``out``: a contiguous tensor of ``dtype`` and N*K elements on the codes' device to decode into
-    (an expert of a parameter: no temporary copy). Other dtypes go through ``MXFP4Tensor.dequantize()``
-    (float32). Scale code 255 (NaN) is refused, naming the tensor.
-    """
-    tensor = MXFP4Tensor.from_codes(codes, scales, name=name)  # checks shapes and NaN scales
-    k = codes.shape[-1] * 2
-    shape = (*codes.shape[:-1], k)
-    if out is not None and (out.numel() != codes.numel() * 2 or out.dtype != dtype or not out.is_contiguous()
-                            or out.device != codes.device):
-        raise ValueError(f"{name}: cannot decode {list(shape)} into {out.dtype} {list(out.shape)} on {out.device}")
-    if dtype != torch.bfloat16 or sys.byteorder != "little" or codes.shape[-1] % 2:
-        value = tensor.dequantize().to(dtype)
-        if out is None:
-            return value
-        out.copy_(value.reshape(out.shape))
-        return out
-    table = _pair_table(codes.device)
-    words = codes.contiguous().view(torch.uint16).reshape(-1).to(torch.int32)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16, device=codes.device)
-    torch.index_select(table, 0, words, out=out.view(-1).view(torch.int64))
-    # from_codes has refused code 255 (NaN): every other E8M0 code is a power of two that bf16 holds
-    out.view(*scales.shape, 32).mul_(scales.view(torch.float8_e8m0fnu).to(torch.bfloat16).unsqueeze(-1))
-    return out.view(shape) if out.shape != shape else out
-
-
-def decode_experts(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, transposed: bool, name: str,
-                   cancel: threading.Event | None = None) -> None:
-    """MXFP4 expert stack: codes [E, N, K/2] + E8M0 scales [E, N, K/32] (any device) -> ``out`` [E, N, K], or
-    [E, K, N] when ``transposed``, in place, by :func:`mx_dequantize` expert by expert on ``out``'s device.
-
-    On a GPU the packed codes and scales (4.25 bits a weight) cross the bus once and are decoded there, not the
-    16-bit values; on the CPU each expert decodes straight into its slot of ``out`` (each operation spread over
-    torch's intra-op threads). A transposed ``out`` stored in the checkpoint's order (a [E, K, N] view of
-    [E, N, K] memory: :func:`store_in_checkpoint_order`) is decoded straight into; another transposed one
-    through one reused [N, K] buffer. The numbers are those of the CPU decode on every device (a table lookup
-    and a multiplication by a power of two, both exact).
-    ``cancel``: checked before each expert; when set, :class:`_Cancelled` is raised.
-    """
-    device = out.device
-    codes, scales = codes.to(device), scales.to(device)
-    e, n = codes.shape[0], codes.shape[1]
-    direct = transposed and out[0].t().is_contiguous()
-    buffer = torch.empty(n, codes.shape[2] * 2, dtype=out.dtype, device=device) if transposed and not direct else None
-    for i in range(e):
-        if cancel is not None and cancel.is_set():
-            raise _Cancelled
-        if direct:
-            mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=out[i].t())
-        elif transposed:
-            out[i].copy_(mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=buffer).t())
-        elif out[i].is_contiguous():
-            mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]", out=out[i])
-        else:
-            out[i].copy_(mx_dequantize(codes[i], scales[i], out.dtype, f"{name}[{i}]"))
 
 
 def _rebuild_buffers(module: torch.nn.Module, cfg, device) -> None:
@@ -496,367 +383,10 @@ def materialize(module: torch.nn.Module, prefix: str, loader: WeightLoader, cfg,
     names = loader.sources.names()
     for key, tensor in module.state_dict(keep_vars=True).items():
         if loader.cancel.is_set():
-            raise _Cancelled
+            raise LoadCancelled
         target = f"{prefix}{key}"
         if target not in names:
             raise CheckpointError(f"{loader.catalog.folder}: no tensor for the model's {target} (transformers' "
                                   f"{type(module).__name__} needs it to run)")
         owner = module.get_submodule(key.rpartition(".")[0]) if "." in key else module
         loader.fill(target, tensor, owner)
-
-
-def float32_products(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a layer's bf16 matmuls (its Linears' and its experts') run as float32 ones rounded to bf16: on a
-    CPU without bf16 matrix instructions (AVX512-BF16, AMX). There a bf16 GEMM converts its operands to float32 anyway and is ~5x slower
-    than the float32 GEMM (18 against 92 GFLOP/s on a 2-core AVX2 EPYC, [256, 2880] x [2880, 5760]).
-
-    The result is the same up to the order of the float32 additions: each output is the float32 sum of exact
-    products of bf16 numbers, rounded once to bf16, as a bf16 GEMM with float32 accumulation computes it (1 bf16
-    ulp apart for ~2 in 10,000 outputs of that product, where a sum lands next to a rounding boundary).
-    """
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
-    cpu = torch.cpu
-    native = (getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-              or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
-    return not native
-
-
-def _linear_in_float32(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` as float32 products rounded once to ``x``'s dtype (the bias inside the sum, as a bf16
-    GEMM with a bias adds it before its one rounding)."""
-    bias = None if linear.bias is None else linear.bias.float()
-    return torch.nn.functional.linear(x.float(), linear.weight.float(), bias).to(x.dtype)
-
-
-@contextlib.contextmanager
-def float32_linears(module: torch.nn.Module):
-    """Within the block, every bf16 ``torch.nn.Linear`` of ``module`` computes in float32 and rounds to bf16
-    (:func:`float32_products`) when the module's device calls for it; otherwise nothing changes."""
-    linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
-               and float32_products(m.weight.device, m.weight.dtype)]
-    for linear in linears:
-        linear.forward = functools.partial(_linear_in_float32, linear)
-    try:
-        yield
-    finally:
-        for linear in linears:
-            del linear.forward
-
-
-class _Stop(Exception):
-    """Raised by a recorder to end the capture forward."""
-
-
-class _Recorder(torch.nn.Module):
-    """Stands in for decoder layer ``index``: records its inputs when it is the wanted one, returns the hidden
-    states put in ``box["inject"]`` when it is the last layer and they are given (the model's own tail, its final
-    norm, then runs on them), else passes its inputs on."""
-
-    def __init__(self, index: int, box: dict):
-        super().__init__()
-        self.index, self.box = index, box
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if self.box["want"] == self.index:
-            self.box["hidden"], self.box["args"], self.box["kwargs"] = hidden_states, args, kwargs
-            raise _Stop
-        inject = self.box.get("inject")
-        if inject is not None and inject[0] == self.index:
-            return inject[1]
-        return hidden_states
-
-
-class HiddenStore:
-    """The hidden states of every calibration batch: in memory while their total stays within ``budget`` bytes,
-    then in files of a temporary folder (removed by :meth:`close`, also on Ctrl-C)."""
-
-    def __init__(self, budget: int, device: torch.device):
-        self.budget, self.device = budget, device
-        self.memory: dict[int, torch.Tensor] = {}
-        self.used = 0
-        self.folder: Path | None = None
-        self.on_disk: dict[int, tuple] = {}
-
-    def put(self, index: int, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        old = self.memory.pop(index, None)
-        if old is not None:
-            self.used -= old.numel() * old.element_size()
-        if index in self.on_disk or self.used + size > self.budget:
-            if self.folder is None:
-                self.folder = Path(tempfile.mkdtemp(prefix="fp4pass-calib-"))
-            path = self.folder / f"{index}.bin"
-            cpu = tensor.detach().to("cpu").contiguous()
-            cpu.view(-1).view(torch.uint8).numpy().tofile(path)
-            self.on_disk[index] = (tuple(cpu.shape), cpu.dtype)
-            return
-        self.memory[index] = tensor.detach()
-        self.used += size
-
-    def get(self, index: int) -> torch.Tensor:
-        if index in self.memory:
-            return self.memory[index]
-        shape, dtype = self.on_disk[index]
-        import numpy as np
-
-        raw = torch.from_numpy(np.fromfile(self.folder / f"{index}.bin", dtype=np.uint8))
-        return raw.view(dtype).reshape(shape).to(self.device)
-
-    @property
-    def spilled(self) -> int:
-        return len(self.on_disk)
-
-    def close(self) -> None:
-        self.memory.clear()
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
-
-
-class LayerRunner:
-    """The model of a checkpoint, run layer by layer on ``batches`` (module docstring)."""
-
-    def __init__(self, catalog: Catalog, found, device: torch.device, dtype=torch.bfloat16,
-                 config: dict | None = None, trust_remote_code: bool = False):
-        """``found``: the checkpoint's quantized units (:func:`fp4pass.checkpoint.detect.detect`, or another
-        form's decoded units); ``config``: the model's config.json when it is not the catalog's own;
-        ``trust_remote_code``: run the folder's own modeling code (:func:`resolve_architecture`)."""
-        self.catalog, self.device = catalog, device
-        self.model_type, self.cfg = resolve_architecture(catalog.config if config is None else config, catalog.folder,
-                                                         trust_remote_code)
-        self.model, self.base = build_skeleton(self.model_type, self.cfg, dtype)
-        self.sources = WeightSources.build(catalog, found, self.model_type)
-        self.loader = WeightLoader(catalog, self.sources, device)
-        self.layers = list(self.base.layers)
-        self.box: dict = {"want": None}
-        self.base.layers = torch.nn.ModuleList([_Recorder(i, self.box) for i in range(len(self.layers))])
-        for name, child in self.base.named_children():
-            if name != "layers":
-                materialize(child, f"{name}.", self.loader, self.cfg, device)
-        self._kwargs_cache: dict = {}
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.cfg.vocab_size)
-
-    def capture(self, index: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        """(hidden states, args, kwargs) that the model's forward passes to decoder layer ``index``."""
-        self.box["want"] = index
-        try:
-            with torch.no_grad():
-                self.base(input_ids=input_ids.to(self.device),
-                          attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-                          use_cache=False)
-        except _Stop:
-            pass
-        else:
-            raise RuntimeError(f"decoder layer {index} was never called by the model's forward")
-        finally:
-            self.box["want"] = None
-        return self.box.pop("hidden"), self.box.pop("args"), self.box.pop("kwargs")
-
-    def layer_inputs(self, index: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        """(args, kwargs) of layer ``index`` for this batch; reused across batches of one shape without a mask."""
-        key = (index, tuple(input_ids.shape)) if attention_mask is None else None
-        if key is not None and key in self._kwargs_cache:
-            args, kwargs = self._kwargs_cache[key]
-        else:
-            _, args, kwargs = self.capture(index, input_ids, attention_mask)
-            if key is not None:
-                self._kwargs_cache[key] = (args, kwargs)
-        if "input_ids" in kwargs:
-            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}
-        return args, kwargs
-
-    def drop_cached(self, index: int) -> None:
-        for key in [k for k in self._kwargs_cache if k[0] == index]:
-            del self._kwargs_cache[key]
-
-    @contextlib.contextmanager
-    def layer(self, index: int):
-        """Decoder layer ``index`` with its weights loaded on the device; back to the meta device after."""
-        module = self.load_layer(index)
-        try:
-            yield module
-        finally:
-            self.release_layer(index)
-
-    def load_layer(self, index: int) -> torch.nn.Module:
-        """Decoder layer ``index`` allocated on the device and filled from the checkpoint (any thread); on
-        failure it is back on the meta device."""
-        module = self.layers[index]
-        try:
-            store_in_checkpoint_order(module)
-            materialize(module, f"layers.{index}.", self.loader, self.cfg, self.device)
-        except BaseException:
-            module.to_empty(device="meta")
-            raise
-        return module.eval()
-
-    def release_layer(self, index: int) -> None:
-        """Decoder layer ``index`` back on the meta device (its weights freed)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # no kernel still reads memory that the allocator hands out again
-        self.layers[index].to_empty(device="meta")
-        self.drop_cached(index)
-        return_freed_memory()
-
-    def run_layer(self, module, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
-        with torch.no_grad(), float32_linears(module):
-            out = module(hidden, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-    def final_hidden(self, last: torch.Tensor, input_ids: torch.Tensor,
-                     attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The base model's output for a batch whose last decoder layer gave ``last``: the model's own forward
-        with ``last`` put in place of that layer's output, so its tail (final norm; DeepSeek-V4's
-        hyper-connection head) runs as the model runs it."""
-        self.box["inject"] = (len(self.layers) - 1, last)
-        try:
-            with torch.no_grad():
-                out = self.base(input_ids=input_ids.to(self.device),
-                                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-                                use_cache=False)
-        finally:
-            self.box["inject"] = None
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    def output_head(self) -> torch.nn.Module:
-        """The causal LM's output embedding (``lm_head``), loaded on first use: from the checkpoint, or the
-        input embedding's weight where the config ties them."""
-        head = self.model.get_output_embeddings()
-        if head is None:
-            raise CheckpointError(f"{self.model_type}: the transformers model has no output embedding (lm_head)")
-        if head.weight.device.type == "meta":
-            if bool(getattr(self.cfg, "tie_word_embeddings", False)) and "lm_head.weight" not in self.sources.plain:
-                head.weight = self.model.get_input_embeddings().weight
-            else:
-                prefix = next(n for n, m in self.model.named_modules() if m is head)
-                materialize(head, f"{prefix}.", self.loader, self.cfg, self.device)
-        return head
-
-
-_LIBC_TRIM = None
-
-
-def return_freed_memory() -> bool:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where there is no
-    glibc. Called after each layer: a layer's transient buffers (a few MiB each: float32 operands, gathered rows)
-    come from the heap, and what they leave free between larger blocks is otherwise kept, so the process's peak
-    memory crept up with depth (16 layers 1.24-1.26x the peak of 4 in the bench; 1.00-1.03x with the trim)."""
-    global _LIBC_TRIM
-    if _LIBC_TRIM is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _LIBC_TRIM = False
-    if not _LIBC_TRIM:
-        return False
-    _LIBC_TRIM(0)
-    return True
-
-
-class LayerPrefetcher:
-    """Loads decoder layers in one background thread while the caller runs the previous one.
-
-    Reading the shards (``os.preadv``) and the dequantization (torch operations) release the GIL, so layer
-    i + 1's weights are read and decoded while layer i runs its batches; on CUDA on a stream of its own, the
-    copies and decode kernels beside the layer's kernels. At most one layer loads while one runs: two layers'
-    weights at the peak. An error of the load (a missing tensor, a NaN scale) is raised by :meth:`take`.
-    """
-
-    def __init__(self, runner: LayerRunner):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.runner = runner
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4pass-layer-load")
-        self.pending: dict = {}
-        self.taken: set[int] = set()
-        #: seconds the background thread spent loading layers (hidden behind the runs, or waited for)
-        self.busy = 0.0
-
-    def _load(self, index: int) -> torch.nn.Module:
-        import time
-
-        start = time.perf_counter()
-        try:
-            device = self.runner.device
-            if device.type != "cuda":
-                return self.runner.load_layer(index)
-            stream = torch.cuda.Stream(device)
-            with torch.cuda.stream(stream):
-                module = self.runner.load_layer(index)
-            stream.synchronize()
-            return module
-        finally:
-            self.busy += time.perf_counter() - start
-
-    def start(self, index: int) -> None:
-        """Begin loading layer ``index`` in the background."""
-        self.pending[index] = self.pool.submit(self._load, index)
-
-    def take(self, index: int) -> torch.nn.Module:
-        """Layer ``index``, loaded (waits for its load; starts it when it was not started)."""
-        if index not in self.pending:
-            self.start(index)
-        module = self.pending.pop(index).result()
-        self.taken.add(index)
-        return module
-
-    def release(self, index: int) -> None:
-        """Layer ``index`` (taken) back on the meta device."""
-        self.taken.discard(index)
-        self.runner.release_layer(index)
-
-    def close(self) -> None:
-        """Stop a load in progress, wait for the thread, and return every loaded layer to the meta device."""
-        loader = self.runner.loader
-        loader.cancel.set()
-        try:
-            for index, future in list(self.pending.items()):
-                try:
-                    future.result()
-                except BaseException:  # noqa: BLE001 - a cancelled or failed load is on the meta device already
-                    continue
-                self.runner.release_layer(index)
-            self.pending.clear()
-            for index in list(self.taken):
-                self.release(index)
-        finally:
-            self.pool.shutdown(wait=True)
-            loader.cancel.clear()
-
-
-def default_device(device: str | None) -> torch.device:
-    """``auto``: CUDA when torch has a GPU, else the CPU."""
-    from fp4pass.errors import UsageError
-
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
-    return torch.device(device)
-
-
-def hidden_budget(device: torch.device, requested: int | None) -> int:
-    """Bytes of hidden states kept in memory: ``requested``, else half the free GPU memory on CUDA, else a
-    quarter of the machine's available memory."""
-    if requested is not None:
-        return requested
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
