@@ -1050,6 +1050,26 @@ MUTANTS = [
          "        y = y.to(x.dtype)\n        return y + bias if bias is not None else y",
          "        return (y + bias if bias is not None else y).to(x.dtype)"),
     ], CKPT_RUNNER_TESTS),
+    # -- the one layer loop (layerwise.runner.run_layers) and its visitors; private names kept private -------------
+    Mutant("loop-last-outputs-dropped", "the loop keeps the last layer's inputs in place of its outputs, so the "
+           "diff's logits come from the hidden states before the last layer", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "                    if keep_last or i + 1 < layers:\n",
+         "                    if i + 1 < layers:\n"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("loop-outputs-of-the-first-runner", "the loop propagates the first runner's outputs into every runner's "
+           "hidden states (the NVFP4 model fed the source's: end to end equals local)", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "                        for store, out in zip(stores, outputs):\n",
+         "                        for store, out in zip(stores, [outputs[0]] * len(outputs)):\n"),
+    ], DIFF_ORACLE_TESTS),
+    Mutant("loop-visitor-phase-not-timed", "the visitor's after-layer work (the calibration's scales) is not timed "
+           "as its own phase", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "            if visitor.after_phase:\n", "            if False:\n"),
+    ], CKPT_CALIB_TESTS),
+    Mutant("private-name-imported", "calibration imports a private name of the layer model", [
+        ("fp4pass/checkpoint/calibration.py",
+         "from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture",
+         "from fp4pass.checkpoint.layerwise.model import _rename, experts_modules, resolve_architecture"),
+    ], ["tests/test_private_names.py"]),
     Mutant("ckpt-partial-earlier-declines-lost", "--allow-partial: a unit failing drops the declines made before it", [
         ("fp4pass/checkpoint/run.py", 'declined = found.declined + [{"tensor"', 'declined = [{"tensor"'),
     ], CKPT_RUNNER_TESTS),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from fp4pass.checkpoint.layerwise.model import (WeightLoader, WeightSources, bui
                                                 resolve_architecture, store_in_checkpoint_order)
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
-__all__ = ["LayerRunner", "LayerPrefetcher", "HiddenStore", "LayerVisitor", "run_layers", "Clock", "share_batches",
+__all__ = ["LayerRunner", "LayerPrefetcher", "LayerVisitor", "run_layers", "Clock", "share_batches",
            "routed_forward", "expert_output", "expert_projection", "float32_products", "float32_linears",
            "return_freed_memory", "default_device"]
 
@@ -411,12 +411,12 @@ def _replaced(rows: torch.Tensor, replacement: torch.Tensor | None) -> torch.Ten
     return rows if replacement is None else replacement
 
 
-def routed_forward(experts: torch.nn.Module, rel: str, visitor):
+def routed_forward(experts: torch.nn.Module, rel: str, recorder):
     """The eager expert loop of transformers' MoE experts (same order, same operations: :func:`expert_output`),
-    with each expert's rows shown to ``visitor.record(rel, e, kind, rows, token_idx)``: kind "gate_up" (the MoE
-    input of its tokens) and "down" (its intermediate activation), whose return value, when not None, replaces
-    the rows; then "out" (its output before the routing weight; the return value is ignored). ``token_idx``:
-    the rows' token positions in the flattened batch."""
+    with each expert's rows shown to ``recorder.record(rel, e, kind, rows, token_idx)`` (a visitor's account of
+    one stack): kind "gate_up" (the MoE input of its tokens) and "down" (its intermediate activation), whose
+    return value, when not None, replaces the rows; then "out" (its output before the routing weight; the return
+    value is ignored). ``token_idx``: the rows' token positions in the flattened batch."""
     num = experts.num_experts
     project = expert_projection(experts)
 
@@ -437,8 +437,8 @@ def routed_forward(experts: torch.nn.Module, rel: str, visitor):
             start += count
             top_k_pos, token_idx = picked // tokens, picked % tokens
             out = expert_output(experts, e, hidden_states[token_idx], project,
-                                lambda kind, rows: visitor.record(rel, e, kind, rows, token_idx))
-            visitor.record(rel, e, "out", out, token_idx)
+                                lambda kind, rows: recorder.record(rel, e, kind, rows, token_idx))
+            recorder.record(rel, e, "out", out, token_idx)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             # index_add_ in transformers' loop; a token meets each expert once, so each row gets one addition
             # either way (the same numbers), and index_put_ is ~9x faster on the CPU for bf16
@@ -464,7 +464,7 @@ class LayerVisitor:
     def begin_layer(self, index: int, layers: tuple) -> None:
         pass
 
-    def run_batch(self, runners: Sequence["LayerRunner"], index: int, batch, layers: tuple,
+    def run_batch(self, runners: Sequence[LayerRunner], index: int, batch, layers: tuple,
                   hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for runner, layer, states in zip(runners, layers, hidden):
