@@ -50,6 +50,7 @@ CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
 CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
 CKPT_RUNNER_TESTS = ["tests/test_checkpoint_runner_bugs.py"]
 CKPT_HOSTILE_TESTS = ["tests/test_checkpoint_calib_hostile.py"]
+LOOP_TESTS = ["tests/test_checkpoint_layer_loop.py"]
 DIFF_TESTS = ["tests/test_checkpoint_diff.py"]
 DIFF_ORACLE_TESTS = ["tests/test_checkpoint_diff_oracle.py"]
 DIFF_REPORT_TESTS = ["tests/test_checkpoint_diff_report.py"]
@@ -1055,16 +1056,21 @@ MUTANTS = [
            "diff's logits come from the hidden states before the last layer", [
         ("fp4pass/checkpoint/layerwise/runner.py", "                    if keep_last or i + 1 < layers:\n",
          "                    if i + 1 < layers:\n"),
-    ], DIFF_ORACLE_TESTS),
+    ], LOOP_TESTS + DIFF_ORACLE_TESTS),
     Mutant("loop-outputs-of-the-first-runner", "the loop propagates the first runner's outputs into every runner's "
            "hidden states (the NVFP4 model fed the source's: end to end equals local)", [
         ("fp4pass/checkpoint/layerwise/runner.py", "                        for store, out in zip(stores, outputs):\n",
          "                        for store, out in zip(stores, [outputs[0]] * len(outputs)):\n"),
-    ], DIFF_ORACLE_TESTS),
+    ], LOOP_TESTS + DIFF_ORACLE_TESTS),
+    Mutant("loop-hooks-left-installed", "the loop never removes a visitor's hooks (end_layer skipped, also when a "
+           "batch fails)", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "            finally:\n                visitor.end_layer(i)\n",
+         "            finally:\n                pass\n"),
+    ], LOOP_TESTS),
     Mutant("loop-visitor-phase-not-timed", "the visitor's after-layer work (the calibration's scales) is not timed "
            "as its own phase", [
         ("fp4pass/checkpoint/layerwise/runner.py", "            if visitor.after_phase:\n", "            if False:\n"),
-    ], CKPT_CALIB_TESTS),
+    ], LOOP_TESTS + CKPT_CALIB_TESTS),
     Mutant("private-name-imported", "calibration imports a private name of the layer model", [
         ("fp4pass/checkpoint/calibration.py",
          "from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture",
