@@ -53,6 +53,7 @@ CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
 CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
 CKPT_RUNNER_TESTS = ["tests/test_checkpoint_runner_bugs.py"]
 CKPT_HOSTILE_TESTS = ["tests/test_checkpoint_calib_hostile.py"]
+LOOP_TESTS = ["tests/test_checkpoint_layer_loop.py"]
 DIFF_TESTS = ["tests/test_checkpoint_diff.py"]
 DIFF_ORACLE_TESTS = ["tests/test_checkpoint_diff_oracle.py"]
 DIFF_REPORT_TESTS = ["tests/test_checkpoint_diff_report.py"]
@@ -163,10 +164,10 @@ MUTANTS = [
          "                         runnable=False)"),
     ], ["tests/test_examples_checkpoints.py"]),
     Mutant("remote-code-without-the-flag", "a folder's own modeling code run without --trust-remote-code", [
-        ("fp4pass/checkpoint/layerwise.py", "    if trust_remote_code and auto_map:", "    if auto_map:"),
+        ("fp4pass/checkpoint/layerwise/model.py", "    if trust_remote_code and auto_map:", "    if auto_map:"),
     ], REMOTE_CODE_TESTS),
     Mutant("remote-model-built-without-its-code", "the folder's config class used, but transformers' model", [
-        ("fp4pass/checkpoint/layerwise.py",
+        ("fp4pass/checkpoint/layerwise/model.py",
          '    remote = {"trust_remote_code": True} if _is_remote(cfg) else {}', "    remote = {}"),
     ], REMOTE_CODE_TESTS),
     # -- calibration inputs bounded: the tokenizer's input, data links, the process's memory limits --------------
@@ -1038,60 +1039,60 @@ MUTANTS = [
     ], CKPT_CALIB_TESTS),
     Mutant("ckpt-calib-rank-share-drops-the-rest", "under torch.distributed each rank takes a contiguous "
            "len // world batches, so the remainder is never calibrated", [
-        ("fp4pass/checkpoint/calibration.py", "    return batches[dist.get_rank()::world]",
+        ("fp4pass/checkpoint/layerwise/runner.py", "    return batches[dist.get_rank()::world]",
          "    n = len(batches) // world\n    return batches[dist.get_rank() * n:(dist.get_rank() + 1) * n]"),
     ], CKPT_CALIB_TESTS),
     # -- checkpoint calibration (the layer runner: weights, layer inputs, numerics) -------------------------
     Mutant("ckpt-calib-hf-gate-up-swapped", "Hugging Face expert names fill the up half with gate_proj and the "
            "gate half with up_proj (w1/w3 still right)", [
-        ("fp4pass/checkpoint/layerwise.py", '"gate_proj": 0, "w3": 1, "up_proj": 1}',
+        ("fp4pass/checkpoint/layerwise/model.py", '"gate_proj": 0, "w3": 1, "up_proj": 1}',
          '"gate_proj": 1, "w3": 1, "up_proj": 0}'),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-hash-routing-stale-ids", "a layer's cached inputs keep the first batch's input_ids, so "
            "DeepSeek-V4's hash routing routes every later batch by them", [
-        ("fp4pass/checkpoint/layerwise.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
+        ("fp4pass/checkpoint/layerwise/runner.py", '            kwargs = {**kwargs, "input_ids": input_ids.to(self.device)}',
          "            pass"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-layer-inputs-one-shape", "a layer's inputs (masks, rotary tables) are cached per layer, "
            "not per batch shape", [
-        ("fp4pass/checkpoint/layerwise.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
+        ("fp4pass/checkpoint/layerwise/runner.py", "key = (index, tuple(input_ids.shape)) if", "key = (index,) if"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-fp8-scale-ignored", "FP8 E4M3 block-scaled weights are read without their block scales", [
-        ("fp4pass/checkpoint/layerwise.py", "        return weight * full\n", "        return weight\n"),
+        ("fp4pass/checkpoint/layerwise/model.py", "        return weight * full\n", "        return weight\n"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-float32-linear-drops-bias", "a Linear run as float32 products loses its bias", [
-        ("fp4pass/checkpoint/layerwise.py", "    bias = None if linear.bias is None else linear.bias.float()",
+        ("fp4pass/checkpoint/layerwise/runner.py", "    bias = None if linear.bias is None else linear.bias.float()",
          "    bias = None"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-stack-decoded-into-first-expert", "a stack stored in the checkpoint's order has every "
            "expert decoded into expert 0's slot", [
-        ("fp4pass/checkpoint/layerwise.py", "out=out[i].t())", "out=out[0].t())"),
+        ("fp4pass/checkpoint/layerwise/decode.py", "out=out[i].t())", "out=out[0].t())"),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-heap-not-trimmed", "a released layer's freed heap is kept (peak memory creeps with depth)", [
-        ("fp4pass/checkpoint/layerwise.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
+        ("fp4pass/checkpoint/layerwise/runner.py", "        self.drop_cached(index)\n        return_freed_memory()\n",
          "        self.drop_cached(index)\n"),
     ], CKPT_CALIBRATE_TESTS),
     # -- checkpoint calibration: bugs nobody planned (padded batches, many experts, gpt-oss biases, hostile configs)
     Mutant("ckpt-runner-mask-lost", "the layer runner makes each layer's inputs without the batch's attention mask", [
-        ("fp4pass/checkpoint/layerwise.py",
+        ("fp4pass/checkpoint/layerwise/runner.py",
          "attention_mask=None if attention_mask is None else attention_mask.to(self.device),",
          "attention_mask=None,"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-mask-of-an-earlier-batch", "a padded batch reuses the layer inputs (mask included) of an "
            "earlier batch of its shape", [
-        ("fp4pass/checkpoint/layerwise.py",
+        ("fp4pass/checkpoint/layerwise/runner.py",
          "key = (index, tuple(input_ids.shape)) if attention_mask is None else None",
          "key = (index, tuple(input_ids.shape))"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-mask-as-indices", "the statistics take the 0/1 mask as row indices, not as a mask", [
-        ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(dev)", "mask.reshape(-1).to(dev)"),
+        ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(self.dev)", "mask.reshape(-1).to(self.dev)"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-expert-index-one-digit", "an expert's index is read as its last digit (10 -> 0)", [
-        ("fp4pass/checkpoint/layerwise.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
+        ("fp4pass/checkpoint/layerwise/model.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-experts-sorted-as-text", "expert slot e gets the e-th expert in text order (0, 1, 10, 100, "
            "101, 102, 11, 2, ...)", [
-        ("fp4pass/checkpoint/layerwise.py", "found = parts.get(e, {})",
+        ("fp4pass/checkpoint/layerwise/model.py", "found = parts.get(e, {})",
          "found = parts.get(sorted(parts, key=str)[e], {})"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-report-experts-as-text", "the report lists a stack's experts in text order", [
@@ -1100,10 +1101,35 @@ MUTANTS = [
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-gpt-oss-bias-before-rounding", "gpt-oss's expert biases are added to the float32 products "
            "before their bf16 rounding", [
-        ("fp4pass/checkpoint/calibration.py",
+        ("fp4pass/checkpoint/layerwise/runner.py",
          "        y = y.to(x.dtype)\n        return y + bias if bias is not None else y",
          "        return (y + bias if bias is not None else y).to(x.dtype)"),
     ], CKPT_RUNNER_TESTS),
+    # -- the one layer loop (layerwise.runner.run_layers) and its visitors; private names kept private -------------
+    Mutant("loop-last-outputs-dropped", "the loop keeps the last layer's inputs in place of its outputs, so the "
+           "diff's logits come from the hidden states before the last layer", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "                    if keep_last or i + 1 < layers:\n",
+         "                    if i + 1 < layers:\n"),
+    ], LOOP_TESTS + DIFF_ORACLE_TESTS),
+    Mutant("loop-outputs-of-the-first-runner", "the loop propagates the first runner's outputs into every runner's "
+           "hidden states (the NVFP4 model fed the source's: end to end equals local)", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "                        for store, out in zip(stores, outputs):\n",
+         "                        for store, out in zip(stores, [outputs[0]] * len(outputs)):\n"),
+    ], LOOP_TESTS + DIFF_ORACLE_TESTS),
+    Mutant("loop-hooks-left-installed", "the loop never removes a visitor's hooks (end_layer skipped, also when a "
+           "batch fails)", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "            finally:\n                visitor.end_layer(i)\n",
+         "            finally:\n                pass\n"),
+    ], LOOP_TESTS),
+    Mutant("loop-visitor-phase-not-timed", "the visitor's after-layer work (the calibration's scales) is not timed "
+           "as its own phase", [
+        ("fp4pass/checkpoint/layerwise/runner.py", "            if visitor.after_phase:\n", "            if False:\n"),
+    ], LOOP_TESTS + CKPT_CALIB_TESTS),
+    Mutant("private-name-imported", "calibration imports a private name of the layer model", [
+        ("fp4pass/checkpoint/calibration.py",
+         "from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture",
+         "from fp4pass.checkpoint.layerwise.model import _rename, experts_modules, resolve_architecture"),
+    ], ["tests/test_private_names.py"]),
     Mutant("ckpt-partial-earlier-declines-lost", "--allow-partial: a unit failing drops the declines made before it", [
         ("fp4pass/checkpoint/run.py", 'declined = found.declined + [{"tensor"', 'declined = [{"tensor"'),
     ], CKPT_RUNNER_TESTS),
@@ -1231,10 +1257,10 @@ MUTANTS = [
          'return -math.inf if row["snr_db"] is None else -row["snr_db"]'),
     ], DIFF_TESTS),
     Mutant("diff-first-position-scored", "perplexity scores each token as its own next token", [
-        ("fp4pass/checkpoint/numerics.py", "out[:, :-1] = ids[:, 1:]", "out[:, :-1] = ids[:, :-1]"),
+        ("fp4pass/checkpoint/diff_figures.py", "out[:, :-1] = ids[:, 1:]", "out[:, :-1] = ids[:, :-1]"),
     ], DIFF_ORACLE_TESTS),
     Mutant("diff-kl-reversed", "KL(nvfp4 || source) instead of KL(source || nvfp4)", [
-        ("fp4pass/checkpoint/numerics.py", "kl = (log_p.exp() * (log_p - log_q)).sum(-1)", "kl = (log_q.exp() * (log_q - log_p)).sum(-1)"),
+        ("fp4pass/checkpoint/diff_figures.py", "kl = (log_p.exp() * (log_p - log_q)).sum(-1)", "kl = (log_q.exp() * (log_q - log_p)).sum(-1)"),
     ], DIFF_TESTS),
     Mutant("diff-one-expert-scale", "every expert of a per-expert stack takes expert 0's activation scale", [
         ("fp4pass/checkpoint/numerics.py", "                g = g[expert]\n", "                g = g[0]\n"),

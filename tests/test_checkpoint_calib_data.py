@@ -688,7 +688,8 @@ import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[4])
 from test_checkpoint_calib_data import _rows, _stats
-from fp4pass.checkpoint.calibration import CheckpointScales, _share
+from fp4pass.checkpoint.calibration import CheckpointScales
+from fp4pass.checkpoint.layerwise.runner import share_batches
 rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
 stats, _, _ = _stats(fused=False)
@@ -697,7 +698,7 @@ for expert, kind, peak, n, seed in RECORDS[rank]:
 stats.reduce()
 result = CheckpointScales("max")
 stats.results(result)
-json.dump({"share": _share(list(range(7))), "amax": {k: v.amax for k, v in result.tensors.items()},
+json.dump({"share": share_batches(list(range(7))), "amax": {k: v.amax for k, v in result.tensors.items()},
            "tokens": [r["tokens"] for r in result.experts], "unrouted": [r["expert"] for r in result.unrouted]},
           open(out, "w"))
 dist.destroy_process_group()
@@ -776,16 +777,16 @@ def test_fewer_batches_than_ranks_is_refused_on_every_rank(monkeypatch):
     import torch.distributed as dist
 
     import fp4pass.calib.distributed
-    from fp4pass.checkpoint.calibration import _share
+    from fp4pass.checkpoint.layerwise.runner import share_batches
 
     monkeypatch.setattr(fp4pass.calib.distributed, "distributed_ready", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 3)
     for rank in range(3):
         monkeypatch.setattr(dist, "get_rank", lambda *a, r=rank: r)
-        assert _share(list(range(8))) == list(range(8))[rank::3]
-        assert _share(list(range(3))) == [rank]
+        assert share_batches(list(range(8))) == list(range(8))[rank::3]
+        assert share_batches(list(range(3))) == [rank]
         with pytest.raises(CalibrationDataError) as info:
-            _share(list(range(2)))
+            share_batches(list(range(2)))
         assert str(info.value) == ("2 calibration batch(es) for 3 ranks: each rank needs at least one (a smaller "
                                    "batch size gives more)")
 

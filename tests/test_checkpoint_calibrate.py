@@ -381,7 +381,7 @@ def test_cuda_run_matches_hooks_on_cuda_forward(tmp_path, name):
 
 def test_bf16_dequantization_matches_an_independent_decode():
     """Every code byte pair under every E8M0 scale (0..254) against the numpy decoder, bit for bit in bf16."""
-    from fp4pass.checkpoint.layerwise import mx_dequantize
+    from fp4pass.checkpoint.layerwise.decode import mx_dequantize
 
     rows = 255
     codes = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)  # [255, 256]: K = 512, 16 scales a row
@@ -473,7 +473,7 @@ def test_expert_stack_decode_matches_an_independent_decode(layout):
     """decode_experts (the per-layer path, here with device=cpu) against the numpy decoder, bit for bit in bf16,
     each expert in its own slot (distinct experts: a swap or a repeated expert fails); a transposed [E, K, N]
     stack both in its own memory order and as a view of [E, N, K] memory (how the layer runner stores it)."""
-    from fp4pass.checkpoint.layerwise import decode_experts
+    from fp4pass.checkpoint.layerwise.decode import decode_experts
 
     codes, scales = _expert_stack()
     expect = _bf16(mx_decode(codes.numpy(), scales.numpy()))  # [E, N, K]
@@ -493,7 +493,7 @@ def test_gpt_oss_stacks_are_stored_in_the_checkpoint_order_with_the_model_values
     reads an [N, K] matrix transposed), holding the values of the reference decode transposed."""
     from fp4pass.checkpoint.catalog import Catalog
     from fp4pass.checkpoint.detect import detect
-    from fp4pass.checkpoint.layerwise import LayerRunner
+    from fp4pass.checkpoint.layerwise.runner import LayerRunner
 
     src = ROOT / "gpt_oss"
     folder = Folder(src)
@@ -516,7 +516,7 @@ def test_gpt_oss_stacks_are_stored_in_the_checkpoint_order_with_the_model_values
 def test_a_nan_scale_in_a_stack_is_refused_naming_its_expert(layout):
     """E8M0 code 255 (NaN) in expert 2's scales: the error names the stack and that expert, whichever path
     decodes it."""
-    from fp4pass.checkpoint.layerwise import decode_experts
+    from fp4pass.checkpoint.layerwise.decode import decode_experts
 
     codes, scales = _expert_stack()
     scales[2, 5, 1] = 255
@@ -533,7 +533,7 @@ def test_a_nan_scale_in_a_stack_is_refused_naming_its_expert(layout):
 def test_float32_products_on_a_torch_without_the_cpu_probes(monkeypatch):
     """A torch without ``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported`` counts as a CPU
     without bf16 matrix instructions (float32 products), and one with either probe true as one with them."""
-    from fp4pass.checkpoint.layerwise import float32_products
+    from fp4pass.checkpoint.layerwise.runner import float32_products
 
     cpu = torch.device("cpu")
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
@@ -549,7 +549,7 @@ def test_float32_products_on_a_torch_without_the_cpu_probes(monkeypatch):
 def test_only_transposed_stacks_change_their_memory_order():
     """In a module holding a stack without ``is_transposed`` (used as ``linear(x, W)``) before a transposed one,
     only the transposed one is laid over [E, N, K] memory; shapes stay the model's."""
-    from fp4pass.checkpoint.layerwise import store_in_checkpoint_order
+    from fp4pass.checkpoint.layerwise.model import store_in_checkpoint_order
 
     def stack(transposed: bool | None) -> torch.nn.Module:
         m = torch.nn.Module()
@@ -572,19 +572,19 @@ def test_no_heap_trim_where_there_is_no_c_library(monkeypatch):
     """Without a C library that has ``malloc_trim`` the trim is skipped (False), every time, with no error."""
     import ctypes
 
-    from fp4pass.checkpoint import layerwise
+    from fp4pass.checkpoint.layerwise import runner
 
     def refuse(*_args, **_kwargs):
         raise OSError("no such library")
 
-    monkeypatch.setattr(layerwise, "_LIBC_TRIM", None)
+    monkeypatch.setattr(runner, "_LIBC_TRIM", None)
     monkeypatch.setattr(ctypes, "CDLL", refuse)
-    assert layerwise.return_freed_memory() is False
-    assert layerwise.return_freed_memory() is False
+    assert runner.return_freed_memory() is False
+    assert runner.return_freed_memory() is False
 
 
 def test_float32_products_only_on_cpus_without_bf16_matrix_instructions(monkeypatch):
-    from fp4pass.checkpoint.layerwise import float32_products
+    from fp4pass.checkpoint.layerwise.runner import float32_products
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
@@ -601,7 +601,7 @@ def test_float32_products_only_on_cpus_without_bf16_matrix_instructions(monkeypa
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["plain", "transposed", "transposed, checkpoint order"])
 def test_expert_stack_decode_on_cuda_equals_the_cpu_decode(layout):
-    from fp4pass.checkpoint.layerwise import decode_experts
+    from fp4pass.checkpoint.layerwise.decode import decode_experts
 
     codes, scales = _expert_stack(experts=4, rows=256, cols=512)
     transposed = layout != "plain"
@@ -618,13 +618,13 @@ def test_each_layer_gives_its_freed_heap_back(monkeypatch):
     """The heap is trimmed after every layer (without it the peak memory crept up with depth: the bench's
     16-layer model peaked 1.24x its 4-layer one), and on this glibc system the trim is glibc's own."""
     import fp4pass.checkpoint
-    from fp4pass.checkpoint import layerwise
+    from fp4pass.checkpoint.layerwise import runner
 
     import platform
 
-    assert layerwise.return_freed_memory() is (platform.libc_ver()[0] == "glibc")
+    assert runner.return_freed_memory() is (platform.libc_ver()[0] == "glibc")
     calls = []
-    monkeypatch.setattr(layerwise, "return_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(runner, "return_freed_memory", lambda: calls.append(1) or True)
     scales = fp4pass.checkpoint.calibrate(ROOT / "gpt_oss", TOKENS, batch_size=BATCH, device="cpu")
     assert len(calls) == scales.layers == 2
 
@@ -648,7 +648,7 @@ def test_fp8_block_weights_decode_per_128x128_block(tmp_path, scale_form):
     from safetensors.torch import save_file
 
     from fp4pass.checkpoint.catalog import Catalog
-    from fp4pass.checkpoint.layerwise import Source, WeightLoader, WeightSources
+    from fp4pass.checkpoint.layerwise.model import Source, WeightLoader, WeightSources
 
     rng = np.random.default_rng(3)
     weight = rng.normal(0, 1, size=(200, 300)).astype(np.float32)

@@ -140,11 +140,11 @@ def test_activation_fake_quant_nan_and_zero_blocks():
 
 def test_logit_figures_of_known_distributions():
     """KL(source || nvfp4) in nats, not the reverse; top-1 agreement; perplexity of the scored next tokens."""
-    from fp4pass.checkpoint.numerics import _LogitStats
+    from fp4pass.checkpoint.diff_figures import LogitStats
 
     src = torch.log(torch.tensor([[0.5, 0.5], [0.8, 0.2]]))
     nv = torch.log(torch.tensor([[0.9, 0.1], [0.3, 0.7]]))
-    stats = _LogitStats()
+    stats = LogitStats()
     stats.add(src, nv, torch.tensor([1, -1]))
     got = stats.to_json()
     kl = [0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1),  # 0.511; KL(nvfp4 || source) would be 0.368

@@ -235,9 +235,9 @@ def test_gpt_oss_biases_are_added_after_the_bf16_rounding_bit_for_bit(monkeypatc
     """The routed loop's output and each expert's down input (the gated activation) equal transformers' own
     GptOssExperts.forward bit for bit, with the products computed either as float32 rounded to bf16 (this CPU)
     or in bf16; 12 experts, 40 tokens routed to 3 each."""
-    import fp4pass.checkpoint.calibration as calibration
+    from fp4pass.checkpoint.layerwise import runner
 
-    monkeypatch.setattr(calibration, "float32_products", lambda device, dtype: float32_products)
+    monkeypatch.setattr(runner, "float32_products", lambda device, dtype: float32_products)
     experts = _gpt_oss_experts()
     g = torch.Generator().manual_seed(3)
     hidden = (torch.randint(-8, 9, (40, 64), generator=g) / 64.0).to(torch.bfloat16)
@@ -257,7 +257,7 @@ def test_gpt_oss_biases_are_added_after_the_bf16_rounding_bit_for_bit(monkeypatc
     reference = gated.pop("rows")
     recorded = _Recorded()
     with torch.no_grad():
-        got = calibration._routed_forward(experts, "mlp.experts", recorded)(hidden, top_k, weights)
+        got = runner.routed_forward(experts, "mlp.experts", recorded)(hidden, top_k, weights)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
     hit = sorted({int(e) for e in top_k.unique()})
     assert len(reference) == len(hit)  # transformers visits the experts hit in ascending order

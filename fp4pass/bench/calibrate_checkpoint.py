@@ -62,7 +62,8 @@ print(json.dumps({{"seconds": time.perf_counter() - start, "rss_before_kib": bef
 """
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously: a timer read before it undercounts)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -73,7 +74,7 @@ def _plain_model(src: Path, device: torch.device):
 
     from fp4pass.checkpoint.catalog import Catalog
     from fp4pass.checkpoint.detect import detect
-    from fp4pass.checkpoint.layerwise import WeightLoader, WeightSources, resolve_architecture
+    from fp4pass.checkpoint.layerwise.model import WeightLoader, WeightSources, resolve_architecture
 
     with Catalog.open(src) as catalog:
         model_type, cfg = resolve_architecture(catalog.config, src)
@@ -82,7 +83,7 @@ def _plain_model(src: Path, device: torch.device):
         sources = WeightSources.build(catalog, detect(catalog.tensors, catalog.config), model_type)
         loader = WeightLoader(catalog, sources, device)
         base = model.model
-        from fp4pass.checkpoint.layerwise import materialize
+        from fp4pass.checkpoint.layerwise.model import materialize
 
         for name, child in base.named_children():
             if name == "layers":
@@ -99,7 +100,7 @@ def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, 
     fastest layout (weights [N, K], read transposed): ``bf16``, and ``float32_products`` (bf16 operands
     multiplied in float32, rounded to bf16, as the calibration does on CPUs without bf16 matrix instructions)
     where that applies."""
-    from fp4pass.checkpoint.layerwise import float32_products
+    from fp4pass.checkpoint.layerwise.runner import float32_products
 
     rows = max(1, tokens * top_k // experts)
     x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device)
@@ -113,12 +114,12 @@ def _matmul_floor(device: torch.device, layers: int, tokens: int, experts: int, 
     for name, product in forms.items():
         best = float("inf")
         for _ in range(repeat):
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             for _ in range(layers * experts):
                 product(x, w1)
                 product(h, w2)
-            _sync(device)
+            sync_device(device)
             best = min(best, time.perf_counter() - start)
         out[name] = best
     return out
@@ -149,13 +150,13 @@ def _h2d_floor(device: torch.device, nbytes: int, repeat: int = 3) -> float:
     pieces, rest = divmod(nbytes, piece)
     best = math.inf
     for _ in range(repeat):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         for _ in range(pieces):
             target.copy_(host, non_blocking=True)
         if rest:
             target[:rest].copy_(host[:rest], non_blocking=True)
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -187,21 +188,21 @@ def against_forward(device: torch.device, *, hidden: int, experts: int, rows: in
         np.savez(Path(tmp) / "ids.npz", input_ids=ids)
         fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=batch, device=device.type,
                                      num_samples=batch)  # warm: imports, kernels
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         result = fp4pass.checkpoint.calibrate(src, Path(tmp) / "ids.npz", batch_size=batch, device=device.type)
-        _sync(device)
+        sync_device(device)
         calib_s = time.perf_counter() - start
         model = _plain_model(src, device)
         batches = [torch.from_numpy(ids[i:i + batch]).to(device) for i in range(0, rows, batch)]
         timed = batches if device.type == "cuda" or forward_rows is None else [batches[0][:forward_rows]]
         with torch.no_grad():
             model(input_ids=batches[0][:, :8], use_cache=False)  # warm, on a few tokens
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             for input_ids in timed:
                 model(input_ids=input_ids, use_cache=False)
-            _sync(device)
+            sync_device(device)
         # the rows have the same length and each reaches every expert: the untimed ones cost what the timed do
         forward_s = (time.perf_counter() - start) * rows / sum(t.shape[0] for t in timed)
         del model

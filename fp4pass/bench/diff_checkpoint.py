@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fp4pass.bench import BenchResult
-from fp4pass.bench.calibrate_checkpoint import _sync, measured_child
+from fp4pass.bench.calibrate_checkpoint import measured_child, sync_device
 from fp4pass.examples.checkpoints import build_checkpoint
 
 #: the diff's time over one calibration of the same model and data
@@ -42,10 +42,10 @@ def _pair(tmp: Path, name: str, device: torch.device, *, layers: int, experts: i
     src = build_checkpoint(tmp / f"{name}-mxfp4", "gpt-oss", layers=layers, experts=experts, hidden=hidden,
                            intermediate=hidden, seed=0, expert_step=0, runnable=True, vocab=32,
                            shard_bytes=shard_bytes)
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     scales = fp4pass.checkpoint.calibrate(src, data, batch_size=batch, device=device.type)
-    _sync(device)
+    sync_device(device)
     calib_s = time.perf_counter() - start
     out = tmp / f"{name}-nvfp4"
     fp4pass.checkpoint.convert(src, out, format="modelopt", scales=scales)
@@ -66,10 +66,10 @@ def bench_against_calibrate(device: torch.device, quick: bool) -> list[BenchResu
                                 num_samples=batch)
         src, nvfp4, calib_s = _pair(tmp, "bench", device, layers=2, experts=experts, hidden=hidden,
                                     data=tmp / "ids.npz", batch=batch)
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         result = fp4pass.checkpoint.diff(src, nvfp4, tmp / "ids.npz", batch_size=batch, device=device.type)
-        _sync(device)
+        sync_device(device)
         diff_s = time.perf_counter() - start
     extra = {"tokens": rows * seq, "tokens_per_s": rows * seq / diff_s, "layers_x_experts_x_H": f"2x{experts}x{hidden}",
              "device": str(device), "activations": result.run["activations"],

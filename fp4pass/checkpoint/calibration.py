@@ -7,7 +7,8 @@
     fp4pass.checkpoint.convert("gpt-oss-20b", "out", scales=scales)
 
 The model runs through transformers' own modeling code (:mod:`fp4pass.checkpoint.layerwise`), every batch
-through one decoder layer before the next layer is loaded. What is recorded, for every MXFP4 module that
+through one decoder layer before the next layer is loaded; the calibration is a visitor of that loop
+(:func:`~fp4pass.checkpoint.layerwise.runner.run_layers`). What is recorded, for every MXFP4 module that
 conversion turns into NVFP4:
 
 - an expert's gate/up input: the MoE block's input on the tokens routed to that expert; its down input: its
@@ -15,7 +16,8 @@ conversion turns into NVFP4:
   replaced, for the run, by the same routed loop as transformers' eager one (same order, same operations)
   that also hands each expert's rows to its statistics. On a GPU, or a CPU with bf16 matrix instructions,
   the numbers are the model's; on other CPUs each bf16 matmul runs as a float32 one rounded to bf16 (5x
-  faster there, equal up to the order of the float32 additions: :func:`float32_products`);
+  faster there, equal up to the order of the float32 additions:
+  :func:`~fp4pass.checkpoint.layerwise.runner.float32_products`);
 - a dense MXFP4 Linear: its input on every token (a forward pre-hook).
 
 Padding (``attention_mask`` 0) runs through the model but is not counted. Each statistic is an
@@ -46,8 +48,10 @@ from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
-from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
-                                          float32_products, hidden_budget, resolve_architecture)
+from fp4pass.checkpoint.layerwise.hidden_states import HiddenStore, hidden_budget
+from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture
+from fp4pass.checkpoint.layerwise.runner import (LayerRunner, LayerVisitor, default_device, routed_forward,
+                                                 run_layers, share_batches)
 from fp4pass.checkpoint.model_limits import check_attention_memory, check_config_fields, check_fits_shards
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.hub import resolve_checkpoint
@@ -137,7 +141,7 @@ class _LayerStats:
                     self._new((rel, e, kind), module)
             for e in range(count):
                 self.tokens[(rel, e)] = 0
-            experts.forward = _routed_forward(experts, rel, self)
+            experts.forward = routed_forward(experts, rel, self)
             undo.append(("forward", experts))
         for rel, module in self.dense.items():
             handle = layer.get_submodule(rel).register_forward_pre_hook(self._dense_hook(rel))
@@ -238,94 +242,6 @@ class _LayerStats:
             out.tensors.update(best)
 
 
-def expert_projection(experts: torch.nn.Module):
-    """``project(x, weight, bias)``: one product of the model's experts as transformers' eager loop computes it
-    (gpt-oss: ``x @ W + b`` on [E, K, N] stacks; DeepSeek: ``linear(x, W)``). On a CPU without bf16 matrix
-    instructions the product runs in float32 and is rounded to the model's dtype (:func:`float32_products`);
-    the bias is then added in the model's dtype, as the model does."""
-    import torch.nn.functional as F
-
-    transposed = bool(getattr(experts, "is_transposed", False))
-    upcast = float32_products(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
-
-    def project(x, weight, bias):
-        a, w = (x.float(), weight.float()) if upcast else (x, weight)
-        y = a @ w if transposed else F.linear(a, w)
-        y = y.to(x.dtype)
-        return y + bias if bias is not None else y
-
-    return project
-
-
-def expert_output(experts: torch.nn.Module, e: int, rows: torch.Tensor, project, on_input=None) -> torch.Tensor:
-    """Expert ``e``'s MLP on ``rows`` [n, H] (before the routing weight): gate/up product, the model's gated
-    activation (``_apply_gate``), down product. ``on_input(kind, x)`` sees the input of each product (``kind``
-    "gate_up" or "down") and may return a replacement for it (a fake-quantized copy), or None to keep it."""
-    biased = bool(getattr(experts, "has_bias", False))
-    if on_input is not None:
-        rows = _replaced(rows, on_input("gate_up", rows))
-    gate_up = project(rows, experts.gate_up_proj[e], experts.gate_up_proj_bias[e] if biased else None)
-    gated = experts._apply_gate(gate_up)
-    if on_input is not None:
-        gated = _replaced(gated, on_input("down", gated))
-    return project(gated, experts.down_proj[e], experts.down_proj_bias[e] if biased else None)
-
-
-def _replaced(rows: torch.Tensor, replacement: torch.Tensor | None) -> torch.Tensor:
-    return rows if replacement is None else replacement
-
-
-def _routed_forward(experts: torch.nn.Module, rel: str, visitor):
-    """The eager expert loop of transformers' MoE experts (same order, same operations: :func:`expert_output`),
-    with each expert's rows shown to ``visitor.record(rel, e, kind, rows, token_idx)``: kind "gate_up" (the MoE
-    input of its tokens) and "down" (its intermediate activation), whose return value, when not None, replaces
-    the rows; then "out" (its output before the routing weight; the return value is ignored). ``token_idx``:
-    the rows' token positions in the flattened batch."""
-    num = experts.num_experts
-    project = expert_projection(experts)
-
-    def forward(hidden_states, top_k_index, top_k_weights):
-        final = torch.zeros_like(hidden_states)
-        tokens = top_k_index.shape[0]
-        with torch.no_grad():
-            # position-major flat routing, j = top-k position * tokens + token; a stable sort by expert keeps
-            # each expert's entries in j order, the order of torch.where on transformers' one-hot mask
-            flat = top_k_index.t().reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=num + 1)[:num].tolist()  # index num: no expert
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            picked = order[start:start + count]
-            start += count
-            top_k_pos, token_idx = picked // tokens, picked % tokens
-            out = expert_output(experts, e, hidden_states[token_idx], project,
-                                lambda kind, rows: visitor.record(rel, e, kind, rows, token_idx))
-            visitor.record(rel, e, "out", out, token_idx)
-            out = out * top_k_weights[token_idx, top_k_pos, None]
-            # index_add_ in transformers' loop; a token meets each expert once, so each row gets one addition
-            # either way (the same numbers), and index_put_ is ~9x faster on the CPU for bf16
-            final.index_put_((token_idx,), out.to(final.dtype), accumulate=True)
-        return final
-
-    return forward
-
-
-def _share(batches: list[Batch]) -> list[Batch]:
-    from fp4pass.calib.distributed import distributed_ready
-
-    if not distributed_ready():
-        return batches
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    if len(batches) < world:  # every rank sees the same count, so all refuse (none waits in an all-reduce)
-        raise CalibrationDataError(f"{len(batches)} calibration batch(es) for {world} ranks: each rank needs at "
-                                   "least one (a smaller batch size gives more)")
-    return batches[dist.get_rank()::world]
-
-
 def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
               seq_len: int | None = None, num_samples: int | None = None, hidden_budget_bytes: int | None = None,
               show_progress: bool | None = False, report_detail: bool = False, trust_remote_code: bool = False,
@@ -355,7 +271,7 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
                              batch_size=batch_size)  # the data's own errors first: the user's newest input
         check_fits_shards(catalog, found, model_type, cfg)  # before the model is allocated
         check_attention_memory(cfg, every, dev, str(data))
-        batches = _share(every)  # this rank's; the report counts all of them, as its per-expert tokens do
+        batches = share_batches(every)  # this rank's; the report counts all of them, as its per-expert tokens do
         if not batches:
             raise CalibrationDataError(f"{data}: no calibration rows")
         runner = LayerRunner(catalog, found, dev, trust_remote_code=trust_remote_code)
@@ -371,63 +287,39 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
     return out
 
 
-class _Clock:
-    """Seconds per phase, added up in ``into`` (the device synchronised at each lap, so GPU work is counted
-    in its phase)."""
+class _Calibration(LayerVisitor):
+    """Calibration as a visitor of the layer loop: each layer's statistics (:class:`_LayerStats`) hooked in
+    before its batches, and its scales taken (all-reduced first) once its weights are freed."""
 
-    def __init__(self, device: torch.device, into: dict):
-        self.device, self.into = device, into
-        self.last = time.perf_counter()
+    desc = "calibrate (layer x batch)"
+    after_phase = "scales"  # the all-reduce and the calibrators
 
-    def lap(self, phase: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.into[phase] = self.into.get(phase, 0.0) + now - self.last
-        self.last = now
+    def __init__(self, runner: LayerRunner, method, dev, out: CheckpointScales, detailed: bool):
+        self.runner, self.method, self.dev, self.out, self.detailed = runner, method, dev, out, detailed
+        self.layer_stats: _LayerStats | None = None
+        self.undo: list = []
+
+    def begin_layer(self, index: int, layers: tuple) -> None:
+        self.layer_stats = _LayerStats(self.runner, index, self.method, self.dev, self.detailed)
+        self.undo = self.layer_stats.install(layers[0])
+
+    def run_batch(self, runners, index, batch, layers, hidden):
+        mask = batch.attention_mask
+        self.layer_stats.valid = None if mask is None else mask.reshape(-1).bool().to(self.dev)
+        return super().run_batch(runners, index, batch, layers, hidden)
+
+    def end_layer(self, index: int) -> None:
+        _LayerStats.remove(self.undo)
+        self.undo = []
+
+    def after_layer(self, index: int) -> None:
+        self.layer_stats.reduce()
+        self.layer_stats.results(self.out)
 
 
 def _run(runner: LayerRunner, batches: list[Batch], store: HiddenStore, method, dev, out: CheckpointScales,
          show_progress, detailed: bool) -> None:
-    from fp4pass.progress import progress
-
-    clock = _Clock(dev, out.timings)
+    """Layers 0 up to the last one holding an MXFP4 module (the rest change no scale) over every batch."""
     last = max((int(t.split(".")[1]) for t, _, _ in runner.sources.quantized.values()), default=-1)
-    prefetch = LayerPrefetcher(runner)
-    try:
-        if last >= 0:
-            prefetch.start(0)  # layer 0's weights load while the batches reach its input
-        for b, batch in enumerate(batches):
-            hidden, _, _ = runner.capture(0, batch.input_ids, batch.attention_mask)
-            store.put(b, hidden)
-        clock.lap("embed")
-        steps = ((i, b) for i in range(last + 1) for b in range(len(batches)))
-        bar = progress(steps, total=(last + 1) * len(batches), desc="calibrate (layer x batch)",
-                       enabled=show_progress, unit="batch")
-        layer_stats = undo = module = None
-        for i, b in bar:
-            if b == 0:
-                layer_stats = _LayerStats(runner, i, method, dev, detailed)
-                module = prefetch.take(i)
-                clock.lap("load")  # the wait for layer i's weights: the part of their load not hidden
-                if i < last:
-                    prefetch.start(i + 1)
-                undo = layer_stats.install(module)
-            batch = batches[b]
-            args, kwargs = runner.layer_inputs(i, batch.input_ids, batch.attention_mask)
-            mask = batch.attention_mask
-            layer_stats.valid = None if mask is None else mask.reshape(-1).bool().to(dev)
-            result = runner.run_layer(module, store.get(b), args, kwargs)
-            if i < last:
-                store.put(b, result)
-            if b == len(batches) - 1:
-                clock.lap("layers")
-                _LayerStats.remove(undo)
-                prefetch.release(i)
-                clock.lap("release")  # the layer's memory back: freed, and the heap trimmed
-                layer_stats.reduce()
-                layer_stats.results(out)
-                clock.lap("scales")
-    finally:
-        prefetch.close()
-        out.timings["load_background"] = prefetch.busy
+    run_layers([runner], [store], batches, _Calibration(runner, method, dev, out, detailed), layers=last + 1,
+               timings=out.timings, show_progress=show_progress)

@@ -139,7 +139,7 @@ def _check_experts(catalog, parts: dict, key: str, shape: list[int], transposed:
 def check_stored_shapes(catalog, found, model_type: str, cfg) -> None:
     """Every tensor of ``catalog`` that the layer runner reads for the model of ``cfg`` (``found``: its quantized
     units, MXFP4 or NVFP4) has the shape the model needs (module docstring), checked on the headers alone."""
-    from fp4pass.checkpoint.layerwise import WeightSources, build_skeleton
+    from fp4pass.checkpoint.layerwise.model import WeightSources, build_skeleton
 
     _, base = build_skeleton(model_type, cfg)
     sources = WeightSources.build(catalog, found, model_type)

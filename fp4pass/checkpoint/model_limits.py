@@ -185,8 +185,8 @@ def _largest_counts(config: dict, many: int = 3) -> str:
 def check_fits_shards(catalog, found, model_type: str, cfg) -> None:
     """Rule 2 of the module docstring: the decoder transformers builds from ``cfg`` (on the meta device) against
     the shards of ``catalog`` (``found``: its detected MXFP4 units), tensor by tensor, as the layer runner will
-    fill it (:class:`~fp4pass.checkpoint.layerwise.WeightSources`)."""
-    from fp4pass.checkpoint.layerwise import WeightSources, build_skeleton
+    fill it (:class:`~fp4pass.checkpoint.layerwise.model.WeightSources`)."""
+    from fp4pass.checkpoint.layerwise.model import WeightSources, build_skeleton
 
     where = f"{catalog.folder}/config.json"
     try:

@@ -5,12 +5,13 @@
     result = fp4pass.checkpoint.diff("gpt-oss-20b", "gpt-oss-20b-nvfp4", "calib.jsonl", seq_len=512)
     print(result.format_table()); result.to_json()
 
-Both checkpoints run through transformers' own modeling code, one decoder layer at a time, on the runner that
-calibration uses (:mod:`fp4pass.checkpoint.layerwise`): the source (MXFP4 of any form fp4pass converts, or a bf16
-checkpoint of the same architecture) as it is, the NVFP4 side from its stored tensors decoded by its form's
-convention and, for W4A4, with every quantized module's input fake-quantized to NVFP4 with its stored input
-scale, as the engines compute (:mod:`fp4pass.checkpoint.nvfp4_weights`). Memory holds one layer of each model
-(two while the next loads) and the hidden states of both.
+Both checkpoints run through transformers' own modeling code, one decoder layer at a time, side by side in the
+layer loop that calibration visits too (:func:`fp4pass.checkpoint.layerwise.runner.run_layers`): the source
+(MXFP4 of any form fp4pass converts, or a bf16 checkpoint of the same architecture) as it is, the NVFP4 side
+from its stored tensors decoded by its form's convention and, for W4A4, with every quantized module's input
+fake-quantized to NVFP4 with its stored input scale, as the engines compute
+(:mod:`fp4pass.checkpoint.nvfp4_weights`). Memory holds one layer of each model (two while the next loads) and
+the hidden states of both.
 
 Figures, with SNR = 10 log10(sum a^2 / sum (a - b)^2) = 20 log10(||a|| / ||a - b||) over the tokens that are
 not padding (``None`` where the two are identical), ``a`` the source's:
@@ -50,13 +51,16 @@ import torch
 
 from fp4pass.calib.runner import CalibrationDataError
 from fp4pass.checkpoint.calib_data import Batch, load_batches
-from fp4pass.checkpoint.calibration import _Clock, _share, expert_output, expert_projection, _routed_forward
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.diff_checks import CheckpointNames, check_stored_shapes, nonfinite_scales
+from fp4pass.checkpoint.diff_figures import (Energy, LogitStats, float32_logits, next_tokens, reduce_sums,
+                                             tokens_of, valid_tokens)
 from fp4pass.checkpoint.diff_report import WORST_EXPERTS, CheckpointDiff
-from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
-                                          float32_products, hidden_budget, resolve_architecture)
+from fp4pass.checkpoint.layerwise.hidden_states import HiddenStore, hidden_budget
+from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture
+from fp4pass.checkpoint.layerwise.runner import (LayerRunner, LayerVisitor, default_device, expert_output,
+                                                 expert_projection, routed_forward, run_layers, share_batches)
 from fp4pass.checkpoint.model_limits import (available_bytes, check_attention_memory, check_config_fields,
                                              check_fits_shards)
 from fp4pass.checkpoint.nvfp4_weights import NVFP4Weights, fake_quantize_activation, find_nvfp4
@@ -72,41 +76,6 @@ SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_
                 "head_dim", "hc_mult")
 #: bytes of float32 logits computed at once (per model)
 LOGITS_CHUNK_BYTES = 1 << 28
-
-
-class _Energy:
-    """Signal and error energy of a comparison, in float64: SNR = 10 log10(signal / error)."""
-
-    __slots__ = ("signal", "error", "values", "nonfinite")
-
-    def __init__(self):
-        self.signal = self.error = 0.0
-        self.values = self.nonfinite = 0
-
-    def add(self, ref: torch.Tensor, test: torch.Tensor) -> None:
-        r, t = ref.double(), test.double()
-        finite = torch.isfinite(t)
-        self.nonfinite += int((~finite).sum())
-        d = torch.where(finite, t - r, torch.zeros_like(r))
-        self.signal += float((r * r).sum())
-        self.error += float((d * d).sum())
-        self.values += r.numel()
-
-    def as_list(self) -> list[float]:
-        return [self.signal, self.error, float(self.values), float(self.nonfinite)]
-
-    def set(self, values: list[float]) -> None:
-        self.signal, self.error, self.values, self.nonfinite = values[0], values[1], int(values[2]), int(values[3])
-
-    def snr_db(self) -> float | None:
-        """None where identical; -inf where the test side has NaN/Inf or the reference is all zero."""
-        if self.nonfinite:
-            return -math.inf
-        if self.error == 0.0:
-            return None
-        if self.signal == 0.0:
-            return -math.inf
-        return 10.0 * math.log10(self.signal / self.error)
 
 
 class _Quantizer:
@@ -252,108 +221,6 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits of ``hidden`` [n, H]: float32 products where the CPU lacks bf16 matrix instructions
-    (the head's weight converted in slices of the vocabulary), else the head's own product, upcast."""
-    weight = head.weight
-    if not float32_products(weight.device, weight.dtype):
-        return head(hidden).float()
-    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-    x = hidden.float()
-    step = max(1, (64 << 20) // (weight.shape[1] * 4))
-    for v in range(0, weight.shape[0], step):
-        torch.matmul(x, weight[v:v + step].float().t(), out=out[:, v:v + step])
-    if getattr(head, "bias", None) is not None:
-        out += head.bias.float()
-    return out
-
-
-class _LogitStats:
-    """KL(source || nvfp4), top-1 agreement and both negative log-likelihoods, summed over tokens."""
-
-    def __init__(self):
-        self.kl_sum = 0.0
-        self.kl_max = 0.0
-        self.tokens = 0
-        self.agree = 0
-        self.nll = [0.0, 0.0]
-        self.scored = 0
-
-    def add(self, src: torch.Tensor, nv: torch.Tensor, targets: torch.Tensor) -> None:
-        """``src``/``nv``: float32 logits [n, V]; ``targets`` [n]: the next token id, -1 where not scored."""
-        log_p = torch.log_softmax(src, -1)
-        log_q = torch.log_softmax(nv, -1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-        kl = torch.where(torch.isnan(kl), torch.full_like(kl, math.inf), kl)
-        self.kl_sum += float(kl.double().sum())
-        self.kl_max = max(self.kl_max, float(kl.max()) if kl.numel() else 0.0)
-        self.tokens += kl.numel()
-        self.agree += int((src.argmax(-1) == nv.argmax(-1)).sum())
-        scored = targets >= 0
-        if scored.any():
-            idx = targets[scored].unsqueeze(-1)
-            self.nll[0] -= float(log_p[scored].gather(-1, idx).double().sum())
-            self.nll[1] -= float(log_q[scored].gather(-1, idx).double().sum())
-            self.scored += int(scored.sum())
-
-    def as_list(self) -> list[float]:
-        return [self.kl_sum, float(self.tokens), float(self.agree), self.nll[0], self.nll[1], float(self.scored)]
-
-    def set(self, values: list[float], kl_max: float) -> None:
-        self.kl_sum, self.tokens, self.agree = values[0], int(values[1]), int(values[2])
-        self.nll, self.scored, self.kl_max = [values[3], values[4]], int(values[5]), kl_max
-
-    def to_json(self) -> dict:
-        def ppl(nll: float) -> float | None:
-            if not self.scored:
-                return None
-            mean = nll / self.scored
-            return math.exp(mean) if mean < 700 else math.inf
-        n = max(self.tokens, 1)
-        return {"kl_mean": self.kl_sum / n, "kl_max": self.kl_max, "top1_agreement": self.agree / n,
-                "ppl_source": ppl(self.nll[0]), "ppl_nvfp4": ppl(self.nll[1]), "tokens": self.tokens,
-                "scored_next_tokens": self.scored}
-
-
-def _targets(batch: Batch, device) -> torch.Tensor:
-    """[B, T]: the next token where this position and the next are real tokens, else -1."""
-    ids = batch.input_ids.to(device)
-    out = torch.full_like(ids, -1)
-    out[:, :-1] = ids[:, 1:]
-    if batch.attention_mask is not None:
-        mask = batch.attention_mask.to(device).bool()
-        scored = mask[:, :-1] & mask[:, 1:]
-        out[:, :-1] = torch.where(scored, out[:, :-1], torch.full_like(out[:, :-1], -1))
-    return out
-
-
-def _valid(batch: Batch, device) -> torch.Tensor | None:
-    return None if batch.attention_mask is None else batch.attention_mask.reshape(-1).bool().to(device)
-
-
-def _tokens_of(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """The non-padding positions of ``hidden`` [B, T, ...] as rows [n, ...]."""
-    if batch.attention_mask is None:
-        return hidden.reshape(-1, *hidden.shape[2:])
-    return hidden[batch.attention_mask.to(hidden.device).bool()]
-
-
-def _reduce(values: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
-    """Sum ``values`` and take the max of ``maxima`` over the process group (torch.distributed), if any."""
-    from fp4pass.calib.distributed import distributed_ready
-
-    if not distributed_ready():
-        return values, maxima
-    import torch.distributed as dist
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    sums = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(sums)
-    tops = torch.tensor(maxima or [0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(tops, op=dist.ReduceOp.MAX)
-    return sums.tolist(), tops.tolist()[:len(maxima)]
-
-
 def _source_units(catalog: Catalog):
     """The source's MXFP4 units (none for a bf16 checkpoint); an NVFP4 source is refused."""
     found = detect(catalog.tensors, catalog.config)
@@ -403,7 +270,7 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
         bad_scales = nonfinite_scales(target, weights)
         # the NVFP4 layer runs two copies of a batch at once: half the memory for each
         check_attention_memory(cfg, every, dev, str(data), available_bytes(dev) // 2)
-        batches = _share(every)
+        batches = share_batches(every)
         if not batches:
             raise CalibrationDataError(f"{data}: no rows to run")
         src_runner = LayerRunner(src, found, dev, trust_remote_code=trust_remote_code)
@@ -449,36 +316,13 @@ def _architecture(config: dict) -> str | None:
 
 def _run(src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores, dev, run: dict,
          show_progress) -> tuple:
-    from fp4pass.progress import progress
-
-    src_store, nv_store = stores
-    clock = _Clock(dev, run["timings_s"])
-    fetch = LayerPrefetcher(src), LayerPrefetcher(nv)
-    layers, expert_rows, unrouted = [], [], []
-    names = CheckpointNames(nv.sources)
-    try:
-        for f in fetch:
-            f.start(0)
-        for b, batch in enumerate(batches):
-            src_store.put(b, src.capture(0, batch.input_ids, batch.attention_mask)[0])
-            nv_store.put(b, nv.capture(0, batch.input_ids, batch.attention_mask)[0])
-        clock.lap("embed")
-        bar = progress(range(src.num_layers * len(batches)), total=src.num_layers * len(batches),
-                       desc="diff (layer x batch)", enabled=show_progress, unit="batch")
-        steps = iter(bar)
-        for i in range(src.num_layers):
-            row, experts, idle = _layer(i, src, nv, quantizer, batches, stores, fetch, clock, steps, names)
-            layers.append(row)
-            expert_rows += experts
-            unrouted += idle
-        logits = _logit_figures(src, nv, batches, stores)
-        clock.lap("logits")
-    finally:
-        for f in fetch:
-            f.close()
-        run["timings_s"]["load_background"] = fetch[0].busy + fetch[1].busy
-    expert_rows.sort(key=_worst_first)
-    return layers, expert_rows, unrouted, logits
+    """Both models side by side over every layer and batch: (layer rows, expert rows worst first, unrouted experts,
+    logit figures)."""
+    visitor = _DiffLayers(src, nv, quantizer, batches, stores)
+    run_layers([src, nv], stores, batches, visitor, layers=src.num_layers, timings=run["timings_s"], keep_last=True,
+               show_progress=show_progress)
+    visitor.expert_rows.sort(key=_worst_first)
+    return visitor.layers, visitor.expert_rows, visitor.unrouted, visitor.logits
 
 
 def _worst_first(row: dict) -> float:
@@ -486,59 +330,75 @@ def _worst_first(row: dict) -> float:
     return math.inf if row["snr_db"] is None else row["snr_db"]
 
 
-def _layer(i: int, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores, fetch,
-           clock, steps, names: CheckpointNames) -> tuple[dict, list[dict], list[dict]]:
-    """Layer ``i`` of both models over every batch: the layer's row, its experts' rows, its unrouted experts."""
-    src_store, nv_store = stores
-    prefix = f"layers.{i}."
-    src_mod, nv_mod = fetch[0].take(i), fetch[1].take(i)
-    clock.lap("load")
-    if i + 1 < src.num_layers:
-        for f in fetch:
-            f.start(i + 1)
-    src_stacks = dict(experts_modules(src_mod))
-    nv_stacks = dict(experts_modules(nv_mod))
-    shared = [rel for rel in src_stacks if rel in nv_stacks]
-    seen = {rel: (_ExpertRows(), _NVFP4Experts(quantizer, prefix + rel)) for rel in shared}
-    undo = []
-    for rel, (src_rows, nv_rows) in seen.items():
-        src_stacks[rel].forward = _routed_forward(src_stacks[rel], rel, src_rows)
-        nv_stacks[rel].forward = _routed_forward(nv_stacks[rel], rel, nv_rows)
-        undo += [src_stacks[rel], nv_stacks[rel]]
-    hooks = quantizer.install(nv_mod, prefix)
-    watch = _NonfiniteWatch(nv_mod)
-    local, e2e = _Energy(), _Energy()
-    per_expert: dict[tuple, _Energy] = {}
-    tokens: dict[tuple, int] = {}
-    try:
-        for b, batch in enumerate(batches):
-            valid = _valid(batch, src.device)
-            h_src, h_nv = src_store.get(b), nv_store.get(b)
-            same_input = h_nv is h_src or torch.equal(h_nv, h_src)
-            for src_rows, nv_rows in seen.values():
-                src_rows.begin(valid)
-                nv_rows.begin(valid if same_input else _twice(valid), None if same_input else _local_tokens(batch))
-            args_s, kw_s = src.layer_inputs(i, batch.input_ids, batch.attention_mask)
-            out_src = src.run_layer(src_mod, h_src, args_s, kw_s)
-            out_local, out_e2e = _nvfp4_runs(nv, nv_mod, i, batch, h_src, None if same_input else h_nv)
-            local.add(_tokens_of(out_src, batch), _tokens_of(out_local, batch))
-            e2e.add(_tokens_of(out_src, batch), _tokens_of(out_e2e, batch))
-            for rel, (src_rows, nv_rows) in seen.items():
-                _compare_experts(rel, src_rows, nv_rows, nv_stacks[rel], quantizer, prefix, per_expert, tokens)
-            src_store.put(b, out_src)
-            nv_store.put(b, out_e2e)
-            next(steps, None)
-        clock.lap("layers")
-    finally:
-        for module in undo:
+class _DiffLayers(LayerVisitor):
+    """The diff as a visitor of the layer loop: layer ``i`` of both models on every batch, the NVFP4 side
+    fed the source's input (local) and its own (end to end); the layer's row, its experts' rows and its unrouted
+    experts once the layer is done; the logit figures after the last layer."""
+
+    desc = "diff (layer x batch)"
+    finish_phase = "logits"
+
+    def __init__(self, src: LayerRunner, nv: LayerRunner, quantizer: _Quantizer, batches: list[Batch], stores):
+        self.src, self.nv, self.quantizer, self.batches, self.stores = src, nv, quantizer, batches, stores
+        self.names = CheckpointNames(nv.sources)
+        self.layers: list[dict] = []
+        self.expert_rows: list[dict] = []
+        self.unrouted: list[dict] = []
+        self.logits: dict = {}
+
+    def begin_layer(self, i: int, layers: tuple) -> None:
+        src_mod, nv_mod = layers
+        self.prefix = prefix = f"layers.{i}."
+        src_stacks = dict(experts_modules(src_mod))
+        self.nv_stacks = nv_stacks = dict(experts_modules(nv_mod))
+        self.shared = [rel for rel in src_stacks if rel in nv_stacks]
+        self.seen = {rel: (_ExpertRows(), _NVFP4Experts(self.quantizer, prefix + rel)) for rel in self.shared}
+        self.undo = []
+        for rel, (src_rows, nv_rows) in self.seen.items():
+            src_stacks[rel].forward = routed_forward(src_stacks[rel], rel, src_rows)
+            nv_stacks[rel].forward = routed_forward(nv_stacks[rel], rel, nv_rows)
+            self.undo += [src_stacks[rel], nv_stacks[rel]]
+        self.hooks = self.quantizer.install(nv_mod, prefix)
+        self.watch = _NonfiniteWatch(nv_mod)
+        self.local, self.e2e = Energy(), Energy()
+        self.per_expert: dict[tuple, Energy] = {}
+        self.tokens: dict[tuple, int] = {}
+
+    def run_batch(self, runners, i, batch, layers, hidden):
+        src, nv = runners
+        src_mod, nv_mod = layers
+        h_src, h_nv = hidden
+        valid = valid_tokens(batch, src.device)
+        same_input = h_nv is h_src or torch.equal(h_nv, h_src)
+        for src_rows, nv_rows in self.seen.values():
+            src_rows.begin(valid)
+            nv_rows.begin(valid if same_input else _twice(valid), None if same_input else _local_tokens(batch))
+        args_s, kw_s = src.layer_inputs(i, batch.input_ids, batch.attention_mask)
+        out_src = src.run_layer(src_mod, h_src, args_s, kw_s)
+        out_local, out_e2e = _nvfp4_runs(nv, nv_mod, i, batch, h_src, None if same_input else h_nv)
+        self.local.add(tokens_of(out_src, batch), tokens_of(out_local, batch))
+        self.e2e.add(tokens_of(out_src, batch), tokens_of(out_e2e, batch))
+        for rel, (src_rows, nv_rows) in self.seen.items():
+            _compare_experts(rel, src_rows, nv_rows, self.nv_stacks[rel], self.quantizer, self.prefix,
+                             self.per_expert, self.tokens)
+        return [out_src, out_e2e]
+
+    def end_layer(self, i: int) -> None:
+        for module in self.undo:
             del module.forward
-        for handle in hooks + watch.handles:
+        for handle in self.hooks + self.watch.handles:
             handle.remove()
-        for f in fetch:
-            f.release(i)
-        clock.lap("release")
-    counts = {rel: nv_stacks[rel].num_experts for rel in shared}
-    return _layer_rows(i, prefix, local, e2e, per_expert, tokens, counts, names, watch)
+
+    def after_layer(self, i: int) -> None:
+        counts = {rel: self.nv_stacks[rel].num_experts for rel in self.shared}
+        row, experts, idle = _layer_rows(i, self.prefix, self.local, self.e2e, self.per_expert, self.tokens, counts,
+                                         self.names, self.watch)
+        self.layers.append(row)
+        self.expert_rows += experts
+        self.unrouted += idle
+
+    def finish(self) -> None:
+        self.logits = _logit_figures(self.src, self.nv, self.batches, self.stores)
 
 
 def _local_tokens(batch: Batch) -> int:
@@ -583,7 +443,7 @@ def _compare_experts(rel: str, src_rows: _ExpertRows, nv_rows: _NVFP4Experts, ex
             else:
                 project = project or expert_projection(experts)
                 out = expert_output(experts, e, rows, project, quantizer.on_input(prefix + rel, e))
-            per_expert.setdefault(key, _Energy()).add(src_rows.outputs[e], out)
+            per_expert.setdefault(key, Energy()).add(src_rows.outputs[e], out)
 
 
 class _NonfiniteWatch:
@@ -628,13 +488,13 @@ def _nonfinite_module(i: int, prefix: str, watch: _NonfiniteWatch, names: Checkp
     return names.module(prefix + rel), None
 
 
-def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, tokens: dict, counts: dict,
+def _layer_rows(i, prefix, local: Energy, e2e: Energy, per_expert: dict, tokens: dict, counts: dict,
                 names: CheckpointNames, watch: _NonfiniteWatch):
     keys = sorted(per_expert)
     flat = local.as_list() + e2e.as_list() + [v for k in keys for v in per_expert[k].as_list()]
     token_keys = [(rel, e) for rel, n in sorted(counts.items()) for e in range(n)]
     flat += [float(tokens.get(k, 0)) for k in token_keys]
-    flat, _ = _reduce(flat, [])
+    flat, _ = reduce_sums(flat, [])
     local.set(flat[0:4])
     e2e.set(flat[4:8])
     for j, k in enumerate(keys):
@@ -664,17 +524,17 @@ def _layer_rows(i, prefix, local: _Energy, e2e: _Energy, per_expert: dict, token
 def _logit_figures(src: LayerRunner, nv: LayerRunner, batches: list[Batch], stores) -> dict:
     src_store, nv_store = stores
     heads = src.output_head(), nv.output_head()
-    stats = _LogitStats()
+    stats = LogitStats()
     vocab = heads[0].weight.shape[0]
     chunk = max(1, LOGITS_CHUNK_BYTES // (vocab * 4))
     for b, batch in enumerate(batches):
-        hs = _tokens_of(src.final_hidden(src_store.get(b), batch.input_ids, batch.attention_mask), batch)
-        hn = _tokens_of(nv.final_hidden(nv_store.get(b), batch.input_ids, batch.attention_mask), batch)
-        targets = _tokens_of(_targets(batch, hs.device).unsqueeze(-1), batch).reshape(-1)
+        hs = tokens_of(src.final_hidden(src_store.get(b), batch.input_ids, batch.attention_mask), batch)
+        hn = tokens_of(nv.final_hidden(nv_store.get(b), batch.input_ids, batch.attention_mask), batch)
+        targets = tokens_of(next_tokens(batch, hs.device).unsqueeze(-1), batch).reshape(-1)
         with torch.no_grad():
             for s in range(0, hs.shape[0], chunk):
-                stats.add(_logits(heads[0], hs[s:s + chunk]), _logits(heads[1], hn[s:s + chunk]),
+                stats.add(float32_logits(heads[0], hs[s:s + chunk]), float32_logits(heads[1], hn[s:s + chunk]),
                           targets[s:s + chunk])
-    sums, top = _reduce(stats.as_list(), [stats.kl_max])
+    sums, top = reduce_sums(stats.as_list(), [stats.kl_max])
     stats.set(sums, top[0])
     return stats.to_json()
