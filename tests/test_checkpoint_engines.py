@@ -482,7 +482,7 @@ def test_encoded_vllm_rule_matches_vllm_code_on_every_module(outputs, vllm_resul
     assert compared > 20
 
 
-# hand-made cases for vLLM's exclusion code: (form, module, exclude, packed); each rule of engines.py's vLLM
+# hand-made cases for vLLM's exclusion code: (form, module, exclude, packed); each rule of engines/rules.py's vLLM
 # encoding has a case that flips when the rule is broken
 QKV_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 RULE_CASES = [
