@@ -1274,11 +1274,35 @@ MUTANTS = [
     Mutant("diff-plot-title-model-type", "the plot's title is transformers' model type alone", [
         ("fp4pass/checkpoint/diff_plot.py", 'return f"{model_label(run)}: NVFP4', 'return f"{run[\'model_type\']}: NVFP4'),
     ], DIFF_REPORT_TESTS),
+    # -- the checkpoint facts in their records: forms, engine records, problem kinds -------------------------
+    Mutant("records-suffix-spelled-in-validator", "the validator names an input scale by its suffix, not its form", [
+        ("fp4pass/checkpoint/validate/scales.py", '    return mod.form.tensor(mod.name, "input_scale")',
+         '    return f"{mod.name}.input_scale" if mod.convention == MULTIPLIER else mod.form.tensor(mod.name, '
+         '"input_scale")'),
+    ], ["tests/test_records_spelled_once.py"]),
+    Mutant("records-engine-named-in-verdicts", "a verdict branches on an engine's name, not on its record", [
+        ("fp4pass/checkpoint/engines/verdicts.py", "        if not engine_record(engine).mixed_precision:",
+         '        if engine != "vllm":'),
+    ], ["tests/test_records_spelled_once.py"]),
+    Mutant("engine-record-outcome-ignored", "an engine's own outcome of a problem kind ignored (TensorRT-LLM's "
+           "refusal of a w1/w3 mismatch)", [
+        ("fp4pass/checkpoint/validate/kinds.py", "self.outcome or engine_record(engine).outcomes.get(self.kind) or ",
+         "self.outcome or "),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("engine-record-fused-ignored", "SGLang's fallback fused modules ignored: the family's taken", [
+        ("fp4pass/checkpoint/engines/records.py",
+         "        return dict(family_of(architecture).vllm_fused) if self.fused is None else dict(self.fused)",
+         "        return dict(family_of(architecture).vllm_fused)"),
+    ], ["tests/test_exclusion_patterns.py", "tests/test_checkpoint_engines.py"]),
+    Mutant("engine-held-to-every-form", "every engine held to every form (TensorRT-LLM to compressed-tensors)", [
+        ("fp4pass/checkpoint/validate/verdicts.py", "if cfg.form not in e.not_held_to and e.name in claimed]",
+         "if e.name in claimed]"),
+    ], VALIDATE_TRUST_TESTS),
     # -- the NVFP4 validator: no false alarm on a correct checkpoint, every defect still exit 1 -------------
     Mutant("validate-pair-judged-alone", "w3's global scale judged without w1, whose amax it was made from", [
         ("fp4pass/checkpoint/validate/validation.py",
          'check_values(mod, problems, modules.get(partner_name(mod.name) or ""))',
-         "_check_values(mod, problems, None)"),
+         "check_values(mod, problems, None)"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-sample-only", "magnitude findings from the block-scale sample, never from the whole tensor", [
         ("fp4pass/checkpoint/validate/validation.py", "        read_exact_blocks(data, modules)\n", ""),
