@@ -1293,7 +1293,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/engines/records.py",
          "        return dict(family_of(architecture).vllm_fused) if self.fused is None else dict(self.fused)",
          "        return dict(family_of(architecture).vllm_fused)"),
-    ], ["tests/test_exclusion_patterns.py", "tests/test_checkpoint_engines.py"]),
+    ], ["tests/test_checkpoint_engines.py"]),
     Mutant("engine-held-to-every-form", "every engine held to every form (TensorRT-LLM to compressed-tensors)", [
         ("fp4pass/checkpoint/validate/verdicts.py", "if cfg.form not in e.not_held_to and e.name in claimed]",
          "if e.name in claimed]"),

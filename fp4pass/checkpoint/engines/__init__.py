@@ -13,7 +13,7 @@ The vLLM rules are also checked against vLLM's own code in the test suite.
 
 from fp4pass.checkpoint.engines.exclusions import FUSED_SHARDS, Exclusions, engine_modules, exclusions, is_excluded
 from fp4pass.checkpoint.engines.records import ENGINE_RECORDS, ENGINES, Engine, engine_record
-from fp4pass.checkpoint.engines.rules import MixedShards, vllm_module_name
+from fp4pass.checkpoint.engines.rules import NVFP4_ALGOS, MixedShards, QuantizedLayers, SchemeTargets, vllm_module_name
 from fp4pass.checkpoint.engines.verdicts import ARCH_DEEPSEEK_V4, ct_targets, engine_verdicts, verdict_line
 from fp4pass.checkpoint.families import gpt_oss
 from fp4pass.checkpoint.patterns import BadPattern
@@ -22,4 +22,5 @@ ARCH_GPT_OSS = gpt_oss.FAMILY.architectures[0]
 
 __all__ = ["ENGINES", "ENGINE_RECORDS", "Engine", "engine_record", "FUSED_SHARDS", "MixedShards", "BadPattern",
            "Exclusions", "exclusions", "is_excluded", "engine_modules", "vllm_module_name", "engine_verdicts",
-           "verdict_line", "ct_targets", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
+           "verdict_line", "ct_targets", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4", "QuantizedLayers", "SchemeTargets",
+           "NVFP4_ALGOS"]
