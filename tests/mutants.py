@@ -129,7 +129,7 @@ MUTANTS = [
          "        return alias not in have"),
     ], KIMI_K3_TESTS + ["tests/test_checkpoint_engines.py"]),
     Mutant("mxfp4-block-read-as-nvfp4", "an E8M0 (U8) block scale beside weight_packed taken for NVFP4 by its name", [
-        ("fp4pass/checkpoint/validate.py", "        if (fp8_weight or mxfp4_block) and mod.global_ is None:",
+        ("fp4pass/checkpoint/validate/tensors.py", "        if (fp8_weight or mxfp4_block) and mod.global_ is None:",
          "        if fp8_weight and mod.global_ is None:"),
     ], KIMI_K3_TESTS),
     Mutant("nested-quantization-config-ignored", "only config.json's top level is read for the quantization", [
@@ -142,22 +142,23 @@ MUTANTS = [
     ], KIMI_K3_TESTS),
     Mutant("mixed-precision-read-as-nvfp4", "MIXED_PRECISION's quantized_layers ignored: unlisted Linears taken "
            "as NVFP4", [
-        ("fp4pass/checkpoint/engines.py", "                       if quantized_layers is not None and engine == \"vllm\" "
-         "else None)", "                       if False else None)"),
+        ("fp4pass/checkpoint/engines/exclusions.py", "                       if quantized_layers is not None and "
+         "record.mixed_precision else None)", "                       if False else None)"),
     ], KIMI_K3_TESTS),
     Mutant("ct-targets-ignored", "compressed-tensors config groups' targets ignored (every Linear targeted)", [
-        ("fp4pass/checkpoint/engines.py", "if targets is not None and form == \"compressed-tensors\" and engine != "
-         "\"trtllm\" else None)", "if False else None)"),
+        ("fp4pass/checkpoint/engines/exclusions.py", "if targets is not None and form == \"compressed-tensors\" and "
+         "record.reads_targets else None)", "if False else None)"),
     ], KIMI_K3_TESTS),
     Mutant("ct-moe-matched-by-prefix", "a routed-experts layer matched by its own name, not vLLM's "
            "routed_experts.0.<gate>", [
-        ("fp4pass/checkpoint/engines.py", '            return any(self._targets.matches(self._vllm_name(f"{module}'
+        ("fp4pass/checkpoint/engines/exclusions.py",
+         '            return any(self._targets.matches(self._vllm_name(f"{module}'
          '.routed_experts.0.{gate}"))', '            return any(self._targets.matches(self._vllm_name(f"{module}.0.'
          '{gate}"))'),
     ], KIMI_K3_TESTS),
     Mutant("sglang-names-not-renamed", "SGLang's exclusions judged under the checkpoint's names", [
-        ("fp4pass/checkpoint/engines.py", "        self._rename = family_of(architecture).sglang_name if engine == "
-         "\"sglang\" else None", "        self._rename = None"),
+        ("fp4pass/checkpoint/engines/exclusions.py", "        self._rename = record.module_name(architecture, "
+         "record.lookup_names) if record.lookup_names else None", "        self._rename = None"),
     ], KIMI_K3_TESTS),
     Mutant("examples-cli-not-runnable", "python -m fp4pass.examples.checkpoints writes what calibrate refuses", [
         ("fp4pass/examples/checkpoints.py", "                         runnable=not args.names_only)",
@@ -194,7 +195,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/model_limits.py", "    return max(soft - used, 0)", "    return soft"),
     ], CALIB_BOUNDS_TESTS),
     Mutant("global-scale-shape-as-pair-mismatch", "a weight_scale_2 of two numbers is also called a w1/w3 mismatch", [
-        ("fp4pass/checkpoint/validate.py", "a.size != 1 or b.size != 1 or np.array_equal(a, b)",
+        ("fp4pass/checkpoint/validate/scales.py", "a.size != 1 or b.size != 1 or np.array_equal(a, b)",
          "not a.size or not b.size or np.array_equal(a, b)"),
     ], CALIB_BOUNDS_TESTS),
     # -- exclusion lists bounded in time and memory; configs within 16 MiB ----------------------------------------
@@ -965,17 +966,19 @@ MUTANTS = [
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("sglang-ancestor-as-string-prefix", "SGLang's ancestor rule also takes a plain string prefix "
            "(model.layers.1 excludes model.layers.10)", [
-        ("fp4pass/checkpoint/engines.py",
+        ("fp4pass/checkpoint/engines/rules.py",
          '            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget))',
          '            return any(run in self.paths for run in dotted_runs(name.rstrip("."), self.path_dots, self.budget)) '
          'or any(\n                name.startswith(p) for p in self.paths)'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("validator-trtllm-reads-config-json", "the validator holds TensorRT-LLM to config.json's exclusions", [
-        ("fp4pass/checkpoint/validate.py", '"trtllm": from_hq or from_qc}', '"trtllm": from_qc or from_hq}'),
+        ("fp4pass/checkpoint/validate/configs.py", "e.name: from_hq or from_qc if e.reads_first",
+         "e.name: from_qc or from_hq if e.reads_first"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("verdict-trtllm-reads-config-json", "the engine verdicts read TensorRT-LLM's exclusions from config.json", [
-        ("fp4pass/checkpoint/engines.py", '    if engine == "trtllm" and hf_quant is not None:',
-         '    if engine == "trtllm" and hf_quant is not None and qc is None:'),
+        ("fp4pass/checkpoint/engines/verdicts.py",
+         '    if record.reads_first == QUANT_CONFIG_NAME and hf_quant is not None:',
+         '    if record.reads_first == QUANT_CONFIG_NAME and hf_quant is not None and qc is None:'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("fused-shard-misspelt", "a shard of a fused module is misspelt (Qwen3-MoE v_porj, DeepSeek-V4 w_gate)", [
         ("fp4pass/checkpoint/families/qwen3_moe.py", '    vllm_fused={"qkv_proj": ("q_proj", "k_proj", "v_proj")',
@@ -989,16 +992,18 @@ MUTANTS = [
          '        if not any(c.startswith(ancestor + ".") for c in converted):'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("excluded-nvfp4-experts-unflagged", "an exclusion that covers a layer's NVFP4 experts is not a verdict", [
-        ("fp4pass/checkpoint/engines.py", '            if engine != "trtllm" and rules.excluded(moe):',
+        ("fp4pass/checkpoint/engines/verdicts.py",
+         '            if record.moe_layer_exclusion and rules.excluded(moe):',
          "            if False:"),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("quant-config-link-followed", "the NVFP4 detection reads hf_quant_config.json through any symlink", [
-        ("fp4pass/checkpoint/validate.py", "    path = _member(folder, name, follow_symlinks)\n    if not os.path.lexists",
+        ("fp4pass/checkpoint/validate/validation.py",
+         "    path = member(folder, name, follow_symlinks)\n    if not os.path.lexists",
          "    path = folder / name\n    if not os.path.lexists"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("unreadable-quant-config-taken-as-absent", "an hf_quant_config.json that cannot be read is taken as "
            "absent by the NVFP4 detection", [
-        ("fp4pass/checkpoint/validate.py", "        return {}\n    return read_json_file(path, name)\n",
+        ("fp4pass/checkpoint/validate/validation.py", "        return {}\n    return read_json_file(path, name)\n",
          "        return {}\n    try:\n        return read_json_file(path, name)\n    except CheckpointError:\n"
          "        return {}\n"),
     ], HOSTILE_RULES_TESTS[1:]),
@@ -1008,7 +1013,7 @@ MUTANTS = [
          "    return json.dumps(clean, indent=indent)"),
     ], HOSTILE_RULES_TESTS[1:]),
     Mutant("verdict-exclusions-unchecked", "the engine verdicts take exclude_modules as any list", [
-        ("fp4pass/checkpoint/engines.py", "entries(q.get(\"exclude_modules\"), where), False, where",
+        ("fp4pass/checkpoint/engines/verdicts.py", "entries(q.get(\"exclude_modules\"), where), False, where",
          "list(q.get(\"exclude_modules\") or []), False, where"),
     ], HOSTILE_RULES_TESTS[:1]),
     # -- checkpoint calibration (one layer's statistics) ----------------------------------------------------
@@ -1349,53 +1354,81 @@ MUTANTS = [
     Mutant("diff-plot-title-model-type", "the plot's title is transformers' model type alone", [
         ("fp4pass/checkpoint/diff_plot.py", 'return f"{model_label(run)}: NVFP4', 'return f"{run[\'model_type\']}: NVFP4'),
     ], DIFF_REPORT_TESTS),
+    # -- the checkpoint facts in their records: forms, engine records, problem kinds -------------------------
+    Mutant("records-suffix-spelled-in-validator", "the validator names an input scale by its suffix, not its form", [
+        ("fp4pass/checkpoint/validate/scales.py", '    return mod.form.tensor(mod.name, "input_scale")',
+         '    return f"{mod.name}.input_scale" if mod.convention == MULTIPLIER else mod.form.tensor(mod.name, '
+         '"input_scale")'),
+    ], ["tests/test_records_spelled_once.py"]),
+    Mutant("records-engine-named-in-verdicts", "a verdict branches on an engine's name, not on its record", [
+        ("fp4pass/checkpoint/engines/verdicts.py", "        if not engine_record(engine).mixed_precision:",
+         '        if engine != "vllm":'),
+    ], ["tests/test_records_spelled_once.py"]),
+    Mutant("engine-record-outcome-ignored", "an engine's own outcome of a problem kind ignored (TensorRT-LLM's "
+           "refusal of a w1/w3 mismatch)", [
+        ("fp4pass/checkpoint/validate/kinds.py", "self.outcome or engine_record(engine).outcomes.get(self.kind) or ",
+         "self.outcome or "),
+    ], VALIDATE_TRUST_TESTS),
+    Mutant("engine-record-fused-ignored", "SGLang's fallback fused modules ignored: the family's taken", [
+        ("fp4pass/checkpoint/engines/records.py",
+         "        return dict(family_of(architecture).vllm_fused) if self.fused is None else dict(self.fused)",
+         "        return dict(family_of(architecture).vllm_fused)"),
+    ], ["tests/test_checkpoint_engines.py"]),
+    Mutant("engine-held-to-every-form", "every engine held to every form (TensorRT-LLM to compressed-tensors)", [
+        ("fp4pass/checkpoint/validate/verdicts.py", "if cfg.form not in e.not_held_to and e.name in claimed]",
+         "if e.name in claimed]"),
+    ], VALIDATE_TRUST_TESTS),
     # -- the NVFP4 validator: no false alarm on a correct checkpoint, every defect still exit 1 -------------
     Mutant("validate-pair-judged-alone", "w3's global scale judged without w1, whose amax it was made from", [
-        ("fp4pass/checkpoint/validate.py", '_check_values(mod, problems, modules.get(_partner_name(mod.name) or ""))',
-         "_check_values(mod, problems, None)"),
+        ("fp4pass/checkpoint/validate/validation.py",
+         'check_values(mod, problems, modules.get(partner_name(mod.name) or ""))',
+         "check_values(mod, problems, None)"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-sample-only", "magnitude findings from the block-scale sample, never from the whole tensor", [
-        ("fp4pass/checkpoint/validate.py", "        _read_exact_blocks(data, modules)\n", ""),
+        ("fp4pass/checkpoint/validate/validation.py", "        read_exact_blocks(data, modules)\n", ""),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-sample-short-of-the-end", "the last sampled piece stops short of the tensor's last bytes", [
-        ("fp4pass/checkpoint/validate.py", "    last = nbytes - piece\n",
+        ("fp4pass/checkpoint/validate/tensors.py", "    last = nbytes - piece\n",
          "    last = (nbytes - piece) // (_PIECES - 1) * (_PIECES - 1)\n"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-folded-by-magnitude", "a global scale of 1 over small block scales is folded, lossy or not", [
-        ("fp4pass/checkpoint/validate.py", " & (maxima <= FOLDED_BLOCK_MAX) & (lossy > 0)",
+        ("fp4pass/checkpoint/validate/scales.py", " & (maxima <= FOLDED_BLOCK_MAX) & (lossy > 0)",
          " & (maxima <= FOLDED_BLOCK_MAX)"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-guess-fails", "a magnitude guess fails inspect like an error", [
-        ("fp4pass/checkpoint/validate.py", "self.warning = self.warning or self.guess", "self.warning = self.warning"),
+        ("fp4pass/checkpoint/validate/kinds.py",
+         "self.warning = self.warning or self.guess", "self.warning = self.warning"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-engine-gap-fails", "an engine that does not load a correct form fails inspect without --engine", [
-        ("fp4pass/checkpoint/validate.py", "warning=engine is None))", "warning=False))"),
+        ("fp4pass/checkpoint/validate/validation.py", "warning=engine is None))", "warning=False))"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-strict-ignored", "--strict does not count the warnings", [
-        ("fp4pass/checkpoint/validate.py", "any(strict or p.get(", "any(p.get("),
+        ("fp4pass/checkpoint/validate/report.py", "any(strict or p.get(", "any(p.get("),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-table-loads-anyway", "the engine table says loads beside problems that break the engine", [
-        ("fp4pass/checkpoint/validate.py", '        if worst != "loads" and verdict.get("loads"):',
+        ("fp4pass/checkpoint/validate/verdicts.py", '        if worst != "loads" and verdict.get("loads"):',
          "        if False:"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-numpy-repr", "a bad scale's value shown as numpy's repr (np.float64(0.0))", [
-        ("fp4pass/checkpoint/validate.py", "({_number(values[mask][0])}); {effect}",
+        ("fp4pass/checkpoint/validate/scales.py", "({_number(values[mask][0])}); {effect}",
          "({values[mask][0]!r}); {effect}"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-cannot-load-without-fix", "engine_cannot_load names no fix", [
-        ("fp4pass/checkpoint/validate.py", "{verdict.get('why') or 'cannot load this form'}; fix: \"\n"
-         "                                        f\"{_cannot_load_fix(name, cfg, data.config, modules)}\"",
+        ("fp4pass/checkpoint/validate/validation.py", "{verdict.get('why') or 'cannot load this form'}; fix: \"\n"
+         "                                        f\"{cannot_load_fix(name, cfg, data.config, modules)}\"",
          "{verdict.get('why') or 'cannot load this form'}\""),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-stack-one-max", "a stack's experts judged by the stack's largest block scale, not their own", [
-        ("fp4pass/checkpoint/validate.py", "    experts = experts if experts > 1 and entry.nbytes % experts == 0 else 1\n",
+        ("fp4pass/checkpoint/validate/tensors.py",
+         "    experts = experts if experts > 1 and entry.nbytes % experts == 0 else 1\n",
          "    experts = 1\n"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-input-guess-certain", "an activation amax above 2^16 (an outlier) is called a swapped scale", [
-        ("fp4pass/checkpoint/validate.py", "certain = as_stored > OWN_WEIGHT_AMAX_RANGE[1]", "certain = True"),
+        ("fp4pass/checkpoint/validate/scales.py", "certain = as_stored > OWN_WEIGHT_AMAX_RANGE[1]", "certain = True"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("validate-table-no-convention", "the table's global scale column does not say multiplier or divisor", [
-        ("fp4pass/checkpoint/validate.py", "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
+        ("fp4pass/checkpoint/validate/report.py",
+         "return f\"{number} {m.get('convention', '')}\".rstrip()", "return number"),
     ], VALIDATE_TRUST_TESTS),
     Mutant("checkpoint-inspect-nvfp4-as-mxfp4", "fp4pass.checkpoint.inspect: an NVFP4 folder's empty MXFP4 forecast", [
         ("fp4pass/checkpoint/inspection.py",

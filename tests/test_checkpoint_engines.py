@@ -335,6 +335,26 @@ def test_weight_only_nvfp4_algo_is_w4a16_in_vllm_only():
     assert all(v[e]["loads"] and v[e]["mode"] == "W4A4" for e in engines.ENGINES)
 
 
+def test_sglang_fuses_its_fallback_pairs_whatever_the_architecture():
+    """SGLang 0.5.23 layers/quantization/utils.py ``_FALLBACK_FUSED_SHARDS``: where the quantization config has no
+    ``packed_modules_mapping``, SGLang builds ``qkv_proj`` from q/k/v (and ``gate_up_proj`` from gate/up) for any
+    model and judges the fused layer (``is_layer_skipped``): its own name in the list covers the three shards, and
+    two shards of three listed is a refusal. The architecture here has no family record, so no fused module of
+    its own."""
+    arch = "LlamaForCausalLM"
+    assert arch not in engines.FUSED_SHARDS
+    nvfp4 = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    bf16 = QKV + ["model.layers.0.self_attn.o_proj", "lm_head"]
+    qc = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+          "ignore": [FUSED, "model.layers.0.self_attn.o_proj", "lm_head"]}
+    v = engine_verdicts({"architectures": [arch], "quantization_config": qc}, None, _names(nvfp4, bf16))
+    assert v["sglang"]["loads"] and v["sglang"]["mode"] == "W4A16", v["sglang"]
+    qc["ignore"] = QKV[:2] + ["model.layers.0.self_attn.o_proj", "lm_head"]
+    v = engine_verdicts({"architectures": [arch], "quantization_config": qc}, None, _names(nvfp4, bf16))
+    assert not v["sglang"]["loads"] and f"{FUSED}: shards" in v["sglang"]["why"], v["sglang"]
+    assert "are excluded but model.layers.0.self_attn.v_proj are not" in v["sglang"]["why"]
+
+
 def test_index_glob_exclusions_fail_every_engine():
     exclude = ["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj",
                "model.layers.*.self_attn.o_proj", "lm_head", "model.layers.*.mlp.gate"]
@@ -505,7 +525,7 @@ def test_encoded_vllm_rule_matches_vllm_code_on_every_module(outputs, vllm_resul
     assert compared > 20
 
 
-# hand-made cases for vLLM's exclusion code: (form, module, exclude, packed); each rule of engines.py's vLLM
+# hand-made cases for vLLM's exclusion code: (form, module, exclude, packed); each rule of engines/rules.py's vLLM
 # encoding has a case that flips when the rule is broken
 QKV_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 RULE_CASES = [

@@ -262,7 +262,7 @@ def test_every_fused_shard_is_a_module_the_model_has(architecture):
     leaves = _linear_leaves_of(architecture)
     for fused, shards in engines.FUSED_SHARDS[architecture].items():
         assert set(shards) <= leaves, (architecture, fused, set(shards) - leaves)
-    for fused, shards in engines._SGLANG_FALLBACK_FUSED.items():
+    for fused, shards in engines.engine_record("sglang").fused.items():  # SGLang's fallback fused modules
         assert set(shards) <= _linear_leaves_of("Qwen3MoeForCausalLM"), fused
 
 

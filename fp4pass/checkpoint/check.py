@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from fp4pass.checkpoint.detect import FusedExperts
+from fp4pass.checkpoint.forms import CT_NVFP4, MODELOPT_LINEAR, MODELOPT_STACK
 from fp4pass.checkpoint.output_forms import MODELOPT
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.errors import FP4PassError
@@ -55,6 +56,15 @@ from fp4pass.progress import progress
 __all__ = ["check_checkpoint", "decode_mxfp4"]
 
 SLACK = 1e-3
+#: a compressed-tensors role -> its name in the compressor's parameters (its tensor's suffix without the dot)
+_CT_PARAM = {r.role: r.suffix[1:] for r in CT_NVFP4.roles}
+
+
+def _linear_form(fmt: str):
+    """The per-Linear form of an output written with ``--format fmt``."""
+    return MODELOPT_LINEAR if fmt == MODELOPT else CT_NVFP4
+
+
 #: source magnitudes from which compressed-tensors' bf16/float32 decode overflows (2^127: an E2M1 value of 2 or
 #: more times an E8M0 scale of 2^127 is past float32's largest), and below which it loses precision (float32
 #: subnormals)
@@ -146,19 +156,23 @@ class _Reader:
 
     def decode(self, packed: torch.Tensor, scale_e4m3: torch.Tensor, global_divisor) -> np.ndarray:
         g = torch.as_tensor(global_divisor, dtype=torch.float32).reshape(1)
-        out = self.compressor.decompress({"weight_packed": packed, "weight_scale": scale_e4m3,
-                                          "weight_global_scale": g}, self.scheme)["weight"]
+        # compressed-tensors' compression_param_names are the form's suffixes: weight_packed, weight_scale, ...
+        params = {_CT_PARAM[role]: t for role, t in (("codes", packed), ("block_scales", scale_e4m3),
+                                                     ("global_scale", g))}
+        out = self.compressor.decompress(params, self.scheme)["weight"]
         return out.float().double().numpy()
 
 
 def _modelopt_linear(f, module: str) -> dict:
     from compressed_tensors.entrypoints.convert import ModelOptNvfp4Converter
 
-    tensors = {f"{module}.{p}": f.get_tensor(f"{module}.{p}") for p in ("weight", "weight_scale", "weight_scale_2")}
-    if f"{module}.input_scale" in f.keys():
-        tensors[f"{module}.input_scale"] = f.get_tensor(f"{module}.input_scale")
+    names = [MODELOPT_LINEAR.tensor(module, role) for role in ("codes", "block_scales", "global_scale")]
+    tensors = {name: f.get_tensor(name) for name in names}
+    input_scale = MODELOPT_LINEAR.tensor(module, "input_scale")
+    if input_scale in f.keys():
+        tensors[input_scale] = f.get_tensor(input_scale)
     out = ModelOptNvfp4Converter(targets=["Linear"]).process(tensors)
-    return {k.rpartition(".")[2]: v for k, v in out.items()}
+    return {found[1].role: v for k, v in out.items() if (found := CT_NVFP4.split(k))}  # by role, in its form
 
 
 def _compare(names: list[str], xs: list[np.ndarray], ys: list[np.ndarray], spread: int, reader: _Reader,
@@ -267,8 +281,7 @@ def check_checkpoint(catalog, found, out_dir, fmt: str, method: str = "auto",
         sources = [(catalog.read(m.codes.name).view(torch.uint8).reshape(m.rows, -1).numpy(),
                     catalog.read(m.scales.name).view(torch.uint8).reshape(m.rows, -1).numpy()) for m in members]
         spread = _held_spread(np.concatenate([c for c, _ in sources]), np.concatenate([s for _, s in sources]))
-        files = [index[f"{lin.module}.weight" if fmt == MODELOPT else f"{lin.module}.weight_packed"]
-                 for lin in members]
+        files = [index[_linear_form(fmt).tensor(lin.module, "codes")] for lin in members]
         unequal = _unequal_global_scales(files, [lin.module for lin in members], fmt)
         if unequal is not None:
             result["experts_checked"] += len(members)
@@ -285,12 +298,12 @@ def _check_fused(unit: FusedExperts, catalog, index, reader: _Reader, result: di
     p = unit.name
     f = index[p]
     codes_t = f.get_tensor(p)  # [E, K/2, N]
-    scales_t = f.get_tensor(f"{p}_weight_scale")  # [E, K/16, N]
-    divisor = 1.0 / f.get_tensor(f"{p}_weight_scale_2").float()
+    scales_t = f.get_tensor(MODELOPT_STACK.tensor(p, "block_scales"))  # [E, K/16, N]
+    divisor = 1.0 / f.get_tensor(MODELOPT_STACK.tensor(p, "global_scale")).float()
     src_codes = catalog.read(unit.codes.name).view(torch.uint8).reshape(unit.experts, unit.rows, -1).numpy()
     src_scales = catalog.read(unit.scales.name).view(torch.uint8).numpy()
     spread = _held_spread(src_codes, src_scales)
-    multiplier = float(f.get_tensor(f"{p}_weight_scale_2").double())
+    multiplier = float(f.get_tensor(MODELOPT_STACK.tensor(p, "global_scale")).double())
     stack_amax = _mxfp4_amax(src_codes, src_scales)
     for e in range(unit.experts):
         packed, block = codes_t[e].t().contiguous(), scales_t[e].t().contiguous()
@@ -309,8 +322,9 @@ def _mxfp4_amax(codes: np.ndarray, scales: np.ndarray) -> float:
 def _unequal_global_scales(files: list, modules: list[str], fmt: str) -> str | None:
     """Why the members of a group do not share one global scale as written, or None. Engines load a w1/w3 pair as
     one fused weight and keep w1's global scale for both, so a w3 written with another one decodes wrong there."""
-    field = "weight_scale_2" if fmt == MODELOPT else "weight_global_scale"
-    written = [f.get_tensor(f"{m}.{field}").reshape(-1) for f, m in zip(files, modules)]
+    form = _linear_form(fmt)
+    field = form.role("global_scale").suffix[1:]
+    written = [f.get_tensor(form.tensor(m, "global_scale")).reshape(-1) for f, m in zip(files, modules)]
     if all(torch.equal(w, written[0]) for w in written[1:]):
         return None
     values = ", ".join(f"{m.rpartition('.')[2]} {float(w[0])!r}" for m, w in zip(modules, written))
@@ -323,18 +337,19 @@ def _read_linear(f, module: str, fmt: str, reader: _Reader) -> np.ndarray:
     if fmt == MODELOPT:
         t = _modelopt_linear(f, module)
     else:
-        t = {p: f.get_tensor(f"{module}.{p}") for p in ("weight_packed", "weight_scale", "weight_global_scale")}
-    return reader.decode(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+        t = {role: f.get_tensor(CT_NVFP4.tensor(module, role)) for role in ("codes", "block_scales", "global_scale")}
+    return reader.decode(t["codes"], t["block_scales"], t["global_scale"])
 
 
 def _own_linear(f, module: str, fmt: str):
     """The float64 decode of one Linear as written in the output (:func:`decode_nvfp4`), for :func:`_compare`."""
     def decode() -> np.ndarray:
+        form = _linear_form(fmt)
+        packed, block = f.get_tensor(form.tensor(module, "codes")), f.get_tensor(form.tensor(module, "block_scales"))
+        stored = f.get_tensor(form.tensor(module, "global_scale")).double()
         if fmt == MODELOPT:
-            packed, block = f.get_tensor(f"{module}.weight"), f.get_tensor(f"{module}.weight_scale")
-            multiplier = float(f.get_tensor(f"{module}.weight_scale_2").double())
+            multiplier = float(stored)
         else:
-            packed, block = f.get_tensor(f"{module}.weight_packed"), f.get_tensor(f"{module}.weight_scale")
-            multiplier = 1.0 / float(f.get_tensor(f"{module}.weight_global_scale").double().reshape(()))
+            multiplier = 1.0 / float(stored.reshape(()))
         return decode_nvfp4(packed.view(torch.uint8).numpy(), block.view(torch.uint8).numpy(), multiplier)
     return decode

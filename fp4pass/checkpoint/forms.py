@@ -40,7 +40,8 @@ from dataclasses import dataclass
 __all__ = ["MULTIPLIER", "DIVISOR", "Role", "Form", "GPT_OSS_MXFP4", "CT_MXFP4", "DEEPSEEK_MXFP4", "MODELOPT_LINEAR",
            "MODELOPT_STACK", "CT_NVFP4", "MXFP4_FORMS", "NVFP4_FORMS", "GATE_NAMES", "UP_NAMES", "DOWN_NAMES",
            "STACK_PROJS", "EXPERT", "expert_parts", "role_of_projection", "block_precision", "E8M0_DTYPES",
-           "E4M3_DTYPE", "NVFP4_SUFFIXES", "stack_scale_pattern"]
+           "E4M3_DTYPE", "NVFP4_SUFFIXES", "stack_scale_pattern", "WEIGHT_SUFFIX",
+           "CT_SHAPE_SUFFIX", "FP8_SCALE_SUFFIXES", "STACK"]
 
 MULTIPLIER, DIVISOR = "multiplier", "divisor"
 E8M0_DTYPES = ("U8", "F8_E8M0")  # an E8M0 code read as a byte (HF, compressed-tensors) or typed (DeepSeek-V4)

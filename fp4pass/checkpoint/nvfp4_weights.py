@@ -28,13 +28,14 @@ Decoded weights are rounded once to the model's dtype (bf16: a relative 2^-9, fa
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from fp4pass.checkpoint.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
+from fp4pass.checkpoint.forms import (CT_NVFP4, DIVISOR, E4M3_DTYPE, MODELOPT_LINEAR, MODELOPT_STACK, MULTIPLIER,
+                                      stack_scale_pattern)
 from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
 from fp4pass.formats.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1
 from fp4pass.formats.constants import NV_BLOCK_SIZE
@@ -42,11 +43,13 @@ from fp4pass.formats.constants import NV_BLOCK_SIZE
 __all__ = ["NVLinear", "NVExpertStack", "NVFP4Weights", "find_nvfp4", "decode_nvfp4", "fake_quantize_activation",
            "rne_e2m1_values", "MULTIPLIER", "DIVISOR"]
 
-MULTIPLIER, DIVISOR = "multiplier", "divisor"
-_FUSED = re.compile(r"^(?P<p>.+\.experts\.(?:gate_up_proj|down_proj))_(?P<what>weight_scale_2|weight_scale|"
-                    r"input_scale)$")
-_GLOBAL = {"weight_scale_2": MULTIPLIER, "weight_global_scale": DIVISOR}
-_INPUT = {"input_scale": MULTIPLIER, "input_global_scale": DIVISOR}
+_STACK_SCALE = stack_scale_pattern()  # ``P_weight_scale``, ``P_weight_scale_2``, ``P_input_scale`` of a stack P
+_STACK_ROLE = {r.suffix[1:]: r.role for r in MODELOPT_STACK.roles if r.suffix}  # "weight_scale_2" -> global_scale
+_LINEAR_FORMS = (MODELOPT_LINEAR, CT_NVFP4)
+_BLOCK_SCALES = MODELOPT_LINEAR.role("block_scales").suffix  # ".weight_scale", in both per-Linear forms
+#: a global / input scale's suffix -> its convention, the multiplier (ModelOpt) first
+_GLOBAL = {form.role("global_scale").suffix: form.convention for form in _LINEAR_FORMS}
+_INPUT = {form.role("input_scale").suffix: form.convention for form in _LINEAR_FORMS}
 
 
 _WORD_VALUES: dict = {}
@@ -265,33 +268,35 @@ def find_nvfp4(catalog: Catalog) -> NVFP4Weights:
     units: list = []
     stacks: dict[str, dict] = {}
     for name in tensors:
-        match = _FUSED.match(name)
+        match = _STACK_SCALE.match(name)
         if match:
-            stacks.setdefault(match["p"], {})[match["what"]] = tensors[name]
+            stacks.setdefault(match["p"], {})[_STACK_ROLE[match["what"]]] = tensors[name]
     for p, parts in stacks.items():
         codes = tensors.get(p)
         if codes is None or codes.dtype != "U8" or len(codes.shape) != 3:
-            raise CheckpointError(f"{catalog.folder}: {p}_weight_scale has no U8 [E, K/2, N] stack {p}")
-        for need in ("weight_scale", "weight_scale_2"):
+            raise CheckpointError(f"{catalog.folder}: {MODELOPT_STACK.tensor(p, 'block_scales')} has no U8 "
+                                  f"[E, K/2, N] stack {p}")
+        for need in ("block_scales", "global_scale"):
             if need not in parts:
-                raise CheckpointError(f"{catalog.folder}: the NVFP4 expert stack {p} has no {p}_{need}")
+                raise CheckpointError(f"{catalog.folder}: the NVFP4 expert stack {p} has no "
+                                      f"{MODELOPT_STACK.tensor(p, need)}")
         prefix, _, proj = p.rpartition(".")
-        units.append(NVExpertStack(prefix, proj, codes, parts["weight_scale"], parts["weight_scale_2"],
+        units.append(NVExpertStack(prefix, proj, codes, parts["block_scales"], parts["global_scale"],
                                    parts.get("input_scale")))
     forms = set()
     for name, entry in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight_scale" or entry.dtype != "F8_E4M3" or not module:
+        module = name[: -len(_BLOCK_SCALES)]
+        if not name.endswith(_BLOCK_SCALES) or entry.dtype != E4M3_DTYPE or not module:
             continue
-        codes = tensors.get(f"{module}.weight_packed") or tensors.get(f"{module}.weight")
+        codes = tensors.get(CT_NVFP4.tensor(module, "codes")) or tensors.get(MODELOPT_LINEAR.tensor(module, "codes"))
         if codes is None or codes.dtype != "U8":
             continue  # an FP8 block-scaled weight (F8 codes), not NVFP4
-        found = [(tensors[f"{module}.{s}"], c) for s, c in _GLOBAL.items() if f"{module}.{s}" in tensors]
+        found = [(tensors[module + s], c) for s, c in _GLOBAL.items() if module + s in tensors]
         if not found:
             raise CheckpointError(f"{catalog.folder}: the NVFP4 weight {codes.name} has no global scale "
-                                  f"({module}.weight_scale_2 or {module}.weight_global_scale)")
+                                  f"({' or '.join(module + s for s in _GLOBAL)})")
         (global_, convention), = found[:1]
-        inputs = [(tensors[f"{module}.{s}"], c) for s, c in _INPUT.items() if f"{module}.{s}" in tensors]
+        inputs = [(tensors[module + s], c) for s, c in _INPUT.items() if module + s in tensors]
         input_, input_convention = inputs[0] if inputs else (None, None)
         if len(codes.shape) != 2 or tuple(entry.shape) != (codes.shape[0], codes.shape[1] * 2 // NV_BLOCK_SIZE):
             raise CheckpointError(f"{codes.name}: codes {list(codes.shape)} do not match block scales "
