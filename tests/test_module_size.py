@@ -9,9 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fp4pass"
 LIMIT = 600
 #: modules still over the limit, to be split; each must shrink, never grow, and leaves this list once under it
 PENDING: dict[str, int] = {
-    "fp4pass/checkpoint/engines.py": 747,
-    "fp4pass/checkpoint/validate.py": 1324, "fp4pass/onnx/loading.py": 664,
-    "fp4pass/onnx/numerics.py": 689, "fp4pass/onnx/patterns.py": 698,
+    "fp4pass/onnx/loading.py": 664, "fp4pass/onnx/numerics.py": 689, "fp4pass/onnx/patterns.py": 698,
 }
 
 

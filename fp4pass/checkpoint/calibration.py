@@ -228,7 +228,8 @@ class _LayerStats:
                     if tokens == 0:
                         continue
                     scale = self.scale(self.stats[key])
-                    row[f"{kind}_amax"], row[f"{kind}_input_scale"] = scale.amax, scale.input_scale
+                    for figure in ("amax", "input_scale"):  # gate_up_amax, down_input_scale, ...
+                        row[f"{kind}_{figure}"] = getattr(scale, figure)
                     for module in dict.fromkeys(self.names[key]):
                         if module in entry["fused"].values():
                             if module not in best or scale.g_amax > best[module].g_amax:

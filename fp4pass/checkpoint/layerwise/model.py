@@ -18,7 +18,6 @@ runner (:mod:`fp4pass.checkpoint.layerwise.runner`) does so for one decoder laye
 
 from __future__ import annotations
 
-import re
 import threading
 from dataclasses import dataclass, field
 
@@ -26,16 +25,23 @@ import torch
 
 from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
+from fp4pass.checkpoint.forms import DOWN_NAMES, GATE_NAMES, STACK_PROJS, UP_NAMES, WEIGHT_SUFFIX, expert_parts
 from fp4pass.checkpoint.layerwise.decode import LoadCancelled, decode_experts, mx_dequantize
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 
 __all__ = ["resolve_architecture", "build_skeleton", "Source", "WeightSources", "WeightLoader", "experts_modules",
            "store_in_checkpoint_order", "materialize", "FP8_BLOCK"]
 
-_EXPERT_PART = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
-                          r"\.weight$")
-_GATE_UP = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 _FP8_DTYPES = ("F8_E4M3",)
+
+
+def _expert_weight(name: str) -> tuple[str, int, str] | None:
+    """(experts module, expert, projection) of one expert's gate, up or down ``.weight`` (transformers' names after
+    the renames: ``model.layers.3.mlp.experts.12.gate_proj.weight``, or DeepSeek's ``w1``/``w3``/``w2``)."""
+    if not name.endswith(WEIGHT_SUFFIX):
+        return None
+    parts = expert_parts(name[: -len(WEIGHT_SUFFIX)])
+    return parts if parts and parts[2] in GATE_NAMES + UP_NAMES + DOWN_NAMES else None
 FP8_BLOCK = 128
 
 
@@ -202,14 +208,14 @@ class WeightSources:
             if source.kind == "plain" and name in fp8_scales:
                 continue
             target = _rename(name, renamings)
-            match = _EXPERT_PART.match(target)
-            if match:
-                proj, e = match.group("proj"), int(match.group("e"))
-                stack = match.group("experts")
-                tensor = f"{stack}.gate_up_proj" if proj in _GATE_UP else f"{stack}.down_proj"
-                out.experts.setdefault(tensor, {}).setdefault(e, {})[_GATE_UP.get(proj, 0)] = source
+            part = _expert_weight(target)
+            if part:
+                stack, e, proj = part
+                gate_up = proj not in DOWN_NAMES
+                tensor = f"{stack}.{STACK_PROJS[0] if gate_up else STACK_PROJS[1]}"
+                out.experts.setdefault(tensor, {}).setdefault(e, {})[1 if proj in UP_NAMES else 0] = source
                 if source.kind in ("mx", "decoded"):
-                    out.quantized[source.name] = (stack, e, "gate_up" if proj in _GATE_UP else "down")
+                    out.quantized[source.name] = (stack, e, "gate_up" if gate_up else "down")
                 continue
             out.plain[target] = source
             if source.kind in ("mx", "decoded"):
