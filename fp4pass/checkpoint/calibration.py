@@ -243,11 +243,11 @@ class _LayerStats:
             out.tensors.update(best)
 
 
-def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
+def calibrate(source, data, *, calibrator="max", device: str | None = "auto", batch_size: int | None = None,
               seq_len: int | None = None, num_samples: int | None = None, hidden_budget_bytes: int | None = None,
               show_progress: bool | None = False, report_detail: bool = False, trust_remote_code: bool = False,
               **calibrator_options) -> CheckpointScales:
-    """Calibrate the NVFP4 activation scales of the MXFP4 checkpoint ``src_dir`` on ``data`` (module docstring).
+    """Calibrate the NVFP4 activation scales of the MXFP4 checkpoint ``source`` (a folder or a Hub model ID) on ``data`` (module docstring).
 
     ``data``: a path (:mod:`fp4pass.checkpoint.calib_data`). ``calibrator`` and ``calibrator_options``: as
     :func:`fp4pass.calib.make_calibrator`. ``device``: auto | cpu | cuda. ``hidden_budget_bytes``: hidden states
@@ -258,7 +258,7 @@ def calibrate(src_dir, data, *, calibrator="max", device: str | None = "auto", b
     (never without it). Returns :class:`CheckpointScales`, which :func:`fp4pass.checkpoint.convert` takes as
     ``scales``.
     """
-    src_dir = resolve_checkpoint(src_dir)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
+    src_dir = resolve_checkpoint(source)  # a folder, or a Hugging Face Hub model ID (org/name[@revision])
     start = time.perf_counter()
     method = make_calibrator(calibrator, **calibrator_options)
     dev = default_device(device)

@@ -237,12 +237,12 @@ def _source_units(catalog: Catalog):
     return found
 
 
-def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: int | None = None,
+def diff(reference, candidate, data, *, seq_len: int | None = None, num_samples: int | None = None,
          batch_size: int | None = None, device: str | None = "auto", snr_min: float | None = None,
          kl_max: float | None = None, follow_symlinks: bool = False, hidden_budget_bytes: int | None = None,
          show_progress: bool | None = False, trust_remote_code: bool = False) -> CheckpointDiff:
-    """Run ``src_dir`` and ``nvfp4_dir`` side by side on ``data`` (any form calibration takes) and measure what
-    the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
+    """Run ``reference`` (the source checkpoint) and ``candidate`` (its NVFP4 checkpoint) side by side on ``data``
+    (any form calibration takes) and measure what the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
     (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
     ``hidden_budget_bytes``: hidden states kept in memory (the rest spill to a temporary folder), as in calibration.
     Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models, bad data, or
@@ -251,8 +251,8 @@ def diff(src_dir, nvfp4_dir, data, *, seq_len: int | None = None, num_samples: i
     from fp4pass.hub import resolve_checkpoint
 
     start = time.perf_counter()
-    given_src = src_dir
-    src_dir, nvfp4_dir = resolve_checkpoint(src_dir), resolve_checkpoint(nvfp4_dir)  # folders, or Hub model IDs
+    given_src = reference
+    src_dir, nvfp4_dir = resolve_checkpoint(reference), resolve_checkpoint(candidate)  # folders, or Hub model IDs
     dev = default_device(device)
     with Catalog.open(src_dir, follow_symlinks) as src, Catalog.open(nvfp4_dir, follow_symlinks) as target:
         src_arch, target_arch = _same_architecture(src, target, trust_remote_code)
