@@ -1,10 +1,11 @@
 """``fp4pass.onnx.convert``: MXFP4 -> NVFP4 over a whole ONNX model, with optional activation calibration
 and a numerical check.
 
-This is the orchestration above both the ONNX passes (:mod:`fp4pass.onnx`) and the calibration
-(:mod:`fp4pass.calib`): the passes take plain values (a mapping activation -> input_scale), the calibration
-produces them, and neither imports the other. The stages, in order, are those of :mod:`fp4pass.onnx.pipeline`
-(load, match, validate, rewrite, clean up), then the activations (:func:`fp4pass.calib.calibrate_model` or a
+This is the orchestration above both the ONNX passes (:mod:`fp4pass.onnx`) and the ONNX calibration run
+(:mod:`fp4pass.onnx.calibrate`): the passes take plain values (a mapping activation -> input_scale), the
+calibration produces them, and the passes never import it. The stages, in order, are those of
+:mod:`fp4pass.onnx.pipeline` (load, match, validate, rewrite, clean up), then the activations
+(:func:`fp4pass.onnx.calibrate.calibrate_model` or a
 SCALES.json, then :func:`fp4pass.onnx.act_quant.insert_activation_quantizers`), the write, and the check
 (:func:`fp4pass.onnx.numerics.diff`). ``fp4pass.onnx.convert`` is this module's :func:`convert`.
 """
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from fp4pass.calib import ActivationScales, calibrate_model
+from fp4pass.calib import ActivationScales
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
+from fp4pass.onnx.calibrate import calibrate_model
 from fp4pass.onnx import pipeline as onnx_stages
 from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
 from fp4pass.onnx.initializer_inputs import unlist_initializer_inputs

@@ -436,7 +436,7 @@ MUTANTS = [
          "    if True:"),
     ], INPUT_TESTS),
     Mutant("npz-arrays-unnamed", "an .npz naming no graph input says only which input is missing", [
-        ("fp4pass/calib/runner.py", "        if extra and not feed:", "        if False:"),
+        ("fp4pass/onnx/calibrate.py", "        if extra and not feed:", "        if False:"),
     ], INPUT_TESTS),
     Mutant("scales-of-another-model", "a SCALES.json matching no module is not named as another model's", [
         ("fp4pass/checkpoint/input_scales.py", "    if not found and result.unmatched:", "    if False:"),
@@ -669,6 +669,10 @@ MUTANTS = [
         ("fp4pass/calib/distributed.py", "for s in stats]), dist.ReduceOp.MAX, device, group)",
          "for s in stats]), dist.ReduceOp.SUM, device, group)"),
     ], ["tests/test_calib_distributed.py"]),
+    Mutant("calib-loads-onnx", "the neutral fp4pass.calib loads onnx_ir, so a checkpoint calibration does too", [
+        ("fp4pass/calib/__init__.py", "from fp4pass.calib.compute import scale_for\n",
+         "from fp4pass.calib.compute import scale_for\nimport onnx_ir  # noqa: F401\n"),
+    ], ["tests/test_layering.py"]),
     # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
     Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
         ("fp4pass/onnx/rewrite_qmoe.py", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.checkpoint import calib_data, model_limits
 from fp4pass.checkpoint.calib_data import load_batches
 

@@ -295,7 +295,7 @@ def test_a_jsonl_row_past_the_row_limit_and_a_txt_past_the_text_limit(tmp_path, 
     """A .jsonl row is read whole (one JSON object): a row of more than ROW_LIMIT bytes is refused naming it, one
     of exactly ROW_LIMIT bytes (newline included) is read. A .txt is read whole only without --num-samples: past
     TEXT_LIMIT bytes that is refused naming --num-samples, and with --num-samples it is read as far as needed."""
-    from fp4pass.calib.runner import CalibrationDataError
+    from fp4pass.calib.errors import CalibrationDataError
     from fp4pass.checkpoint import calib_data
 
     monkeypatch.setattr(calib_data, "ROW_LIMIT", 64)

@@ -238,7 +238,7 @@ def test_activation_quantizers_go_into_each_branch_that_reads_the_outer_activati
 
 
 def test_an_activation_consumer_inside_a_function_is_declined_with_the_reason():
-    from fp4pass.calib.runner import calibration_targets
+    from fp4pass.onnx.calibrate import calibration_targets
     from fp4pass.onnx.act_quant import InsertActivationQuantizers
 
     proto = B.nvfp4_function_model()

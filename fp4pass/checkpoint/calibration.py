@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4pass.calib.calibrators import HeadroomCalibrator, MSECalibrator, make_calibrator
-from fp4pass.calib.runner import CalibrationDataError, scale_for
+from fp4pass.calib import CalibrationDataError, scale_for
 from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches

@@ -48,7 +48,7 @@ import time
 
 import torch
 
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.checkpoint.calib_data import Batch, load_batches
 from fp4pass.checkpoint.calibration import _Clock, _share, expert_output, expert_projection, _routed_forward
 from fp4pass.checkpoint.catalog import Catalog

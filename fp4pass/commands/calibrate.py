@@ -57,7 +57,7 @@ def run(args) -> int:
     if os.path.isdir(args.model):
         return _checkpoint_calib.calibrate_folder(args)
     _checkpoint_calib.refuse_for_onnx(args)
-    from fp4pass.calib import calibrate_model
+    from fp4pass.onnx.calibrate import calibrate_model
     from fp4pass.onnx.loading import load
 
     inputs = {**_safety.model_inputs("the input model", args.model), "--data": args.data}

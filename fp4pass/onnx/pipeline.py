@@ -19,7 +19,7 @@ docs/passes.md has the whole list, with what each pass walks and declines.
                 :class:`FoldQuarkFakeQuants` (``entries`` out): the Quark fake-quants left are folded
                 (constants) or go with the activations (:mod:`rewrite_quark`)
 5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR` (``versions`` out), :class:`GroupInitializers`
-6. activations (optional) - calibration (``fp4pass.calib``, not a pass: it measures), then
+6. activations (optional) - calibration (``fp4pass.onnx.calibrate``, not a pass: it measures), then
                 :class:`fp4pass.onnx.act_quant.InsertActivationQuantizers` (``entries`` out; one quantizer per
                 graph that holds consumers, a consumer in a function body declined); run by the pipeline
                 above both (:mod:`fp4pass.pipeline`), so that this package never imports the calibration
