@@ -460,10 +460,10 @@ MUTANTS = [
         ("fp4pass/onnx/nvfp4_forms.py", "    if not six:\n        return None", "    if True:\n        return None"),
     ], INPUT_TESTS),
     Mutant("nvfp4-zero-scale-passes", "a global or input scale of 0 is no problem", [
-        ("fp4pass/onnx/nvfp4_forms.py", '("zero_scale", flat == 0,', '("zero_scale", flat != flat,'),
+        ("fp4pass/formats/scale_checks.py", '("zero_scale", values == 0)', '("zero_scale", values != values)'),
     ], INPUT_TESTS),
     Mutant("nvfp4-negative-zero-code", "an E4M3 block scale with the sign bit is no problem", [
-        ("fp4pass/onnx/nvfp4_forms.py", "(codes >= _E4M3_SIGN) & (magnitude != 0)", "(codes > 0xFF) & (magnitude != 0)"),
+        ("fp4pass/formats/scale_checks.py", "(codes >= E4M3_SIGN) & (magnitude != 0)", "(codes > 0xFF) & (magnitude != 0)"),
     ], INPUT_TESTS),
     Mutant("nvfp4-problems-exit-0", "inspect exits 0 on an NVFP4 ONNX model with broken scales", [
         ("fp4pass/commands/inspect.py", "    return 1 if problems else 0", "    return 0"),
@@ -673,6 +673,37 @@ MUTANTS = [
         ("fp4pass/calib/__init__.py", "from fp4pass.calib.compute import scale_for\n",
          "from fp4pass.calib.compute import scale_for\nimport onnx_ir  # noqa: F401\n"),
     ], ["tests/test_layering.py"]),
+    # -- the E2M1 byte tables (fp4pass.formats.byte_tables) ----------------------------------------------------
+    Mutant("byte-table-nibbles-swapped", "a byte's high nibble decoded as its first element", [
+        ("fp4pass/formats/byte_tables.py", "[lut[codes & 0x0F], lut[codes >> 4]]", "[lut[codes >> 4], lut[codes & 0x0F]]"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-word-bytes-swapped", "a little-endian word's second byte decoded first", [
+        ("fp4pass/formats/byte_tables.py", "[pairs[word & 0xFF], pairs[word >> 8]]", "[pairs[word >> 8], pairs[word & 0xFF]]"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-cache-ignores-dtype", "the word table cached per device only: bf16 asked, float32 given", [
+        ("fp4pass/formats/byte_tables.py", '("words", device, dtype)', '("words", device)'),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-scale-rows-shifted", "the scaled pairs of scale code s multiplied by code s+1's multiplier", [
+        ("fp4pass/formats/byte_tables.py", "multipliers.reshape(256, 1, 1)", "multipliers.roll(-1).reshape(256, 1, 1)"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-private-cache", "the NVFP4 reader keeps a word table of its own", [
+        ("fp4pass/checkpoint/nvfp4_weights.py", "from fp4pass.formats.byte_tables import word_values\n",
+         "_OWN = {}\n\n\ndef word_values(device):\n    if device not in _OWN:\n"
+         "        w = torch.arange(65536, dtype=torch.int32, device=device)\n        _OWN[device] = torch.stack("
+         "[decode_e2m1(((w >> s) & 15).to(torch.uint8)) for s in (0, 4, 8, 12)], -1)\n    return _OWN[device]\n"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("lossless-range-strict", "a spread of exactly 17 (18 exponents, E4M3's whole exact window) taken as lossy", [
+        ("fp4pass/convert/lossless.py", "return k_max - k_min <= LOSSLESS_SPREAD", "return k_max - k_min < LOSSLESS_SPREAD"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("scale-check-ff-not-nan", "E4M3FN 0xFF (negative NaN) not taken for NaN", [
+        ("fp4pass/formats/scale_checks.py", "nan = magnitude == E4M3_NAN_MAGNITUDE", "nan = codes == E4M3_NAN_MAGNITUDE"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("scale-check-minus-zero-negative", "an E4M3 block scale of -0 (0x80) called negative", [
+        ("fp4pass/formats/scale_checks.py", "(codes >= E4M3_SIGN) & (magnitude != 0) & ~nan", "(codes >= E4M3_SIGN) & ~nan"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("scale-check-minus-inf-negative", "a global scale of -inf also called negative", [
+        ("fp4pass/formats/scale_checks.py", "finite & (values < 0)", "(values < 0)"),
+    ], ["tests/test_scale_checks.py"]),
     # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
     Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
         ("fp4pass/onnx/rewrite_qmoe.py", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),

@@ -51,6 +51,7 @@ from fp4pass.checkpoint.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.safetensors_io import CheckpointError
 from fp4pass.formats import MXFP4Tensor
+from fp4pass.formats.byte_tables import word_values
 
 __all__ = ["resolve_architecture", "build_skeleton", "WeightSources", "LayerRunner", "LayerPrefetcher", "HiddenStore",
            "experts_modules", "mx_dequantize", "decode_experts", "store_in_checkpoint_order",
@@ -365,24 +366,6 @@ class _Cancelled(Exception):
     """A fill stopped by :attr:`WeightLoader.cancel`."""
 
 
-_PAIRS: dict = {}
-_PAIRS_LOCK = threading.Lock()
-
-
-def _pair_table(device: torch.device) -> torch.Tensor:
-    """int64 [65536]: for each little-endian byte pair, its four E2M1 values in bf16 (byte 0's low nibble
-    first), built once per device from :func:`fp4pass.formats.codecs.decode_e2m1`."""
-    from fp4pass.formats.codecs import decode_e2m1
-
-    with _PAIRS_LOCK:
-        if device not in _PAIRS:
-            word = torch.arange(65536, dtype=torch.int32, device=device)
-            nibbles = [(word >> shift) & 0x0F for shift in (0, 4, 8, 12)]
-            values = torch.stack([decode_e2m1(n.to(torch.uint8)) for n in nibbles], -1).to(torch.bfloat16)
-            _PAIRS[device] = values.view(torch.int64).reshape(65536)
-        return _PAIRS[device]
-
-
 def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4 codes [N, K/2] + E8M0 scales [N, K/32] -> [N, K] in ``dtype``, exact, on the codes' device.
@@ -407,7 +390,7 @@ def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
             return value
         out.copy_(value.reshape(out.shape))
         return out
-    table = _pair_table(codes.device)
+    table = word_values(codes.device, torch.bfloat16).view(torch.int64).reshape(65536)
     words = codes.contiguous().view(torch.uint16).reshape(-1).to(torch.int32)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=codes.device)
