@@ -254,7 +254,7 @@ def test_sequences_whose_attention_cannot_fit_are_refused_naming_the_seq_len_tha
 def test_the_attention_bound_and_what_fits(rows, tokens, available, fits_len, fits_rows):
     from fp4pass.checkpoint.calib_data import Batch
     from fp4pass.checkpoint.model_limits import check_attention_memory
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     cfg = type("Cfg", (), {"num_attention_heads": 4})()
     batches = [Batch("a", torch.zeros(1, 8, dtype=torch.int64)),

@@ -23,10 +23,11 @@ PACKAGE = ROOT / "fp4pass"
 # lowest first; a module belongs to the longest prefix listed (fp4pass.fx.calibration before fp4pass.fx)
 LAYERS = [
     ("base", ["fp4pass.errors", "fp4pass.io", "fp4pass.npz", "fp4pass.metrics", "fp4pass.progress", "fp4pass.choices",
-              "fp4pass.extras", "fp4pass.hub", "fp4pass.messages"]),
+              "fp4pass.extras", "fp4pass.messages"]),
     ("formats", ["fp4pass.formats"]),
     ("convert", ["fp4pass.convert"]),
     ("calib", ["fp4pass.calib"]),  # neutral to the door: statistics, calibrators, scale_for, SCALES.json
+    ("safetensors", ["fp4pass.safetensors"]),  # reading checkpoints: files, catalog, bounded patterns, Hub IDs
     ("passes", ["fp4pass.onnx", "fp4pass.fx"]),  # ONNX and fx passes are peers
     # each door's calibration run and diff, above its passes (which never import them)
     ("runs", ["fp4pass.onnx.calibrate", "fp4pass.fx.calibration", "fp4pass.fx.numerics"]),
@@ -35,7 +36,8 @@ LAYERS = [
                   "fp4pass.examples"]),
 ]
 # the units whose mutual imports must also be acyclic, package by package
-UNITS = ["fp4pass.formats", "fp4pass.convert", "fp4pass.onnx", "fp4pass.fx", "fp4pass.calib", "fp4pass.checkpoint",
+UNITS = ["fp4pass.formats", "fp4pass.convert", "fp4pass.onnx", "fp4pass.fx", "fp4pass.calib", "fp4pass.safetensors",
+         "fp4pass.checkpoint",
          "fp4pass.commands",
          "fp4pass.bench", "fp4pass.examples"]
 

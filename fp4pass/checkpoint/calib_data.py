@@ -271,7 +271,7 @@ def _note_dropped(path: Path, rows: int, seq_len: int, num_samples: int | None, 
 
 def _refuse_links_out(folder: Path, files: list[Path]) -> None:
     """A data folder's entry that is a symlink to a file outside the folder is refused before anything is read,
-    as a checkpoint folder's are (:mod:`fp4pass.checkpoint.catalog`): the folder given is what is read."""
+    as a checkpoint folder's are (:mod:`fp4pass.safetensors.catalog`): the folder given is what is read."""
     base = os.path.realpath(folder)
     for file in files:
         if os.path.islink(file):

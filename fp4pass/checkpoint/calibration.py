@@ -44,13 +44,13 @@ from fp4pass.calib import CalibrationDataError, scale_for
 from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise import (HiddenStore, LayerPrefetcher, LayerRunner, default_device, experts_modules,
                                           float32_products, hidden_budget, resolve_architecture)
 from fp4pass.checkpoint.model_limits import check_attention_memory, check_config_fields, check_fits_shards
-from fp4pass.checkpoint.safetensors_io import CheckpointError
-from fp4pass.hub import resolve_checkpoint
+from fp4pass.safetensors.files import CheckpointError
+from fp4pass.safetensors.hub import resolve_checkpoint
 
 __all__ = ["calibrate", "CheckpointScales"]
 

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 
 from fp4pass.checkpoint.forms import block_precision
-from fp4pass.checkpoint.safetensors_io import TensorEntry
+from fp4pass.safetensors.files import TensorEntry
 
 __all__ = ["Linear", "FusedExperts", "Detected", "detect", "GPT_OSS", "COMPRESSED_TENSORS", "DEEPSEEK"]
 

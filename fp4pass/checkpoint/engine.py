@@ -27,7 +27,7 @@ import math
 import torch
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.convert import lossless_range, mxfp4_to_nvfp4
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor

@@ -26,7 +26,7 @@ import re
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.families import deepseek_v4, family_of, fused_shards, gpt_oss
 from fp4pass.checkpoint.forms import GATE_NAMES
-from fp4pass.checkpoint.patterns import BadPattern, Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
+from fp4pass.safetensors.patterns import BadPattern, Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
 
 __all__ = ["ENGINES", "FUSED_SHARDS", "MixedShards", "BadPattern", "Exclusions", "exclusions", "is_excluded",
            "engine_modules", "vllm_module_name", "engine_verdicts", "verdict_line", "ARCH_GPT_OSS", "ARCH_DEEPSEEK_V4"]
@@ -151,7 +151,7 @@ class _SglangModelopt:
     ``*`` -> ``.*``, fullmatched against the whole name or any one component; the fused shard tails
     ``q_a_proj``, ``kv_a_proj_with_mqa``, ... found inside the name's last component).
 
-    An entry without other regex syntax is matched as a ``*``-only glob (:class:`~fp4pass.checkpoint.patterns.
+    An entry without other regex syntax is matched as a ``*``-only glob (:class:`~fp4pass.safetensors.patterns.
     Glob`, no backtracking); the others as SGLang's regex, with a timeout."""
 
     def __init__(self, exclude: list[str], where: str):
@@ -302,9 +302,9 @@ class Exclusions:
 
     ``form``: "modelopt" (``exclude_modules`` / ``ignore`` globs) or "compressed-tensors" (``ignore``: exact
     names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). ``where`` names the
-    list's config field in messages. Raises :class:`~fp4pass.checkpoint.patterns.BadPattern` for an entry the
+    list's config field in messages. Raises :class:`~fp4pass.safetensors.patterns.BadPattern` for an entry the
     engine cannot use (not a string, an invalid regex); :meth:`excluded` raises it for a regex that runs past
-    its time (:mod:`fp4pass.checkpoint.patterns`).
+    its time (:mod:`fp4pass.safetensors.patterns`).
     """
 
     def __init__(self, engine: str, exclude, form: str = "modelopt", architecture: str | None = None,
@@ -385,7 +385,7 @@ def is_excluded(engine: str, module: str, exclude, shards: list[str] | None = No
     ``form``: "modelopt" (``exclude_modules`` / ``ignore`` globs) or "compressed-tensors" (``ignore``: exact
     names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). Raises
     :class:`MixedShards` where the engine raises because only some shards are excluded, and
-    :class:`~fp4pass.checkpoint.patterns.BadPattern` for an entry the engine cannot use.
+    :class:`~fp4pass.safetensors.patterns.BadPattern` for an entry the engine cannot use.
     """
     rules = exclude if isinstance(exclude, Exclusions) else Exclusions(engine, exclude, form, architecture)
     return rules.excluded(module, shards)

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 __all__ = ["InputScales", "resolve_input_scales"]
 

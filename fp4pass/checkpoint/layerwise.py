@@ -47,9 +47,9 @@ from pathlib import Path
 
 import torch
 
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.byte_tables import word_values
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4pass.checkpoint.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
-from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.safetensors.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
+from fp4pass.safetensors.files import CheckpointError, TensorEntry
 from fp4pass.formats.byte_tables import word_values
 from fp4pass.formats.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1
 from fp4pass.formats.constants import NV_BLOCK_SIZE

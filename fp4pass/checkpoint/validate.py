@@ -51,10 +51,10 @@ import torch
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.families import family_of
 from fp4pass.checkpoint.forms import block_precision
-from fp4pass.checkpoint.catalog import (CONFIG_NAME, INDEX_LIMIT, INDEX_NAME, QUANT_CONFIG_NAME, member_path,
+from fp4pass.safetensors.catalog import (CONFIG_NAME, INDEX_LIMIT, INDEX_NAME, QUANT_CONFIG_NAME, member_path,
                                         read_json_file)
-from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
-from fp4pass.hub import resolve_checkpoint
+from fp4pass.safetensors.files import CheckpointError, SafetensorsFile, TensorEntry
+from fp4pass.safetensors.hub import resolve_checkpoint
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, NVFP4_AMAX_PER_GLOBAL_SCALE
 
 __all__ = ["validate", "format_validation", "exit_status", "is_nvfp4_folder", "Problem", "KINDS", "OUTCOMES",
@@ -352,7 +352,7 @@ def _exclusion_lists(qc: dict | None, hq: dict | None, problems: list[Problem]
     (``ignore``, else ``exclude_modules``) when there is one, else hf_quant_config.json's
     ``quantization.exclude_modules``; TensorRT-LLM hf_quant_config.json when there is one, else config.json.
     A list that is not a list of strings is a ``bad_config_value`` (the engine raises on it) and None."""
-    from fp4pass.checkpoint.patterns import BadPattern, entries
+    from fp4pass.safetensors.patterns import BadPattern, entries
 
     from_qc = from_hq = None
     if qc is not None:

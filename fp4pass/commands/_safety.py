@@ -162,7 +162,7 @@ def check_files(outputs: dict, inputs: dict) -> None:
 def resolve_hub_model(args) -> None:
     """IN given as a Hugging Face Hub model ID (``org/name[@revision]``, and no local path of that name):
     ``args.model`` becomes its snapshot folder in the local Hub cache, fetched first where needed
-    (:func:`fp4pass.hub.resolve_checkpoint`); download bars are hidden under --quiet."""
-    from fp4pass.hub import resolve_checkpoint
+    (:func:`fp4pass.safetensors.hub.resolve_checkpoint`); download bars are hidden under --quiet."""
+    from fp4pass.safetensors.hub import resolve_checkpoint
 
     args.model = resolve_checkpoint(args.model, show_progress=False if getattr(args, "quiet", False) else None)

@@ -157,7 +157,7 @@ def _run_folders(args) -> int:
     if args.data is None:
         raise UsageError("checkpoint folders need --data: the token ids or text to run (what calibrate --data "
                          "takes, e.g. models/checkpoints/calib_tokens.npz)")
-    from fp4pass.hub import resolve_checkpoint
+    from fp4pass.safetensors.hub import resolve_checkpoint
 
     progress = False if args.quiet else None
     args.original = resolve_checkpoint(args.original, show_progress=progress)
@@ -200,7 +200,7 @@ def print_notes(command: str, notes, args, provider_notes=()) -> None:
 
 def _checkpoint(path: str) -> bool:
     """A checkpoint folder, or a Hugging Face Hub model ID with no local path of that name."""
-    from fp4pass.hub import parse_hub_id
+    from fp4pass.safetensors.hub import parse_hub_id
 
     return os.path.isdir(path) or (parse_hub_id(path) is not None and not os.path.lexists(path))
 
