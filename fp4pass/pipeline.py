@@ -30,7 +30,6 @@ from fp4pass.onnx.initializer_inputs import unlist_initializer_inputs
 from fp4pass.onnx.numerics import REFERENCE, diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
-from fp4pass.onnx.passes import run_passes
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_qmoe import prior_global_scale
 from fp4pass.onnx.sharing import find_weights
@@ -178,10 +177,10 @@ def convert(
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None, effort=effort,
                               threads=threads) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
-    rewrite, fold_quark, set_versions, group = onnx_stages.weight_passes(
-        records, convs, scale_form, calibrated=calib is not None or scales is not None, declined=declined)
-    run_passes([rewrite, fold_quark, set_versions, group], model)
-    done, alphas, quark, versions = rewrite.done, rewrite.alphas, fold_quark.entries, set_versions.versions
+    stages = onnx_stages.run_weight_passes(model, records, convs, scale_form,
+                                           calibrated=calib is not None or scales is not None, declined=declined)
+    done, alphas, quark, versions = (stages.rewrite.done, stages.rewrite.alphas, stages.quark.entries,
+                                     stages.versions.versions)
 
     activations = None
     if calib is not None or scales is not None:

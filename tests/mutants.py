@@ -710,6 +710,12 @@ MUTANTS = [
     Mutant("fx-own-header-check", "the fx door's gpt-oss loader opens shards without the shared header check", [
         ("fp4pass/fx/gpt_oss.py", "        SafetensorsFile(file)\n", "        pass\n"),
     ], ["tests/test_gpt_oss_load_errors.py"]),
+    Mutant("opset-pass-not-told-of-dq", "the opset pass configured without the rewrite's result: no FP4 DQ seen", [
+        ("fp4pass/onnx/pipeline.py", "SetOpsetAndIR(rewrite.wrote_dq)", "SetOpsetAndIR(False)"),
+    ], ["tests/test_onnx_passes.py"] + CONVERT_TESTS),
+    Mutant("pass-results-out-of-order", "run_passes hands back the passes' results last first", [
+        ("fp4pass/onnx/passes.py", "        self.results.append(result)\n", "        self.results.insert(0, result)\n"),
+    ], ["tests/test_onnx_passes.py"]),
     # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
     Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
         ("fp4pass/onnx/rewrite_qmoe.py", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),

@@ -90,29 +90,55 @@ def test_each_lowering_pass_says_whether_it_changed_the_model():
 
 
 def _weight_passes(proto, calibrated=False, scale_form="dq"):
-    from fp4pass.onnx.pipeline import weight_passes
+    """(model, (rewrite, fold_quark, versions, group), declined): the passes of stages 4 and 5; ``versions`` is
+    built from the rewrite's result (``versions(wrote_dq)``), as run_weight_passes does."""
+    from fp4pass.onnx.pipeline import FoldQuarkFakeQuants, GroupInitializers, RewriteMXFP4Weights, SetOpsetAndIR
     from fp4pass.onnx.rewrite_common import WeightConversion
     from fp4pass.onnx.sharing import find_weights
 
     model = ir.serde.deserialize_model(proto)
     records, declined = find_weights(model)
     convs = [WeightConversion(r, "auto") for r in records]
-    return model, weight_passes(records, convs, scale_form, calibrated, declined), declined
+    passes = (RewriteMXFP4Weights(records, convs, scale_form), FoldQuarkFakeQuants(calibrated, declined),
+              SetOpsetAndIR, GroupInitializers(records))
+    return model, passes, declined
 
 
 def test_each_convert_pass_says_whether_it_changed_the_model():
     from tests.graph_variants import mlp
 
     model, (rewrite, fold_quark, versions, group), _ = _weight_passes(mlp(onnx.TensorProto.FLOAT))
-    assert rewrite(model).modified is True and len(rewrite.done) == 2 and rewrite.wrote_dq
-    assert fold_quark(model).modified is False and fold_quark.entries == []  # no Quark node in this model
-    assert versions(model).modified is False  # opset 24, IR 12 (E8M0 scales stay for nothing: IR 11 needed)
+    rewritten = rewrite(model)
+    assert rewritten.modified is True and len(rewritten.done) == 2 and rewritten.wrote_dq
+    folded = fold_quark(model)
+    assert folded.modified is False and folded.entries == []  # no Quark node in this model
+    # opset 24, IR 12 (E8M0 scales stay for nothing: IR 11 needed)
+    assert versions(rewritten.wrote_dq)(model).modified is False
     assert group(model).modified is True  # W1's scales moved up next to W1
     names = list(model.graph.initializers)
     assert names.index("W1_scale_e4m3") == names.index("W1") + 1
     assert group(model).modified is False
     empty, (rewrite, *_), _ = _weight_passes(B.function_model())  # its weight is declined (inside a function)
-    assert rewrite(empty).modified is False and rewrite.done == []
+    result = rewrite(empty)
+    assert result.modified is False and result.done == []
+
+
+def test_weight_stages_report_through_their_results_in_the_order_they_ran():
+    """The opset pass learns from the rewrite's result that an FP4 DQ was written (opset 21 -> 23); each
+    stage's report comes back in its own result."""
+    from fp4pass.onnx.pipeline import run_weight_passes
+    from fp4pass.onnx.rewrite_common import WeightConversion
+    from fp4pass.onnx.sharing import find_weights
+    from tests.graph_variants import mlp
+
+    model = ir.serde.deserialize_model(mlp(onnx.TensorProto.FLOAT))
+    model.opset_imports[""] = model.graph.opset_imports[""] = 21
+    records, declined = find_weights(model)
+    stages = run_weight_passes(model, records, [WeightConversion(r, "auto") for r in records], "dq", False, declined)
+    assert [r.name for r, *_ in stages.rewrite.done] == [r.name for r in records] and stages.rewrite.wrote_dq
+    assert stages.quark.entries == [] and stages.quark.modified is False
+    assert stages.versions.versions["before"]["opset"] == 21 and stages.versions.versions["after"]["opset"] == 23
+    assert model.opset_imports[""] == 23 and stages.grouped.modified is True
 
 
 def test_set_opset_and_ir_raises_the_opset_once_and_keeps_functions_in_step():
@@ -122,8 +148,8 @@ def test_set_opset_and_ir_raises_the_opset_once_and_keeps_functions_in_step():
     model = ir.serde.deserialize_model(proto)
     model.opset_imports[""] = 21
     next(iter(model.functions.values())).opset_imports[""] = 21
-    first = SetOpsetAndIR(wrote_fp4_dq=lambda: True)
-    assert first(model).modified is True
+    first = SetOpsetAndIR(wrote_fp4_dq=True)(model)
+    assert first.modified is True
     # opset 23 alone needs IR 11; the FLOAT8E8M0 scales stored in the function's Constant node need IR 12
     assert first.versions == {"before": {"ir_version": 12, "opset": 21}, "after": {"ir_version": 12, "opset": 23}}
     assert next(iter(model.functions.values())).opset_imports[""] == 23
@@ -137,7 +163,7 @@ def test_fold_quark_pass_reports_a_change_on_a_quark_model():
     model, (rewrite, fold_quark, *_), declined = _weight_passes(proto)
     rewrite(model)
     result = fold_quark(model)
-    assert result.modified is True and any(e["kind"] == "constant" for e in fold_quark.entries)
+    assert result.modified is True and any(e["kind"] == "constant" for e in result.entries)
     assert any(d.pattern == "quark" for d in declined)  # activations stay, declined, without calibration
 
 
@@ -245,9 +271,9 @@ def test_an_activation_consumer_inside_a_function_is_declined_with_the_reason():
     model = ir.serde.deserialize_model(proto)
     targets, declined = calibration_targets(model)
     assert targets == [] and "function local.fp4::Linear" in declined[0]["reason"]
-    insert = InsertActivationQuantizers({"x": 0.01}, target="reference")
-    assert insert(model).modified is False
-    (entry,) = insert.entries
+    result = InsertActivationQuantizers({"x": 0.01}, target="reference")(model)
+    assert result.modified is False
+    (entry,) = result.entries
     assert not entry["inserted"] and "function local.fp4::Linear" in entry["reason"]
 
 
