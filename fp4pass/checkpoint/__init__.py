@@ -9,8 +9,10 @@
     result = fp4pass.checkpoint.diff("gpt-oss-20b", "gpt-oss-20b-nvfp4", "calib.jsonl")  # what NVFP4 costs
 
 The safetensors reading below it (the file format, read and written streaming; a checkpoint folder; bounded
-exclusion patterns; Hub IDs) is :mod:`fp4pass.safetensors`, shared with the fx door. Modules: ``detect`` (the three MXFP4 input forms and the w1/w3 pairs), ``input_scales`` (activation scales onto module
-names), ``engine`` (one unit through ``fp4pass.convert``), ``output_forms`` (ModelOpt and compressed-tensors
+exclusion patterns; Hub IDs) is :mod:`fp4pass.safetensors`, shared with the fx door.
+
+Modules: ``detect`` (the three MXFP4 input forms and the w1/w3 pairs), ``input_scales`` (activation scales onto
+module names), ``engine`` (one unit through ``fp4pass.convert``), ``output_forms`` (ModelOpt and compressed-tensors
 names, dtypes, shapes and configs), ``run`` (convert and inspect), ``check`` (the result read back by
 compressed-tensors), ``validate`` (any NVFP4 checkpoint against the engines' rules), ``calibration``
 (activation scales from the model's own forward, with ``calib_data`` for the data and ``layerwise`` for the

@@ -51,7 +51,8 @@ from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
 from fp4pass.onnx.passes import function_graphs, function_label, function_of
 from fp4pass.onnx.patterns import node_label
 
-__all__ = ["insert_activation_quantizers", "InsertActivationQuantizers", "InsertResult", "QuantizerScale", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+__all__ = ["insert_activation_quantizers", "InsertActivationQuantizers", "InsertResult", "QuantizerScale",
+           "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def _activation_dtype(node: ir.Node, index: int) -> ir.DataType:
 
 
 def _consumers_by_activation(model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
-    from fp4pass.onnx.patterns import find_fp4_consumers
+    from fp4pass.onnx.matching import find_fp4_consumers
 
     groups: dict[str, list[tuple[ir.Node, int]]] = {}
     for node, index, _weight in find_fp4_consumers(model):
@@ -175,7 +176,7 @@ class InsertActivationQuantizers(ir.passes.InPlacePass):
     """Stage 6 as an onnx_ir pass (module docstring): returns an :class:`InsertResult` (its ``entries`` the
     report); ``modified`` is True when a quantizer was inserted.
 
-    Consumers are found everywhere (:func:`fp4pass.onnx.patterns.find_fp4_consumers`). One quantizer serves
+    Consumers are found everywhere (:func:`fp4pass.onnx.matching.find_fp4_consumers`). One quantizer serves
     the consumers of one graph: a consumer inside an If / Loop / Scan body gets a quantizer in that body,
     placed before it (its name gets ``_{n}`` after ``_nvfp4``), reading the outer activation and the one
     global scale initializer of the main graph. A consumer inside a local function's body is declined with

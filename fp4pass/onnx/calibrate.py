@@ -3,7 +3,7 @@
 Steps (ModelOpt's staging: targets -> session -> collect -> compute):
 
 1. Targets: the activation input of every quantizable consumer of an FP4 weight
-   (:func:`fp4pass.onnx.patterns.find_fp4_consumers`: MatMul / Gemm / Einsum, and QMoE's input), each
+   (:func:`fp4pass.onnx.matching.find_fp4_consumers`: MatMul / Gemm / Einsum, and QMoE's input), each
    activation once however many consumers it feeds. Declined, with the reason: an activation blocked along
    another axis than its last (Gemm transA=1, MatMul with the weight as input A, an Einsum whose activation
    does not contract its last axis), a constant, one computed inside a subgraph (an outer activation that a
@@ -68,7 +68,7 @@ class CalibrationTarget:
 def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[dict]]:
     """(targets, declined): the activations to calibrate, in graph order, and those declined with a reason."""
     from fp4pass.onnx.passes import function_graphs, function_label, function_of
-    from fp4pass.onnx.patterns import find_fp4_consumers
+    from fp4pass.onnx.matching import find_fp4_consumers
 
     targets: dict[str, CalibrationTarget] = {}
     declined: list[dict] = []

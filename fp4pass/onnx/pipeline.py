@@ -13,12 +13,13 @@ docs/passes.md has the whole list, with what each pass walks and declines.
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
                 (``WeightConversion``)
 4. rewrite    - :class:`RewriteMXFP4Weights` (records and conversions in; :class:`RewriteResult` ``done``,
-                ``alphas``, ``wrote_dq`` out): per weight :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
+                ``alphas``, ``wrote_dq`` out): per weight :mod:`rewrite_trt` (``dq`` / ``alpha`` form,
+                GatherBlockQuantized) or
                 :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy and go to the graph that
                 holds the codes (an outer-scope initializer read in a branch: the main graph), new nodes to
                 the graph of the node they serve. A Quark weight becomes an MXFP4 DQ first.
-                :class:`FoldQuarkFakeQuants` (:class:`FoldResult` ``entries`` out): the Quark fake-quants left are folded
-                (constants) or go with the activations (:mod:`rewrite_quark`)
+                :class:`FoldQuarkFakeQuants` (:class:`FoldResult` ``entries`` out): the Quark fake-quants left
+                are folded (constants) or go with the activations (:mod:`rewrite_quark`)
 5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR` (``wrote_dq`` in, ``versions`` out), :class:`GroupInitializers`
 6. activations (optional) - calibration (``fp4pass.onnx.calibrate``, not a pass: it measures), then
                 :class:`fp4pass.onnx.act_quant.InsertActivationQuantizers` (``entries`` out; one quantizer per
