@@ -1168,10 +1168,10 @@ MUTANTS = [
         ("fp4pass/onnx/runtime.py", "(node not in names and op_type in _WEIGHT_OPS)", "False"),
     ], ORT_CUDA_TESTS),
     Mutant("diff-notes-not-in-json", "diff --json drops the notes", [
-        ("fp4pass/onnx/numerics.py", '"notes": list(self.notes),', '"notes": [],'),
+        ("fp4pass/onnx/diff_result.py", '"notes": list(self.notes),', '"notes": [],'),
     ], ORT_CUDA_TESTS),
     Mutant("diff-notes-not-in-table", "format_table leaves the notes out", [
-        ("fp4pass/onnx/numerics.py", 'lines.extend(f"note: {note}" for note in self.notes)', "lines.extend([])"),
+        ("fp4pass/onnx/diff_result.py", 'lines.extend(f"note: {note}" for note in self.notes)', "lines.extend([])"),
     ], ORT_CUDA_TESTS),
     Mutant("gpu-check-checksum-skipped", "the joined onnxruntime-gpu wheel is installed unchecked", [
         ("tests/gpu_check.sh", 'if ! (cd "$PARTS" && sha256sum --check --status SHA256SUMS); then', "if false; then"),
