@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4pass.onnx.diff_result import DiffResult, _sort_key
+from fp4pass.onnx.diff_result import DiffResult, worst_first
 
 __all__ = ["plot_diff", "plot_points", "PlotPoints", "PLOT_SNR_CAP"]
 
@@ -88,7 +88,7 @@ def plot_diff(result: DiffResult, path) -> None:
     ax1.set_title(f"per-tensor SNR, provider {result.provider}")
     if count:
         ax1.legend(fontsize=7, loc="lower left")
-    worst = sorted(result.outputs, key=_sort_key)[0] if result.outputs else None
+    worst = sorted(result.outputs, key=worst_first)[0] if result.outputs else None
     errors = result.worst_output_errors
     if worst is not None and errors is not None and errors.size and errors.max() > 0:
         ax2.hist(errors[errors > 0], bins=100, log=True)

@@ -1,6 +1,7 @@
 """The result of an ONNX diff (:func:`fp4pass.onnx.numerics.diff`, and the fx diff that reuses it): the figures
 per output and intermediate, the first divergent node, the verdict and the notes; ``fp4pass diff --json``'s keys
-(:meth:`DiffResult.to_json`) and its table (:meth:`DiffResult.format_table`), worst first (:func:`_sort_key`).
+(:meth:`DiffResult.to_json`) and its table (:meth:`DiffResult.format_table`), worst first
+(:func:`worst_first`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import numpy as np
 from fp4pass.metrics import TensorMetrics
 from fp4pass.onnx.tables import aligned
 
-__all__ = ["DiffResult"]
+__all__ = ["DiffResult", "worst_first"]
 
 
-def _sort_key(m: TensorMetrics) -> tuple:
+def worst_first(m: TensorMetrics) -> tuple:
     """Worst first: new NaN/Inf, then lowest SNR; identical tensors last."""
     snr = math.inf if m.snr_db is None else m.snr_db
     return (not m.new_nonfinite, snr, -m.max_abs_err)
@@ -74,9 +75,9 @@ class DiffResult:
             lines.append(title)
             lines.extend(aligned(table, right=set(range(2, 10))))  # names whole, columns sized to their cells
 
-        section(f"outputs ({len(self.outputs)}), provider {self.provider}:", sorted(self.outputs, key=_sort_key))
+        section(f"outputs ({len(self.outputs)}), provider {self.provider}:", sorted(self.outputs, key=worst_first))
         if self.intermediates:
-            worst = sorted(self.intermediates, key=_sort_key)[:limit]
+            worst = sorted(self.intermediates, key=worst_first)[:limit]
             section(f"intermediates (worst {len(worst)} of {len(self.intermediates)}):", worst)
         if self.first_divergent:
             fd = self.first_divergent

@@ -18,7 +18,7 @@ from fp4pass.onnx import qmoe_layout
 from fp4pass.onnx.passes import all_nodes, function_graphs, function_label, function_of
 from fp4pass.onnx.patterns import (LINEAR_CONSUMERS, Bnb4Decline, DeclineOnly, Declined, FP4Weight,
                                    GatherBlockQuantizedFp4, GatherBlockQuantizedInt4Decline, MXFP4Dequantize, QMoEFp4,
-                                   _attr, _dtype, node_label, op_label, trace_consumers)
+                                   node_attr, node_label, op_label, trace_consumers, value_dtype)
 from fp4pass.onnx.patterns_float import FP4FloatScaleDequantize, QuarkMXFakeQuant
 
 __all__ = ["PATTERNS", "find_mxfp4", "find_fp4_consumers", "function_reason"]
@@ -82,12 +82,13 @@ def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[D
 
 def _is_nvfp4_dq(node: ir.Node) -> bool:
     """``DQ(W FLOAT4E2M1, s, block_size=16)`` whose scale comes from ``DQ(S FLOAT8E4M3FN, G)`` (fp4pass's output)."""
-    if not (node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1):
+    if not (node.domain == "" and node.op_type == "DequantizeLinear"
+            and value_dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1):
         return False
     scale_producer = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    return (_attr(node, "block_size", 0) == 16 and scale_producer is not None
+    return (node_attr(node, "block_size", 0) == 16 and scale_producer is not None
             and scale_producer.op_type == "DequantizeLinear"
-            and _dtype(scale_producer.inputs[0]) == ir.DataType.FLOAT8E4M3FN)
+            and value_dtype(scale_producer.inputs[0]) == ir.DataType.FLOAT8E4M3FN)
 
 
 def find_fp4_consumers(model: ir.Model) -> list[tuple[ir.Node, int, FP4Weight | ir.Value]]:
@@ -118,6 +119,7 @@ def find_fp4_consumers(model: ir.Model) -> list[tuple[ir.Node, int, FP4Weight | 
             for c in trace_consumers(node.outputs[0]):
                 if c.node.op_type in LINEAR_CONSUMERS and c.node.domain == "":
                     add(c.node, c.activation_input, node.inputs[0])
-        elif node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") in ("fp4", "nvfp4"):
+        elif (node.domain == MS_DOMAIN and node.op_type == "QMoE"
+              and node_attr(node, "quant_type", "int") in ("fp4", "nvfp4")):
             add(node, 0, node.inputs[2])
     return result

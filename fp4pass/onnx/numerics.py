@@ -53,7 +53,7 @@ from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.npz import read_npz
 from fp4pass.onnx.alpha_scope import missing_global_scale
 from fp4pass.onnx.diff_plot import PLOT_SNR_CAP, PlotPoints, plot_diff, plot_points  # noqa: F401  (public here)
-from fp4pass.onnx.diff_result import DiffResult, _sort_key  # noqa: F401  (public here; fx's diff sorts alike)
+from fp4pass.onnx.diff_result import DiffResult, worst_first  # noqa: F401  (DiffResult: public here too)
 from fp4pass.onnx.feeds import dims_mismatch, kv_cache_pairs, plan_feeds
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
@@ -438,8 +438,8 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
                 except ValueError as exc:
                     raise ModelError(f"output {exc}") from None
                 output_metrics.append(m)
-                if worst_key is None or _sort_key(m) < worst_key:
-                    worst_key = _sort_key(m)
+                if worst_key is None or worst_first(m) < worst_key:
+                    worst_key = worst_first(m)
                     if errors.size > _ERROR_SAMPLE:
                         errors = sample_rng.choice(errors, _ERROR_SAMPLE, replace=False)
                     worst_errors = errors

@@ -50,6 +50,15 @@ __all__ = [
     "op_label",
     "declined_line",
     "FLOAT_SCALE_TYPES",
+    "DeclineOnly",
+    "trace_consumers",
+    "node_attr",
+    "value_dtype",
+    "float_scaled",
+    "initializer_reason",
+    "shared_reason",
+    "dq_layout_reason",
+    "dequantized_constants_reason",
     "LINEAR_CONSUMERS",
     "PASSTHROUGH_OPS",
 ]
@@ -130,7 +139,7 @@ def op_label(node: ir.Node) -> str:
     return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
-def _dtype(value: ir.Value | None) -> ir.DataType | None:
+def value_dtype(value: ir.Value | None) -> ir.DataType | None:
     """A value's type: its stored tensor's (an initializer, or a Constant node, whose output often carries
     no type in a function body), else its declared one."""
     stored = constant_tensor(value)
@@ -147,7 +156,7 @@ def node_label(node: ir.Node) -> str:
     return f"{node.op_type} -> {out}" if out else node.op_type
 
 
-def _dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
+def dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
     """Why an FP4 DequantizeLinear's stored weight is not laid out as the pass converts it (no zero point,
     rank 2 or 3, blocks along the last axis), with what would make it convertible; None when it is."""
     if len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -157,14 +166,14 @@ def _dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
     if rank not in (2, 3):
         return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
                 "to one of them, with a Reshape after the dequantize)")
-    axis = _attr(node, "axis", 1)
+    axis = node_attr(node, "axis", 1)
     if axis not in (-1, rank - 1):
         return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
                 "blocks along the last axis, with a Transpose after the dequantize)")
     return None
 
 
-def _initializer_reason(value: ir.Value, role: str) -> str | None:
+def initializer_reason(value: ir.Value, role: str) -> str | None:
     """Why ``value`` cannot be rewritten as a stored weight, or None when it is a plain initializer."""
     if value.is_graph_input():
         return (f"{role} {value.name!r} is a graph input, not an initializer (the pass rewrites stored weights: "
@@ -175,7 +184,7 @@ def _initializer_reason(value: ir.Value, role: str) -> str | None:
     return None
 
 
-def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
+def shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
     others = [user for user, _ in value.uses() if user is not node]
     if others:
         return f"{role} {value.name!r} is also used by node {node_label(others[0])!r} ({others[0].op_type})"
@@ -187,13 +196,13 @@ def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
 def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
     """Why the weight/scale pair of ``node`` is not a rewritable constant pair, or None."""
     for value, role in ((weight, "weight"), (scale, "scale")):
-        reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+        reason = initializer_reason(value, role) or shared_reason(value, node, role)
         if reason:
             return reason
     return None
 
 
-def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
+def dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
     """Like :func:`_constants_reason` for a DequantizeLinear (patterns 1 and 4 alike), where sharing is allowed:
 
     - the weight may be read by other DequantizeLinear nodes (data input); they are converted together
@@ -202,7 +211,7 @@ def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Val
       for its other readers.
     """
     for value, role in ((weight, "weight"), (scale, "scale")):
-        reason = _initializer_reason(value, role)
+        reason = initializer_reason(value, role)
         if reason:
             return reason
     for user, index in weight.uses():
@@ -214,7 +223,7 @@ def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Val
     return None
 
 
-def _attr(node: ir.Node, name: str, default):
+def node_attr(node: ir.Node, name: str, default):
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
 
@@ -248,22 +257,23 @@ class MXFP4Dequantize:
     name = "dq"
 
     def match(self, node: ir.Node) -> bool:
-        return (node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
-                and not _float_scaled(node))
+        return (node.domain == "" and node.op_type == "DequantizeLinear"
+                and value_dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
+                and not float_scaled(node))
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if s is None:
             return f"DequantizeLinear of {w.name!r} has no scale"
-        reason = _dequantized_constants_reason(node, w, s)
+        reason = dequantized_constants_reason(node, w, s)
         if reason:
             return reason
-        if _dtype(s) != ir.DataType.FLOAT8E8M0:
-            return f"scale of {w.name!r} is {_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
-        reason = _dq_layout_reason(node, w)
+        if value_dtype(s) != ir.DataType.FLOAT8E8M0:
+            return f"scale of {w.name!r} is {value_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
+        reason = dq_layout_reason(node, w)
         if reason:
             return reason
-        block = _attr(node, "block_size", 0)
+        block = node_attr(node, "block_size", 0)
         if block != 32:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
         return None
@@ -289,12 +299,12 @@ class QMoEFp4:
         self.hints = hints
 
     def match(self, node: ir.Node) -> bool:
-        return node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") == "fp4"
+        return node.domain == MS_DOMAIN and node.op_type == "QMoE" and node_attr(node, "quant_type", "int") == "fp4"
 
     def check(self, node: ir.Node) -> str | None:
         if len(node.inputs) > 8 and node.inputs[8] is not None:
             return "fc3 weights (unfused SwiGLU) have no global scale input in QMoE 'nvfp4'"
-        block = _attr(node, "block_size", 32)
+        block = node_attr(node, "block_size", 32)
         if block not in (0, 32):
             return f"block_size {block}; MXFP4 needs 32"
         for slot, (wi, si, gi) in QMOE_WEIGHTS.items():
@@ -302,15 +312,15 @@ class QMoEFp4:
             s = node.inputs[si] if len(node.inputs) > si else None
             if s is None:
                 return f"{slot} scales are missing"
-            if _dtype(w) != ir.DataType.UINT8 or _dtype(s) not in (ir.DataType.FLOAT8E8M0, ir.DataType.UINT8):
-                return f"{slot} weights/scales are {_dtype(w)}/{_dtype(s)}, not uint8 FP4 / E8M0"
+            if value_dtype(w) != ir.DataType.UINT8 or value_dtype(s) not in (ir.DataType.FLOAT8E8M0, ir.DataType.UINT8):
+                return f"{slot} weights/scales are {value_dtype(w)}/{value_dtype(s)}, not uint8 FP4 / E8M0"
             for value, role in ((w, f"{slot} weight"), (s, f"{slot} scale")):
-                reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+                reason = initializer_reason(value, role) or shared_reason(value, node, role)
                 if reason:
                     return reason
             g = node.inputs[gi] if len(node.inputs) > gi else None
             if g is not None:
-                reason = _initializer_reason(g, f"{slot} global scale") or _shared_reason(g, node, f"{slot} global scale")
+                reason = initializer_reason(g, f"{slot} global scale") or shared_reason(g, node, f"{slot} global scale")
                 if reason:
                     return reason
             if w.const_value.shape.rank() != 3 or s.const_value.shape.rank() != 3:
@@ -354,8 +364,8 @@ def _qmoe_global_scales_reason(node: ir.Node) -> str | None:
         also = [i for i, v in enumerate(node.inputs) if v is g and i != gi]
         if also:
             return f"{role} is also input {also[0]} of the node; the global scale must be a tensor of its own"
-        if _dtype(g) != ir.DataType.FLOAT:
-            return f"{role} is {_dtype(g)}, not FLOAT"
+        if value_dtype(g) != ir.DataType.FLOAT:
+            return f"{role} is {value_dtype(g)}, not FLOAT"
         shape = [int(d) for d in g.const_value.shape]
         if shape != [e]:
             return f"{role} has shape {shape}; one FP32 scale per expert, [{e}], is expected"
@@ -391,21 +401,21 @@ class GatherBlockQuantizedFp4:
 
     def match(self, node: ir.Node) -> bool:
         return (node.domain == MS_DOMAIN and node.op_type == "GatherBlockQuantized"
-                and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1)
+                and value_dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1)
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[2]
         reason = _constants_reason(node, w, s)
         if reason:
             return reason
-        if _dtype(s) != ir.DataType.FLOAT:
-            return f"scale {s.name!r} is {_dtype(s)}; float32 scales are supported"
+        if value_dtype(s) != ir.DataType.FLOAT:
+            return f"scale {s.name!r} is {value_dtype(s)}; float32 scales are supported"
         rank = w.const_value.shape.rank()
         if rank not in (2, 3):
             return f"weight {w.name!r} has rank {rank}"
-        if _attr(node, "quantize_axis", 1) not in (-1, rank - 1):
+        if node_attr(node, "quantize_axis", 1) not in (-1, rank - 1):
             return f"weight {w.name!r} is blocked along a non-last axis"
-        block = _attr(node, "block_size", 128)
+        block = node_attr(node, "block_size", 128)
         if block != 32:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
         if tuple(s.const_value.shape.numpy())[:-1] != tuple(w.const_value.shape.numpy())[:-1]:
@@ -420,9 +430,9 @@ class GatherBlockQuantizedFp4:
 FLOAT_SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-def _float_scaled(node: ir.Node) -> bool:
+def float_scaled(node: ir.Node) -> bool:
     """An FP4 DequantizeLinear whose scale input is FLOAT/FLOAT16/BFLOAT16 (pattern 4, or fp4pass's NVFP4 output)."""
-    return len(node.inputs) > 1 and _dtype(node.inputs[1]) in FLOAT_SCALE_TYPES
+    return len(node.inputs) > 1 and value_dtype(node.inputs[1]) in FLOAT_SCALE_TYPES
 
 
 class DeclineOnly:
@@ -444,7 +454,7 @@ class Bnb4Decline(DeclineOnly):
         return node.inputs[1].name if len(node.inputs) > 1 and node.inputs[1] is not None else None
 
     def check(self, node: ir.Node) -> str | None:
-        kind = {0: "FP4", 1: "NF4"}.get(_attr(node, "quant_type", -1), "4-bit")
+        kind = {0: "FP4", 1: "NF4"}.get(node_attr(node, "quant_type", -1), "4-bit")
         return (f"bitsandbytes {kind} (MatMulBnb4): its own 4-bit code book with one float absmax per block, "
                 "not OCP E2M1 with power-of-two scales; export the weight as MXFP4 "
                 "(DequantizeLinear FLOAT4E2M1 + FLOAT8E8M0, block 32) to convert it")
@@ -457,8 +467,9 @@ class GatherBlockQuantizedInt4Decline(DeclineOnly):
 
     def match(self, node: ir.Node) -> bool:
         return (node.domain == MS_DOMAIN and node.op_type == "GatherBlockQuantized"
-                and _dtype(node.inputs[0]) != ir.DataType.FLOAT4E2M1)
+                and value_dtype(node.inputs[0]) != ir.DataType.FLOAT4E2M1)
 
     def check(self, node: ir.Node) -> str | None:
-        return (f"{_dtype(node.inputs[0])} data with bits={_attr(node, 'bits', 4)}: integer 4-bit quantization, "
+        return (f"{value_dtype(node.inputs[0])} data with bits={node_attr(node, 'bits', 4)}: integer 4-bit "
+                "quantization, "
                 "not FP4; export the table as FLOAT4E2M1 with power-of-two block-32 scales to convert it")

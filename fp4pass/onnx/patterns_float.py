@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from fp4pass.formats.constants import QUARK_DOMAIN
-from fp4pass.onnx.patterns import (FLOAT_SCALE_TYPES, LINEAR_CONSUMERS, FP4Weight, _attr, _dequantized_constants_reason,
-                                   _dq_layout_reason, _dtype, _float_scaled, _initializer_reason, _shared_reason,
-                                   trace_consumers)
+from fp4pass.onnx.patterns import (FLOAT_SCALE_TYPES, LINEAR_CONSUMERS, FP4Weight, dequantized_constants_reason,
+                                   dq_layout_reason, float_scaled, initializer_reason, node_attr, shared_reason,
+                                   trace_consumers, value_dtype)
 
-__all__ = ["FP4FloatScaleDequantize", "QuarkMXFakeQuant", "QuarkWeight", "quark_constant", "QUARK_MX_OP",
+__all__ = ["FP4FloatScaleDequantize", "QuarkMXFakeQuant", "QuarkWeight", "quark_constant", "quark_fp4", "QUARK_MX_OP",
            "QUARK_FP4"]
 
 QUARK_MX_OP = "MXQuantizeDequantize"
@@ -48,17 +48,17 @@ class FP4FloatScaleDequantize:
 
     def match(self, node: ir.Node) -> bool:
         return (node.domain == "" and node.op_type == "DequantizeLinear"
-                and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1 and _float_scaled(node))
+                and value_dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1 and float_scaled(node))
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1]
-        reason = _dequantized_constants_reason(node, w, s)
+        reason = dequantized_constants_reason(node, w, s)
         if reason:
             return reason
-        reason = _dq_layout_reason(node, w)
+        reason = dq_layout_reason(node, w)
         if reason:
             return reason
-        block = _attr(node, "block_size", 0)
+        block = node_attr(node, "block_size", 0)
         if block != 32:
             fix = ("store its block scales as FLOAT8E4M3FN with an FP32 global scale (NVFP4's two-DQ form)"
                    if block == 16 else "requantize it with blocks of 32 along the last axis")
@@ -85,8 +85,8 @@ class QuarkWeight(FP4Weight):
     perm: list[int] | None = None
 
 
-def _quark_fp4(node: ir.Node) -> bool:
-    element = _attr(node, "element_dtype", "")
+def quark_fp4(node: ir.Node) -> bool:
+    element = node_attr(node, "element_dtype", "")
     if isinstance(element, bytes):
         element = element.decode()
     return node.domain == QUARK_DOMAIN and node.op_type == QUARK_MX_OP and element == QUARK_FP4
@@ -95,7 +95,7 @@ def _quark_fp4(node: ir.Node) -> bool:
 def quark_constant(node: ir.Node) -> bool:
     """A Quark FP4 fake-quant whose input is a stored constant (weight or bias), not an activation."""
     x = node.inputs[0] if node.inputs else None
-    return _quark_fp4(node) and x is not None and not x.is_graph_input() and x.const_value is not None
+    return quark_fp4(node) and x is not None and not x.is_graph_input() and x.const_value is not None
 
 
 def _linear_weight(value: ir.Value) -> bool:
@@ -123,19 +123,19 @@ class QuarkMXFakeQuant:
 
     def check(self, node: ir.Node) -> str | None:
         w = node.inputs[0]
-        reason = _initializer_reason(w, "weight") or _shared_reason(w, node, "weight")
+        reason = initializer_reason(w, "weight") or shared_reason(w, node, "weight")
         if reason:
             return reason
-        if _dtype(w) not in FLOAT_SCALE_TYPES:
-            return f"weight {w.name!r} is {_dtype(w)}, not a float type"
+        if value_dtype(w) not in FLOAT_SCALE_TYPES:
+            return f"weight {w.name!r} is {value_dtype(w)}, not a float type"
         shape = tuple(w.const_value.shape.numpy())
         rank = len(shape)
         if rank not in (2, 3):
             return f"weight {w.name!r} has rank {rank}; 2-D or 3-D is supported"
-        block = _attr(node, "block_size", 32)
+        block = node_attr(node, "block_size", 32)
         if block != 32:
             return f"weight {w.name!r} has MX block size {block}; MXFP4 needs 32 (re-run Quark with block_size 32)"
-        axis = _attr(node, "axis", 1)
+        axis = node_attr(node, "axis", 1)
         if not -rank <= axis < rank:
             return f"weight {w.name!r}: axis {axis} is out of range for rank {rank}"
         if shape[axis] % 32:
@@ -149,7 +149,7 @@ class QuarkMXFakeQuant:
 
         w = node.inputs[0]
         rank = w.const_value.shape.rank()
-        axis = _attr(node, "axis", 1) % rank
+        axis = node_attr(node, "axis", 1) % rank
         perm = None
         if axis != rank - 1:
             perm = list(range(rank))

@@ -32,7 +32,7 @@ from fp4pass.formats import MX_BLOCK_SIZE
 from fp4pass.onnx.quark_mx import QUARK_SCALE_RULE, _float32, quantize_weight, quark_fake_quant, quark_mxfp4  # noqa: F401
 from fp4pass.formats.constants import QUARK_DOMAIN
 from fp4pass.onnx.patterns import Declined, node_label, op_label, trace_consumers
-from fp4pass.onnx.patterns_float import QuarkWeight, _quark_fp4, quark_constant
+from fp4pass.onnx.patterns_float import QuarkWeight, quark_fp4, quark_constant
 
 __all__ = [
     "QUARK_SCALE_RULE",
@@ -157,7 +157,7 @@ def fold_constants(model: ir.Model, declined: list[Declined] | None = None) -> l
 
 def activation_fake_quants(model: ir.Model) -> list[ir.Node]:
     """Case 3: the Quark FP4 fake-quants on values computed at run time (or graph inputs)."""
-    return [node for graph in model.graphs() for node in graph if _quark_fp4(node) and not quark_constant(node)]
+    return [node for graph in model.graphs() for node in graph if quark_fp4(node) and not quark_constant(node)]
 
 
 ACTIVATION_REASON = ("Quark MX fake-quant on an activation, left as it is: running the output needs Quark's "
