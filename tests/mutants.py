@@ -716,6 +716,12 @@ MUTANTS = [
     Mutant("pass-results-out-of-order", "run_passes hands back the passes' results last first", [
         ("fp4pass/onnx/passes.py", "        self.results.append(result)\n", "        self.results.insert(0, result)\n"),
     ], ["tests/test_onnx_passes.py"]),
+    Mutant("ort-versions-not-told-of-emulation", "SetOrtVersions configured as if no quantizer was emulated", [
+        ("fp4pass/onnx/lower.py", "SetOrtVersions(emulated=bool(results[0].lowered),", "SetOrtVersions(emulated=False,"),
+    ], ["tests/test_onnx_passes.py", "tests/test_lower.py"]),
+    Mutant("ort-versions-emulated-functions-dropped", "a function whose quantizer was emulated keeps its opset", [
+        ("fp4pass/onnx/lower.py", "emulated_functions=results[0].functions)", "emulated_functions=[])"),
+    ], ["tests/test_onnx_passes.py", "tests/test_lower.py"]),
     # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
     Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
         ("fp4pass/onnx/rewrite_qmoe.py", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),

@@ -75,16 +75,48 @@ def test_lowering_in_a_function_body_uses_constant_nodes_and_the_function_import
     assert ops.count("Constant") == 3  # codes, FP32 scales, gather indices (the E8M0 Constant is gone)
 
 
+def test_the_quantizer_lowering_raises_the_opset_its_emulation_needs():
+    """SetOrtVersions is configured with the quantizer lowering's result: TensorRT's quantizer in an opset-19
+    graph (or an opset-19 function's body), lowered to standard ops, leaves the model (and that function) at the
+    emulation's opset (21)."""
+    import numpy as np
+
+    from fp4pass.onnx.act_quant import trt_quantizer
+    from fp4pass.onnx.emulate import MIN_OPSET
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 32]))
+    g = ir.Value(name="g", const_value=ir.tensor(np.array(0.05, dtype=np.float32), name="g"))
+    nodes, x_hat = trt_quantizer(x, g, g, "q")
+    graph = ir.Graph([x], [x_hat], nodes=nodes, initializers=[g], opset_imports={"": 19, "trt": 1})
+    lowered, report = lower(ir.Model(graph, ir_version=10))
+    assert report.lowered == {LowerTRTFP4DynamicQuantize.name: 1}
+    assert lowered.opset_imports[""] == MIN_OPSET == 21
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 32]))
+    constant = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0.05, dtype=np.float32), name="g")})
+    nodes, x_hat = trt_quantizer(x, constant.outputs[0], constant.outputs[0], "q")
+    body = ir.Graph([x], [x_hat], nodes=[constant, *nodes], opset_imports={"": 19, "trt": 1})
+    function = ir.Function("local", "Quantize", graph=body, attributes=[])
+    x_in = ir.Value(name="x_in", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 32]))
+    call = ir.node("Quantize", [x_in], domain="local")
+    call.outputs[0].name, call.outputs[0].type = "y", ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([x_in], [call.outputs[0]], nodes=[call], opset_imports={"": 19, "local": 1})
+    lowered, _ = lower(ir.Model(graph, ir_version=10, functions=[function]))
+    (body_after,) = lowered.functions.values()
+    assert body_after.opset_imports[""] == lowered.opset_imports[""] == MIN_OPSET
+
+
 def test_each_lowering_pass_says_whether_it_changed_the_model():
     model = ir.serde.deserialize_model(B.if_branch_model())
-    report = LoweringReport()
-    dq_pass = LowerFP4DequantizeLinear(report)
+    dq_pass = LowerFP4DequantizeLinear()
     first = dq_pass(model)
     assert first.modified is True and first.model is model
+    assert first.lowered == 2 and first.declined == [] and first.functions == []  # one DQ in each branch
     assert dq_pass(model).modified is False  # nothing left to lower
-    assert LowerTRTFP4DynamicQuantize(report)(model).modified is False
-    assert LowerQMoEFP4(report=report)(model).modified is False
-    versions = SetOrtVersions(report, [dq_pass])
+    assert LowerTRTFP4DynamicQuantize()(model).modified is False
+    assert LowerQMoEFP4()(model).modified is False
+    assert LoweringReport.of([first]).lowered == {LowerFP4DequantizeLinear.name: 2}
+    versions = SetOrtVersions()
     assert versions(model).modified is True  # IR capped and com.microsoft imported
     assert versions(model).modified is False
 
