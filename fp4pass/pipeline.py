@@ -1,10 +1,11 @@
 """``fp4pass.onnx.convert``: MXFP4 -> NVFP4 over a whole ONNX model, with optional activation calibration
 and a numerical check.
 
-This is the orchestration above both the ONNX passes (:mod:`fp4pass.onnx`) and the calibration
-(:mod:`fp4pass.calib`): the passes take plain values (a mapping activation -> input_scale), the calibration
-produces them, and neither imports the other. The stages, in order, are those of :mod:`fp4pass.onnx.pipeline`
-(load, match, validate, rewrite, clean up), then the activations (:func:`fp4pass.calib.calibrate_model` or a
+This is the orchestration above both the ONNX passes (:mod:`fp4pass.onnx`) and the ONNX calibration run
+(:mod:`fp4pass.onnx.calibrate`): the passes take plain values (a mapping activation -> input_scale), the
+calibration produces them, and the passes never import it. The stages, in order, are those of
+:mod:`fp4pass.onnx.pipeline` (load, match, validate, rewrite, clean up), then the activations
+(:func:`fp4pass.onnx.calibrate.calibrate_model` or a
 SCALES.json, then :func:`fp4pass.onnx.act_quant.insert_activation_quantizers`), the write, and the check
 (:func:`fp4pass.onnx.numerics.diff`). ``fp4pass.onnx.convert`` is this module's :func:`convert`.
 """
@@ -18,17 +19,17 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from fp4pass.calib import ActivationScales, calibrate_model
+from fp4pass.calib import ActivationScales
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
 from fp4pass.errors import CheckError, FP4PassError, UsageError
 from fp4pass.onnx import loading
+from fp4pass.onnx.calibrate import calibrate_model
 from fp4pass.onnx import pipeline as onnx_stages
 from fp4pass.onnx.act_quant import QuantizerScale, insert_activation_quantizers
 from fp4pass.onnx.initializer_inputs import unlist_initializer_inputs
 from fp4pass.onnx.numerics import REFERENCE, diff
 from fp4pass.onnx.pipeline import EXTERNAL_DATA, METHODS, PROVIDERS, SCALE_FORMS, TARGETS
 from fp4pass.onnx.report import jsonable, summarize, summary_line, tensor_entry
-from fp4pass.onnx.passes import run_passes
 from fp4pass.onnx.rewrite_common import WeightConversion
 from fp4pass.onnx.rewrite_qmoe import prior_global_scale
 from fp4pass.onnx.sharing import find_weights
@@ -176,10 +177,10 @@ def convert(
     convs = [WeightConversion(r, method, prior_global_scale(r) if r.pattern == "qmoe" else None, effort=effort,
                               threads=threads) for r in records]
     # stages 4-5 (rewrite, Quark's rest, opset and IR, initializer order): onnx_ir passes, run in order
-    rewrite, fold_quark, set_versions, group = onnx_stages.weight_passes(
-        records, convs, scale_form, calibrated=calib is not None or scales is not None, declined=declined)
-    run_passes([rewrite, fold_quark, set_versions, group], model)
-    done, alphas, quark, versions = rewrite.done, rewrite.alphas, fold_quark.entries, set_versions.versions
+    stages = onnx_stages.run_weight_passes(model, records, convs, scale_form,
+                                           calibrated=calib is not None or scales is not None, declined=declined)
+    done, alphas, quark, versions = (stages.rewrite.done, stages.rewrite.alphas, stages.quark.entries,
+                                     stages.versions.versions)
 
     activations = None
     if calib is not None or scales is not None:

@@ -99,7 +99,7 @@ MUTANTS = [
         ("fp4pass/commands/inspect.py", "    remote = uncached_hub_id(args.model)\n", "    remote = None\n"),
     ], ["tests/test_hub_headers.py"]),
     Mutant("hub-partial-snapshot-as-local", "a cached snapshot that lacks shards taken for a local copy", [
-        ("fp4pass/hub.py", "    return None if folder is not None and not missing else parsed",
+        ("fp4pass/safetensors/hub.py", "    return None if folder is not None and not missing else parsed",
          "    return None if folder is not None else parsed"),
     ], ["tests/test_hub_headers.py"]),
     Mutant("hub-headers-nvfp4-as-mxfp4", "an NVFP4 repository's E4M3 block scales not told from MXFP4", [
@@ -200,66 +200,66 @@ MUTANTS = [
     ], CALIB_BOUNDS_TESTS),
     # -- exclusion lists bounded in time and memory; configs within 16 MiB ----------------------------------------
     Mutant("glob-rest-unbounded", "globs without a literal head or tail are tried with no budget", [
-        ("fp4pass/checkpoint/patterns.py", "            budget.check(glob.pattern, name, every=1)\n            if glob.match(name, budget):",
+        ("fp4pass/safetensors/patterns.py", "            budget.check(glob.pattern, name, every=1)\n            if glob.match(name, budget):",
          "            if glob.match(name):"),
     ], BOUNDS_TESTS),
     Mutant("glob-scan-unbounded", "one glob's scan of a long name runs with no budget", [
-        ("fp4pass/checkpoint/patterns.py", "            if budget is not None:\n                budget.check(entry, name)\n            if self.at(",
+        ("fp4pass/safetensors/patterns.py", "            if budget is not None:\n                budget.check(entry, name)\n            if self.at(",
          "            if self.at("),
     ], BOUNDS_TESTS),
     Mutant("glob-size-uncapped", "a glob of any length is tokenized (memory per character)", [
-        ("fp4pass/checkpoint/patterns.py", "            if special is not None and len(p) > MAX_GLOB_CHARS:", "            if False:"),
+        ("fp4pass/safetensors/patterns.py", "            if special is not None and len(p) > MAX_GLOB_CHARS:", "            if False:"),
     ], BOUNDS_TESTS),
     Mutant("substring-rule-unbounded", "vLLM's substring rule on a long name runs with no budget", [
-        ("fp4pass/checkpoint/patterns.py", "                    budget.check(f\"(an entry of {length} characters)\", name)\n", ""),
+        ("fp4pass/safetensors/patterns.py", "                    budget.check(f\"(an entry of {length} characters)\", name)\n", ""),
     ], BOUNDS_TESTS),
     Mutant("ancestor-rule-unbounded", "SGLang's ancestor rule on a name of many components runs with no budget", [
-        ("fp4pass/checkpoint/patterns.py", "            if budget is not None:\n                budget.check(f\"(an entry of {count} dots)\", name)\n", ""),
+        ("fp4pass/safetensors/patterns.py", "            if budget is not None:\n                budget.check(f\"(an entry of {count} dots)\", name)\n", ""),
     ], BOUNDS_TESTS),
     Mutant("substring-index-end-off-by-one", "the indexed substring rule misses an entry at the name's end", [
-        ("fp4pass/checkpoint/patterns.py", "                for i in range(n - length + 1):", "                for i in range(n - length):"),
+        ("fp4pass/safetensors/patterns.py", "                for i in range(n - length + 1):", "                for i in range(n - length):"),
     ], BOUNDS_TESTS),
     Mutant("prefix-index-whole-name-missed", "a prefix glob as long as the name is never tried", [
-        ("fp4pass/checkpoint/patterns.py", "        for length in self.prefix_lengths:\n            if length > n:",
+        ("fp4pass/safetensors/patterns.py", "        for length in self.prefix_lengths:\n            if length > n:",
          "        for length in self.prefix_lengths:\n            if length >= n:"),
     ], BOUNDS_TESTS),
     Mutant("regex-expansion-uncapped", "a regex whose counted repeats multiply out is compiled", [
-        ("fp4pass/checkpoint/patterns.py", "            if nodes > MAX_REGEX_NODES:", "            if False:"),
+        ("fp4pass/safetensors/patterns.py", "            if nodes > MAX_REGEX_NODES:", "            if False:"),
     ], BOUNDS_TESTS),
     Mutant("regex-compile-unbudgeted", "a list's regexes are compiled however long it takes", [
-        ("fp4pass/checkpoint/patterns.py", "            if self.spent > REGEX_BUDGET_SECONDS:\n                raise BadPattern(f\"{what}: compiling",
+        ("fp4pass/safetensors/patterns.py", "            if self.spent > REGEX_BUDGET_SECONDS:\n                raise BadPattern(f\"{what}: compiling",
          "            if False:\n                raise BadPattern(f\"{what}: compiling"),
     ], BOUNDS_TESTS),
     Mutant("config-limit-of-the-index", "config.json is read up to the index's 64 MiB, not 16 MiB", [
-        ("fp4pass/checkpoint/catalog.py", "def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT)",
+        ("fp4pass/safetensors/catalog.py", "def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT)",
          "def read_json_file(path: Path, what: str, limit: int = JSON_LIMIT)"),
     ], BOUNDS_TESTS),
     Mutant("match-budget-fixed", "the matchers' budget does not grow with the names: big models' real lists fail", [
-        ("fp4pass/checkpoint/patterns.py", "            self.seconds += NAME_ALLOWANCE_SECONDS\n", ""),
+        ("fp4pass/safetensors/patterns.py", "            self.seconds += NAME_ALLOWANCE_SECONDS\n", ""),
     ], BOUNDS_TESTS),
     # -- Hub caches by huggingface_hub's rules; outputs never onto an input's blobs -------------------------------
     Mutant("hub-cache-rules-unchecked", "huggingface_hub reads refs/main whatever it is (a path, a FIFO)", [
-        ("fp4pass/hub.py", "    cached_snapshot(repo_id, revision, cache_dir)  # the cache's", "    pass  # the cache's"),
+        ("fp4pass/safetensors/hub.py", "    cached_snapshot(repo_id, revision, cache_dir)  # the cache's", "    pass  # the cache's"),
     ], HUB_TESTS),
     Mutant("hub-ref-any-text", "a ref is taken for a commit whatever it holds", [
-        ("fp4pass/hub.py", "        if not _COMMIT.fullmatch(text.strip()):", "        if False:"),
+        ("fp4pass/safetensors/hub.py", "        if not _COMMIT.fullmatch(text.strip()):", "        if False:"),
     ], HUB_TESTS),
     Mutant("hub-ref-unbounded", "a ref file is read whatever its size", [
-        ("fp4pass/hub.py", "read_regular_file(ref, REF_MAX_BYTES, HubError)", "read_regular_file(ref, 1 << 40, HubError)"),
+        ("fp4pass/safetensors/hub.py", "read_regular_file(ref, REF_MAX_BYTES, HubError)", "read_regular_file(ref, 1 << 40, HubError)"),
     ], HUB_TESTS),
     Mutant("hub-snapshot-anywhere", "a snapshot folder that leads out of the cache is read", [
-        ("fp4pass/hub.py", "    if not os.path.isdir(snapshot) or not _within(snapshot, repo / \"snapshots\"):",
+        ("fp4pass/safetensors/hub.py", "    if not os.path.isdir(snapshot) or not _within(snapshot, repo / \"snapshots\"):",
          "    if not os.path.isdir(snapshot):"),
     ], HUB_TESTS),
     Mutant("hub-index-opened-before-link-rule", "an index linked out of the snapshot is opened and parsed", [
-        ("fp4pass/hub.py", "        if not _readable_member(folder, index.name):\n            return missing\n", ""),
+        ("fp4pass/safetensors/hub.py", "        if not _readable_member(folder, index.name):\n            return missing\n", ""),
     ], HUB_TESTS),
     Mutant("hub-cache-at-hf-home", "the Hub cache is looked up under HF_HOME instead of HF_HOME/hub", [
-        ("fp4pass/hub.py", 'os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")',
+        ("fp4pass/safetensors/hub.py", 'os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")',
          'os.path.expanduser(os.environ["HF_HOME"])'),
     ], HUB_TESTS),
     Mutant("hub-gated-as-missing", "a gated repository is reported as a missing one", [
-        ("fp4pass/hub.py", "    except GatedRepoError:\n", "    except ImportError:\n"),
+        ("fp4pass/safetensors/hub.py", "    except GatedRepoError:\n", "    except ImportError:\n"),
     ], HUB_TESTS),
     Mutant("outputs-onto-input-blobs", "an output into the folder an input's links lead to (Hub blobs) is taken", [
         ("fp4pass/io/outputs.py", "            for place in input_places(given)[1:]:\n", "            for place in []:\n"),
@@ -437,7 +437,7 @@ MUTANTS = [
         ("fp4pass/commands/convert.py", "    _refuse_folder_output(args.output, args.model)\n", ""),
     ], ROUND5_TESTS),
     Mutant("hub-hint-drops-revision", "the offline Hub hint fetches the default branch, not the @rev asked for", [
-        ("fp4pass/hub.py", '(f" --revision {revision}" if revision else "")', '""'),
+        ("fp4pass/safetensors/hub.py", '(f" --revision {revision}" if revision else "")', '""'),
     ], ROUND5_TESTS),
     Mutant("json-without-provenance", "a JSON file fp4pass writes does not say which fp4pass and command wrote it", [
         ("fp4pass/commands/_provenance.py", "    return {KEY: provenance(args, with_source), **data}",
@@ -494,7 +494,7 @@ MUTANTS = [
          "    if True:"),
     ], INPUT_TESTS),
     Mutant("npz-arrays-unnamed", "an .npz naming no graph input says only which input is missing", [
-        ("fp4pass/calib/runner.py", "        if extra and not feed:", "        if False:"),
+        ("fp4pass/onnx/calibrate.py", "        if extra and not feed:", "        if False:"),
     ], INPUT_TESTS),
     Mutant("scales-of-another-model", "a SCALES.json matching no module is not named as another model's", [
         ("fp4pass/checkpoint/input_scales.py", "    if not found and result.unmatched:", "    if False:"),
@@ -518,10 +518,10 @@ MUTANTS = [
         ("fp4pass/onnx/nvfp4_forms.py", "    if not six:\n        return None", "    if True:\n        return None"),
     ], INPUT_TESTS),
     Mutant("nvfp4-zero-scale-passes", "a global or input scale of 0 is no problem", [
-        ("fp4pass/onnx/nvfp4_forms.py", '("zero_scale", flat == 0,', '("zero_scale", flat != flat,'),
+        ("fp4pass/formats/scale_checks.py", '("zero_scale", values == 0)', '("zero_scale", values != values)'),
     ], INPUT_TESTS),
     Mutant("nvfp4-negative-zero-code", "an E4M3 block scale with the sign bit is no problem", [
-        ("fp4pass/onnx/nvfp4_forms.py", "(codes >= _E4M3_SIGN) & (magnitude != 0)", "(codes > 0xFF) & (magnitude != 0)"),
+        ("fp4pass/formats/scale_checks.py", "(codes >= E4M3_SIGN) & (magnitude != 0)", "(codes > 0xFF) & (magnitude != 0)"),
     ], INPUT_TESTS),
     Mutant("nvfp4-problems-exit-0", "inspect exits 0 on an NVFP4 ONNX model with broken scales", [
         ("fp4pass/commands/inspect.py", "    return 1 if problems else 0", "    return 0"),
@@ -664,29 +664,29 @@ MUTANTS = [
     ], ["tests/test_fx_input_names.py"]),
     # -- Hugging Face Hub model IDs ---------------------------------------------------------------------------
     Mutant("hub-id-beats-local-path", "a Hub ID is resolved even where a local folder of that name exists", [
-        ("fp4pass/hub.py", "if parsed is None or os.path.lexists(path_or_id):", "if parsed is None:"),
+        ("fp4pass/safetensors/hub.py", "if parsed is None or os.path.lexists(path_or_id):", "if parsed is None:"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-revision-ignored", "name@rev resolves to the default branch", [
-        ("fp4pass/hub.py", "snapshot_download(repo_id, revision=revision,", "snapshot_download(repo_id, revision=None,"),
+        ("fp4pass/safetensors/hub.py", "snapshot_download(repo_id, revision=revision,", "snapshot_download(repo_id, revision=None,"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-index-shards-not-checked", "a cached snapshot missing a shard its index names is taken as complete", [
-        ("fp4pass/hub.py", "        missing += [s for s in shards", "        missing + [s for s in shards"),
+        ("fp4pass/safetensors/hub.py", "        missing += [s for s in shards", "        missing + [s for s in shards"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-subfolders-fetched", "downloads take sub-folders too (gpt-oss's original/ and metal/ weights)", [
-        ("fp4pass/hub.py", 'HUB_IGNORED = ("*/*",)', 'HUB_IGNORED = ()'),
+        ("fp4pass/safetensors/hub.py", 'HUB_IGNORED = ("*/*",)', 'HUB_IGNORED = ()'),
     ], ["tests/test_hub.py"]),
     Mutant("hub-cache-not-first", "a complete cached snapshot is downloaded again (the Hub asked first)", [
-        ("fp4pass/hub.py", "    if folder is not None and not missing:\n", "    if folder is not None and False:\n"),
+        ("fp4pass/safetensors/hub.py", "    if folder is not None and not missing:\n", "    if folder is not None and False:\n"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-offline-ignored", "HF_HUB_OFFLINE set in the environment after import is not honoured", [
-        ("fp4pass/hub.py", "    return env or bool(constants.HF_HUB_OFFLINE)", "    return bool(constants.HF_HUB_OFFLINE)"),
+        ("fp4pass/safetensors/hub.py", "    return env or bool(constants.HF_HUB_OFFLINE)", "    return bool(constants.HF_HUB_OFFLINE)"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-cli-convert-unresolved", "fp4pass convert takes a Hub ID for an ONNX file", [
         ("fp4pass/commands/doors.py",
          "        setattr(args, entrance.model, resolve(getattr(args, entrance.model), args))\n", "        pass\n"),
     ], ["tests/test_hub.py"]),
     Mutant("hub-quiet-bars-shown", "--quiet leaves huggingface_hub's download bars on", [
-        ("fp4pass/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
+        ("fp4pass/safetensors/hub.py", "    hide = show_progress is False and", "    hide = show_progress is None and"),
     ], ["tests/test_hub.py"]),
     Mutant("checkpoint-counts-call-weights-experts", "inspect's and convert's summaries call every MXFP4 weight an "
            "expert (the DeepSeek-V3-architecture example's attention o_proj too)", [
@@ -725,6 +725,59 @@ MUTANTS = [
         ("fp4pass/calib/distributed.py", "for s in stats]), dist.ReduceOp.MAX, device, group)",
          "for s in stats]), dist.ReduceOp.SUM, device, group)"),
     ], ["tests/test_calib_distributed.py"]),
+    Mutant("calib-loads-onnx", "the neutral fp4pass.calib loads onnx_ir, so a checkpoint calibration does too", [
+        ("fp4pass/calib/__init__.py", "from fp4pass.calib.compute import scale_for\n",
+         "from fp4pass.calib.compute import scale_for\nimport onnx_ir  # noqa: F401\n"),
+    ], ["tests/test_layering.py"]),
+    # -- the E2M1 byte tables (fp4pass.formats.byte_tables) ----------------------------------------------------
+    Mutant("byte-table-nibbles-swapped", "a byte's high nibble decoded as its first element", [
+        ("fp4pass/formats/byte_tables.py", "[lut[codes & 0x0F], lut[codes >> 4]]", "[lut[codes >> 4], lut[codes & 0x0F]]"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-word-bytes-swapped", "a little-endian word's second byte decoded first", [
+        ("fp4pass/formats/byte_tables.py", "[pairs[word & 0xFF], pairs[word >> 8]]", "[pairs[word >> 8], pairs[word & 0xFF]]"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-cache-ignores-dtype", "the word table cached per device only: bf16 asked, float32 given", [
+        ("fp4pass/formats/byte_tables.py", '("words", device, dtype)', '("words", device)'),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-scale-rows-shifted", "the scaled pairs of scale code s multiplied by code s+1's multiplier", [
+        ("fp4pass/formats/byte_tables.py", "multipliers.reshape(256, 1, 1)", "multipliers.roll(-1).reshape(256, 1, 1)"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("byte-table-private-cache", "the NVFP4 reader keeps a word table of its own", [
+        ("fp4pass/checkpoint/nvfp4_weights.py", "from fp4pass.formats.byte_tables import word_values\n",
+         "_OWN = {}\n\n\ndef word_values(device):\n    if device not in _OWN:\n"
+         "        w = torch.arange(65536, dtype=torch.int32, device=device)\n        _OWN[device] = torch.stack("
+         "[decode_e2m1(((w >> s) & 15).to(torch.uint8)) for s in (0, 4, 8, 12)], -1)\n    return _OWN[device]\n"),
+    ], ["tests/test_byte_tables.py"]),
+    Mutant("lossless-range-strict", "a spread of exactly 17 (18 exponents, E4M3's whole exact window) taken as lossy", [
+        ("fp4pass/convert/lossless.py", "return k_max - k_min <= LOSSLESS_SPREAD", "return k_max - k_min < LOSSLESS_SPREAD"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("scale-check-ff-not-nan", "E4M3FN 0xFF (negative NaN) not taken for NaN", [
+        ("fp4pass/formats/scale_checks.py", "nan = magnitude == E4M3_NAN_MAGNITUDE", "nan = codes == E4M3_NAN_MAGNITUDE"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("scale-check-minus-zero-negative", "an E4M3 block scale of -0 (0x80) called negative", [
+        ("fp4pass/formats/scale_checks.py", "(codes >= E4M3_SIGN) & (magnitude != 0) & ~nan", "(codes >= E4M3_SIGN) & ~nan"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("json-integer-digits-unbounded", "a JSON integer of any length parsed (SCALES.json's 300-digit count)", [
+        ("fp4pass/io/jsonio.py", "                      parse_int=_bounded_int)", "                      )"),
+    ], ["tests/test_input_files.py"]),
+    Mutant("scale-check-minus-inf-negative", "a global scale of -inf also called negative", [
+        ("fp4pass/formats/scale_checks.py", "finite & (values < 0)", "(values < 0)"),
+    ], ["tests/test_scale_checks.py"]),
+    Mutant("fx-own-header-check", "the fx door's gpt-oss loader opens shards without the shared header check", [
+        ("fp4pass/fx/gpt_oss.py", "        SafetensorsFile(file)\n", "        pass\n"),
+    ], ["tests/test_gpt_oss_load_errors.py"]),
+    Mutant("opset-pass-not-told-of-dq", "the opset pass configured without the rewrite's result: no FP4 DQ seen", [
+        ("fp4pass/onnx/pipeline.py", "SetOpsetAndIR(rewrite.wrote_dq)", "SetOpsetAndIR(False)"),
+    ], ["tests/test_onnx_passes.py"] + CONVERT_TESTS),
+    Mutant("pass-results-out-of-order", "run_passes hands back the passes' results last first", [
+        ("fp4pass/onnx/passes.py", "        self.results.append(result)\n", "        self.results.insert(0, result)\n"),
+    ], ["tests/test_onnx_passes.py"]),
+    Mutant("ort-versions-not-told-of-emulation", "SetOrtVersions configured as if no quantizer was emulated", [
+        ("fp4pass/onnx/lower.py", "SetOrtVersions(emulated=bool(results[0].lowered),", "SetOrtVersions(emulated=False,"),
+    ], ["tests/test_onnx_passes.py", "tests/test_lower.py"]),
+    Mutant("ort-versions-emulated-functions-dropped", "a function whose quantizer was emulated keeps its opset", [
+        ("fp4pass/onnx/lower.py", "emulated_functions=results[0].functions)", "emulated_functions=[])"),
+    ], ["tests/test_onnx_passes.py", "tests/test_lower.py"]),
     # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
     Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
         ("fp4pass/onnx/rewrite_qmoe.py", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),
@@ -747,8 +800,8 @@ MUTANTS = [
         ("fp4pass/npz.py", "        if check is not None:\n            check(name, shape, dtype)\n", ""),
     ], ["tests/test_calib_data_files.py"]),
     Mutant("scales-json-duplicates-kept", "SCALES.json keeps the last of two equal keys", [
-        ("fp4pass/calib/scales.py", "return json.loads(text, object_pairs_hook=pairs, parse_int=integer)",
-         "return json.loads(text, parse_int=integer)"),
+        ("fp4pass/io/jsonio.py", "object_pairs_hook=no_duplicate_keys, parse_constant=constant,",
+         "parse_constant=constant,"),
     ], ["tests/test_input_files.py"]),
     # -- writing outputs (fp4pass.io's context managers are decorated: mutmut leaves them alone) ------------
     Mutant("atomic-output-renames-a-failed-writer", "atomic_output renames the temporary in even when the "
@@ -826,11 +879,11 @@ MUTANTS = [
     ], CHECKPOINT_TESTS),
     # -- checkpoint folders as hostile input, and what a run may remove ---------------------------------------
     Mutant("symlink-rule-follows-any-link", "a symlink out of a checkpoint folder is read like a file of it", [
-        ("fp4pass/checkpoint/catalog.py", "    if not stat.S_ISLNK(info.st_mode) or follow_symlinks:\n",
+        ("fp4pass/safetensors/catalog.py", "    if not stat.S_ISLNK(info.st_mode) or follow_symlinks:\n",
          "    if True:\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("hf-blob-of-any-repository", "any folder named blobs counts as the snapshot's own blob store", [
-        ("fp4pass/checkpoint/catalog.py", "            and real.parent.parent == base.parent.parent)", "            )"),
+        ("fp4pass/safetensors/catalog.py", "            and real.parent.parent == base.parent.parent)", "            )"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("pseudo-files-read", "files of procfs and sysfs are read like any regular file", [
         ("fp4pass/io/inputs.py", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
@@ -868,15 +921,15 @@ MUTANTS = [
          "    if before_rename is not None:\n        before_rename(report)\n    return report"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("shards-held-open", "every shard stays open from the catalog's opening on", [
-        ("fp4pass/checkpoint/safetensors_io.py", "        finally:\n            os.close(fd)\n\n    def _fail",
+        ("fp4pass/safetensors/files.py", "        finally:\n            os.close(fd)\n\n    def _fail",
          "        except BaseException:\n            os.close(fd)\n            raise\n\n    def _fail"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("tensor-count-not-capped", "a header may list any number of tensors", [
-        ("fp4pass/checkpoint/safetensors_io.py", "        if raw.count(b\"{\") > 2 * limit + 2:", "        if False:"),
-        ("fp4pass/checkpoint/safetensors_io.py", "        if len(header) > limit:", "        if False:"),
+        ("fp4pass/safetensors/files.py", "        if raw.count(b\"{\") > 2 * limit + 2:", "        if False:"),
+        ("fp4pass/safetensors/files.py", "        if len(header) > limit:", "        if False:"),
     ], ["tests/test_checkpoint_reader.py"]),
     Mutant("nan-in-config-taken", "NaN and Infinity in config.json or a header are read as numbers", [
-        ("fp4pass/io/jsonio.py", ", parse_constant=_no_constant)", ")"),
+        ("fp4pass/io/jsonio.py", "    if constants:\n        raise ValueError(", "    if False:\n        raise ValueError("),
     ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_reader.py"]),
     Mutant("check-trusts-the-reader-everywhere", "--check never decodes in float64", [
         ("fp4pass/checkpoint/check.py", "        why = _why_float64(x, y)\n", "        why = None\n"),
@@ -920,7 +973,7 @@ MUTANTS = [
     ], CHECKPOINT_TESTS),
     Mutant("checkpoint-pages-dropped-before-written", "the shard writer drops the pages of the step it has just "
            "started writing back, not the step before", [
-        ("fp4pass/checkpoint/safetensors_io.py",
+        ("fp4pass/safetensors/files.py",
          "                if self._dropped < self._flushed:\n"
          "                    os.posix_fadvise(self._fd, self._dropped, self._flushed - self._dropped,",
          "                if self._flushed < self._position:\n"
@@ -928,7 +981,7 @@ MUTANTS = [
     ], CHECKPOINT_TESTS),
     Mutant("checkpoint-direct-head-misread", "the bytes before a buffer's first whole 4 KiB block are counted "
            "from the block's start instead of up to it", [
-        ("fp4pass/checkpoint/safetensors_io.py", "head = -self._position % DIRECT_ALIGN",
+        ("fp4pass/safetensors/files.py", "head = -self._position % DIRECT_ALIGN",
          "head = self._position % DIRECT_ALIGN"),
     ], CHECKPOINT_TESTS),
     Mutant("checkpoint-fused-buffers-one-phase", "every expert of a gpt-oss stack is placed at the first "
@@ -938,31 +991,31 @@ MUTANTS = [
     # -- the validator and the engine rules under hostile input (a downloaded checkpoint's configs) ----------
     Mutant("glob-as-backtracking-regex", "a *-only glob is matched by the .*-regex SGLang builds (re backtracks "
            "for hours on *a*a*a*...*ab)", [
-        ("fp4pass/checkpoint/patterns.py",
+        ("fp4pass/safetensors/patterns.py",
          '        """Whether the whole of ``name`` matches (fnmatchcase); ``budget`` checked as it goes."""\n',
          '        """Whether the whole of ``name`` matches (fnmatchcase); ``budget`` checked as it goes."""\n'
          '        if "?" not in self.pattern and "[" not in self.pattern:\n'
          '            return re.fullmatch(self.pattern.replace(".", r"\\.").replace("*", ".*"), name, re.S) is not None\n'),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("regex-without-timeout", "re: entries are matched with re, without a time limit", [
-        ("fp4pass/checkpoint/patterns.py", "            self.compiled.append((label, rx.fullmatch if fullmatch else rx.match))",
+        ("fp4pass/safetensors/patterns.py", "            self.compiled.append((label, rx.fullmatch if fullmatch else rx.match))",
          "            rx = re.compile(p)\n"
          "            self.compiled.append((label, (lambda f: lambda s, timeout: f(s))(rx.fullmatch if fullmatch "
          "else rx.match)))"),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("invalid-regex-raises", "an invalid regex escapes as re.error (exit 3), not a bad_config_value", [
-        ("fp4pass/checkpoint/patterns.py", "            except (re.error, RecursionError, OverflowError, ValueError) as exc:",
+        ("fp4pass/safetensors/patterns.py", "            except (re.error, RecursionError, OverflowError, ValueError) as exc:",
          "            except RecursionError as exc:"),
-        ("fp4pass/checkpoint/patterns.py", "            except (regex.error, RecursionError, OverflowError, ValueError) as exc:",
+        ("fp4pass/safetensors/patterns.py", "            except (regex.error, RecursionError, OverflowError, ValueError) as exc:",
          "            except RecursionError as exc:"),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("non-string-entries-coerced", "exclusion entries that are not strings are read as their str()", [
-        ("fp4pass/checkpoint/patterns.py", "    if set(map(type, value)) <= {str}:\n        return value\n",
+        ("fp4pass/safetensors/patterns.py", "    if set(map(type, value)) <= {str}:\n        return value\n",
          "    return [str(v) for v in value]\n"),
     ], HOSTILE_RULES_TESTS),
     Mutant("glob-index-tail-looked-up-as-head", "globs filed under their literal tail are looked up by the name's "
            "head", [
-        ("fp4pass/checkpoint/patterns.py", "lambda k: name[n - k:])):", "lambda k: name[:k])):"),
+        ("fp4pass/safetensors/patterns.py", "lambda k: name[n - k:])):", "lambda k: name[:k])):"),
     ], HOSTILE_RULES_TESTS[:1]),
     Mutant("sglang-ancestor-as-string-prefix", "SGLang's ancestor rule also takes a plain string prefix "
            "(model.layers.1 excludes model.layers.10)", [
@@ -1206,10 +1259,10 @@ MUTANTS = [
         ("fp4pass/onnx/runtime.py", "(node not in names and op_type in _WEIGHT_OPS)", "False"),
     ], ORT_CUDA_TESTS),
     Mutant("diff-notes-not-in-json", "diff --json drops the notes", [
-        ("fp4pass/onnx/numerics.py", '"notes": list(self.notes),', '"notes": [],'),
+        ("fp4pass/onnx/diff_result.py", '"notes": list(self.notes),', '"notes": [],'),
     ], ORT_CUDA_TESTS),
     Mutant("diff-notes-not-in-table", "format_table leaves the notes out", [
-        ("fp4pass/onnx/numerics.py", 'lines.extend(f"note: {note}" for note in self.notes)', "lines.extend([])"),
+        ("fp4pass/onnx/diff_result.py", 'lines.extend(f"note: {note}" for note in self.notes)', "lines.extend([])"),
     ], ORT_CUDA_TESTS),
     Mutant("gpu-check-checksum-skipped", "the joined onnxruntime-gpu wheel is installed unchecked", [
         ("tests/gpu_check.sh", 'if ! (cd "$PARTS" && sha256sum --check --status SHA256SUMS); then', "if false; then"),

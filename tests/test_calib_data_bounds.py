@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.checkpoint import calib_data, model_limits
 from fp4pass.checkpoint.calib_data import load_batches
 
@@ -118,7 +118,7 @@ def test_the_cgroups_limit_less_its_usage_is_the_headroom_the_tightest_level_cou
 def test_the_memory_check_takes_the_least_of_the_machine_rlimit_and_cgroup(monkeypatch):
     import torch
 
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     monkeypatch.setattr(model_limits, "_machine_bytes", lambda: 64 << 30)
     monkeypatch.setattr(model_limits, "rlimit_headroom", lambda: 3 << 30)

@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_builders as B
-from fp4pass.calib.runner import CalibrationDataError, iter_feeds
+from fp4pass.onnx.calibrate import CalibrationDataError, iter_feeds
 from cli_helpers import cli, one_line
 from fp4pass.errors import UsageError
 from fp4pass.npz import read_npz

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from calib_builders import float_mlp
-from fp4pass.calib import calibrate_model
+from fp4pass.onnx.calibrate import calibrate_model
 from fp4pass.calib import stats as stats_module
 from fp4pass.calib.stats import ActivationStats, BlockSample, LogHistogram
 

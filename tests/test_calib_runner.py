@@ -7,7 +7,8 @@ import onnx_ir as ir
 import pytest
 
 from calib_builders import float_mlp, nvfp4_linear
-from fp4pass.calib import ActivationScales, CalibrationDataError, calibrate_model, calibration_targets
+from fp4pass.calib import ActivationScales, CalibrationDataError
+from fp4pass.onnx.calibrate import calibrate_model, calibration_targets
 from fp4pass.errors import ModelError, NonFiniteError
 
 

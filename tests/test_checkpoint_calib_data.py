@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cli_helpers import cli, one_line, run_cli
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.checkpoint.calib_data import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, load_batches
 
 ROOT = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
@@ -454,7 +454,7 @@ def test_the_layer_scale_equals_the_reports_scale_without_its_detail(calibrator,
     ONNX calibration's ``scale_for`` of the same statistic (B_min and B_max at the headroom calibrator's own
     percentiles)."""
     from fp4pass.calib.calibrators import make_calibrator
-    from fp4pass.calib.runner import scale_for
+    from fp4pass.calib import scale_for
     from fp4pass.calib.stats import ActivationStats
 
     method = make_calibrator(calibrator, **options)
@@ -940,7 +940,7 @@ def test_an_all_zero_statistic_and_a_stack_the_layer_lacks():
     """A statistic that saw only zeros: amax, B_min and B_max 0, as the ONNX calibration's ``scale_for`` gives;
     a quantized stack the built layer does not hold (never met by install) gives no expert rows."""
     from fp4pass.calib.calibrators import make_calibrator
-    from fp4pass.calib.runner import scale_for
+    from fp4pass.calib import scale_for
     from fp4pass.calib.stats import ActivationStats
     from fp4pass.checkpoint.calibration import CheckpointScales, _LayerStats
 

@@ -254,7 +254,7 @@ def test_sequences_whose_attention_cannot_fit_are_refused_naming_the_seq_len_tha
 def test_the_attention_bound_and_what_fits(rows, tokens, available, fits_len, fits_rows):
     from fp4pass.checkpoint.calib_data import Batch
     from fp4pass.checkpoint.model_limits import check_attention_memory
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     cfg = type("Cfg", (), {"num_attention_heads": 4})()
     batches = [Batch("a", torch.zeros(1, 8, dtype=torch.int64)),
@@ -295,7 +295,7 @@ def test_a_jsonl_row_past_the_row_limit_and_a_txt_past_the_text_limit(tmp_path, 
     """A .jsonl row is read whole (one JSON object): a row of more than ROW_LIMIT bytes is refused naming it, one
     of exactly ROW_LIMIT bytes (newline included) is read. A .txt is read whole only without --num-samples: past
     TEXT_LIMIT bytes that is refused naming --num-samples, and with --num-samples it is read as far as needed."""
-    from fp4pass.calib.runner import CalibrationDataError
+    from fp4pass.calib.errors import CalibrationDataError
     from fp4pass.checkpoint import calib_data
 
     monkeypatch.setattr(calib_data, "ROW_LIMIT", 64)

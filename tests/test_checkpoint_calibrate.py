@@ -491,7 +491,7 @@ def test_expert_stack_decode_matches_an_independent_decode(layout):
 def test_gpt_oss_stacks_are_stored_in_the_checkpoint_order_with_the_model_values(tmp_path):
     """The layer runner's gpt-oss expert stacks: the model's [E, K, N] shapes over [E, N, K] memory (so x @ W
     reads an [N, K] matrix transposed), holding the values of the reference decode transposed."""
-    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.safetensors.catalog import Catalog
     from fp4pass.checkpoint.detect import detect
     from fp4pass.checkpoint.layerwise.runner import LayerRunner
 
@@ -647,7 +647,7 @@ def test_fp8_block_weights_decode_per_128x128_block(tmp_path, scale_form):
     instead of multiplied, changes values): the loader's bf16 values equal the ml_dtypes decode."""
     from safetensors.torch import save_file
 
-    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.safetensors.catalog import Catalog
     from fp4pass.checkpoint.layerwise.model import Source, WeightLoader, WeightSources
 
     rng = np.random.default_rng(3)

@@ -31,7 +31,7 @@ from checkpoint_oracles import (
 from safetensors.torch import load_file, save_file
 
 import fp4pass.checkpoint
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 
 pytest.importorskip("compressed_tensors")

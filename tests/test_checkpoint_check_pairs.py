@@ -31,7 +31,7 @@ from cli_helpers import nothing_left, run_cli
 
 import fp4pass.checkpoint
 from fp4pass.checkpoint import engine
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.examples.checkpoints import build_checkpoint
 

@@ -314,7 +314,7 @@ def test_scales_json_keys_of_every_spelling_meet_on_one_module(examples, tmp_pat
 
 @pytest.mark.parametrize("case", ["zero", "dense missing", "gpt-oss stack missing"])
 def test_scales_json_that_cannot_give_every_module_a_scale_is_one_line(examples, tmp_path, case):
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     form = "gpt-oss" if case == "gpt-oss stack missing" else "compressed-tensors"
     if form == "gpt-oss":
@@ -329,7 +329,7 @@ def test_scales_json_that_cannot_give_every_module_a_scale_is_one_line(examples,
         if case == "zero":  # a value no SCALES.json file can hold (its reader refuses it first)
             from types import SimpleNamespace
 
-            from fp4pass.checkpoint.catalog import Catalog
+            from fp4pass.safetensors.catalog import Catalog
             from fp4pass.checkpoint.detect import detect
             from fp4pass.checkpoint.input_scales import resolve_input_scales
 
@@ -360,7 +360,7 @@ def test_a_constant_input_scale_is_everywhere_and_named_in_the_report(examples, 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.inf, -math.inf, math.nan, "1.0"])
 def test_an_input_scale_that_is_not_finite_and_positive_is_refused(value):
     from fp4pass.checkpoint.input_scales import resolve_input_scales
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"^--input-scale: input_scale .* is not a finite positive number$"):
         resolve_input_scales([], constant=value)
@@ -369,7 +369,7 @@ def test_an_input_scale_that_is_not_finite_and_positive_is_refused(value):
 def test_a_constant_and_a_scales_file_together_are_refused(tmp_path):
     from fp4pass.calib import ActivationScales
     from fp4pass.checkpoint.input_scales import resolve_input_scales
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"^give either a constant input scale or a SCALES.json, not both$"):
         resolve_input_scales([], constant=1.0, scales=ActivationScales("max", {}))
@@ -466,7 +466,7 @@ def test_gpt_oss_stacks_written_past_the_page_cache_are_the_same_bytes(tmp_path,
     """Experts of 15360 bytes ([160 * 2, 96 / 2], 3 blocks and a part): their whole 4 KiB blocks go to the disk
     directly, at a different phase for each expert. The folder is byte for byte the one written all through
     the page cache, and lossless codes are the source's transposed."""
-    from fp4pass.checkpoint import safetensors_io
+    from fp4pass.safetensors import files as safetensors_io
 
     src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", seed=3, layers=1, experts=3, hidden=96,
                                intermediate=160, lossy_expert=lossy)
@@ -513,8 +513,8 @@ def test_a_failing_unit_waits_for_the_write_in_flight(tmp_path, monkeypatch):
     import time
 
     import fp4pass.checkpoint.engine as engine
-    from fp4pass.checkpoint import safetensors_io
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors import files as safetensors_io
+    from fp4pass.safetensors.files import CheckpointError
 
     src = build_checkpoint(tmp_path / "src", "deepseek", layers=1, experts=3, hidden=64, intermediate=32)
     events = []
@@ -635,7 +635,7 @@ def test_a_gpt_oss_stack_waits_for_the_write_before_it(tmp_path, monkeypatch):
     in flight first (a slow copy just before the stack), or the two would write the shard at once."""
     import time
 
-    from fp4pass.checkpoint import safetensors_io
+    from fp4pass.safetensors import files as safetensors_io
 
     src_dir = build_checkpoint(tmp_path / "src", "gpt-oss", layers=2, experts=3, hidden=64, intermediate=32, seed=5)
     real_copy = safetensors_io.ShardWriter.copy_from

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fp4pass.checkpoint.detect import COMPRESSED_TENSORS, DEEPSEEK, GPT_OSS, FusedExperts, Linear, detect
-from fp4pass.checkpoint.safetensors_io import DTYPES, TensorEntry
+from fp4pass.safetensors.files import DTYPES, TensorEntry
 
 SHARD = "model-00002-of-00003.safetensors"
 DS_FP4 = {"expert_dtype": "fp4", "quantization_config": {"quant_method": "fp8"}}

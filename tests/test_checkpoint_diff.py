@@ -67,7 +67,7 @@ def test_activation_global_scale_is_used_in_float32_whatever_its_type():
 
 def test_a_stack_or_linear_without_input_scales_has_no_activation_scale():
     from fp4pass.checkpoint.nvfp4_weights import NVExpertStack, NVLinear
-    from fp4pass.checkpoint.safetensors_io import TensorEntry
+    from fp4pass.safetensors.files import TensorEntry
 
     entry = TensorEntry.__new__(TensorEntry)  # never read: no input scale means nothing to read
     assert NVExpertStack("p", "gate_up_proj", entry, entry, entry, None).activation_scale(None) is None

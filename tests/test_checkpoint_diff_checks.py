@@ -210,7 +210,7 @@ def _doubled(name: str, dim: int):
 ])
 def test_headers_that_do_not_fit_the_model_are_refused_before_any_read(clean, tmp_path, capsys, monkeypatch, name,
                                                                         fmt, edit, declared, words):
-    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.safetensors.catalog import Catalog
 
     folder, _ = clean(name, fmt)
     bad = _copy(folder, tmp_path / "bad")

@@ -15,7 +15,7 @@ from checkpoint_oracles import mx_decode, nv_decode
 from fp4pass.checkpoint import engine
 from fp4pass.checkpoint.detect import DEEPSEEK, FusedExperts, Linear
 from fp4pass.checkpoint.engine import convert_experts, takes_lossless_path
-from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.safetensors.files import CheckpointError, TensorEntry
 from fp4pass.convert import mxfp4_to_nvfp4
 from fp4pass.formats import MXFP4Tensor
 

@@ -15,7 +15,7 @@ import torch
 from checkpoint_oracles import mx_decode, nv_decode
 from fp4pass.checkpoint import engine
 from fp4pass.checkpoint.detect import FusedExperts
-from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.safetensors.files import CheckpointError, TensorEntry
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
 

@@ -1,4 +1,4 @@
-"""fp4pass.checkpoint.safetensors_io.SafetensorsFile: the shard reader refuses, in one line naming the shard and
+"""fp4pass.safetensors.files.SafetensorsFile: the shard reader refuses, in one line naming the shard and
 the tensor, every header that does not describe its file; it reads a good one as safetensors itself does.
 
 The files are written here byte by byte (an 8-byte little-endian length, the JSON header, the data), so each
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from fp4pass.checkpoint.safetensors_io import MAX_HEADER, CheckpointError, SafetensorsFile
+from fp4pass.safetensors.files import MAX_HEADER, CheckpointError, SafetensorsFile
 
 
 def shard(path, header, data: bytes = b"", length: int | None = None, raw: bytes | None = None):
@@ -211,7 +211,7 @@ def test_a_header_listing_more_tensors_than_its_data_can_hold_is_refused_before_
     """A 99 MB header listing 1.5 million empty tensors took a minute and gigabytes: the count is capped by the
     size of the data area (TENSORS_FREE, and one per BYTES_PER_TENSOR bytes), on the raw header before the
     JSON is parsed, and on the parsed header (the slots told apart: 100 free, 16 bytes per tensor)."""
-    from fp4pass.checkpoint import safetensors_io
+    from fp4pass.safetensors import files as safetensors_io
 
     monkeypatch.setattr(safetensors_io, "TENSORS_FREE", 100)
     assert safetensors_io.max_tensors(160) == 110

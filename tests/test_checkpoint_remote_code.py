@@ -17,7 +17,7 @@ import pytest
 
 import fp4pass.checkpoint
 from cli_helpers import run_cli
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
 DATA = ROOT / "calib_tokens.npz"

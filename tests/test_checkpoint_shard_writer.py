@@ -1,4 +1,4 @@
-"""fp4pass.checkpoint.safetensors_io.ShardWriter: the writeback hints a long shard gives the kernel.
+"""fp4pass.safetensors.files.ShardWriter: the writeback hints a long shard gives the kernel.
 
 Every WRITEBACK_STEP bytes the writer starts the disk writeback of the bytes written since the last step and drops
 the pages of the step before (written by then); the bytes read back are what was written, whichever way they
@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from checkpoint_oracles import require_direct_writes
-from fp4pass.checkpoint import safetensors_io
-from fp4pass.checkpoint.safetensors_io import OutputSpec, ShardWriter
+from fp4pass.safetensors import files as safetensors_io
+from fp4pass.safetensors.files import OutputSpec, ShardWriter
 
 STEP = 4096
 DONTNEED = os.POSIX_FADV_DONTNEED if hasattr(os, "posix_fadvise") else None

@@ -548,7 +548,7 @@ def test_reads_scales_not_codes(tmp_path, monkeypatch):
     """No byte of a packed weight is read, and a block-scale tensor at most BLOCK_SAMPLE_BYTES."""
     import importlib
 
-    from fp4pass.checkpoint import safetensors_io
+    from fp4pass.safetensors import files as safetensors_io
 
     validate_mod = importlib.import_module("fp4pass.checkpoint.validate.tensors")  # where the reads are
 

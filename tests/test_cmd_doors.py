@@ -124,7 +124,7 @@ def test_an_nvfp4_folder_takes_its_own_and_every_checkpoint_folder_flag(capsys, 
     (("diff", "acme/gpt-oss@v1", "acme/nvfp4", "--data", str(TOKENS), "--json", str(TOKENS)), 2),
 ])
 def test_a_hub_id_is_resolved_once_per_command(capsys, tmp_path, monkeypatch, argv, resolved):
-    import fp4pass.hub as hub
+    import fp4pass.safetensors.hub as hub
 
     monkeypatch.chdir(tmp_path)
     calls = []

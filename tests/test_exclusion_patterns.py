@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fp4pass.checkpoint import engines
 from fp4pass.checkpoint.engines import Exclusions, MixedShards, is_excluded
 from fp4pass.checkpoint.output_forms import exclude_list
-from fp4pass.checkpoint.patterns import BadPattern, Glob, GlobIndex, dotted_runs
+from fp4pass.safetensors.patterns import BadPattern, Glob, GlobIndex, dotted_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -786,7 +786,7 @@ def test_the_examples_builder_into_an_existing_folder_is_one_line(tmp_path, caps
 
 
 def test_a_config_past_its_limit_is_refused_without_reading_it(tmp_path, capsys):
-    from fp4pass.checkpoint.catalog import CONFIG_LIMIT
+    from fp4pass.safetensors.catalog import CONFIG_LIMIT
 
     src = _small(tmp_path)
     config = json.loads((src / "config.json").read_text())

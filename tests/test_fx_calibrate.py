@@ -13,7 +13,7 @@ import torch
 
 import fp4pass.fx
 from fp4pass.calib import ActivationScales
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.errors import ModelError, NonFiniteError
 from fp4pass.fx.calibration import calibration_targets
 from calib_builders import nv_fake_quant_np
@@ -193,7 +193,7 @@ def test_a_symbolic_trace_that_folded_the_dequant_is_told_the_fix():
 
 def test_same_scales_as_onnx_calibrate_on_the_export(program, tmp_path):
     """fx.calibrate and fp4pass calibrate on fx.export's ONNX agree on every SCALES.json field."""
-    from fp4pass.calib import calibrate_model
+    from fp4pass.onnx.calibrate import calibrate_model
 
     _, ep = program
     batches = _batches(3)

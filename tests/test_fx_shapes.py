@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4pass.fx
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.errors import FP4PassError, ShapeError
 from fp4pass.fx import calibration
 from fp4pass.fx.mxfp4 import MXFP4Linear

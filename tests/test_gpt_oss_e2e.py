@@ -145,7 +145,7 @@ def test_fx_calibrate_equals_onnx_calibrate_on_the_export(dynamic_program):
     Name mapping: torch.onnx re-runs decompositions, which renumbers some fx nodes (``mul_24`` in the program
     is ``mul_478`` in the ONNX model), so activations are matched through their consumer: the ONNX MatMul
     ``node_bmm_k`` is the program's ``bmm_k``, and its first input is the calibrated activation."""
-    from fp4pass.calib import calibrate_model
+    from fp4pass.onnx.calibrate import calibrate_model
 
     ids = torch.from_numpy(np.load(CALIB)["input_ids"])
     calibrated, fx_scales = fp4pass.fx.calibrate(dynamic_program, [(ids,)])

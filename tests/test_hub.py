@@ -21,8 +21,8 @@ import pytest
 
 import fp4pass.checkpoint
 from cli_helpers import cli, one_line
-from fp4pass import hub
-from fp4pass.hub import HUB_FILES, HUB_IGNORED, HubError, parse_hub_id, resolve_checkpoint
+from fp4pass.safetensors import hub
+from fp4pass.safetensors.hub import HUB_FILES, HUB_IGNORED, HubError, parse_hub_id, resolve_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

@@ -11,6 +11,8 @@ but the code does not depend on it). Lazy public names that point up through ``i
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,17 +23,21 @@ PACKAGE = ROOT / "fp4pass"
 # lowest first; a module belongs to the longest prefix listed (fp4pass.fx.calibration before fp4pass.fx)
 LAYERS = [
     ("base", ["fp4pass.errors", "fp4pass.io", "fp4pass.npz", "fp4pass.metrics", "fp4pass.progress", "fp4pass.choices",
-              "fp4pass.extras", "fp4pass.hub", "fp4pass.messages"]),
+              "fp4pass.extras", "fp4pass.messages"]),
     ("formats", ["fp4pass.formats"]),
     ("convert", ["fp4pass.convert"]),
+    ("calib", ["fp4pass.calib"]),  # neutral to the door: statistics, calibrators, scale_for, SCALES.json
+    ("safetensors", ["fp4pass.safetensors"]),  # reading checkpoints: files, catalog, bounded patterns, Hub IDs
     ("passes", ["fp4pass.onnx", "fp4pass.fx"]),  # ONNX and fx passes are peers
-    ("calib", ["fp4pass.calib", "fp4pass.fx.calibration", "fp4pass.fx.numerics"]),
+    # each door's calibration run and diff, above its passes (which never import them)
+    ("runs", ["fp4pass.onnx.calibrate", "fp4pass.fx.calibration", "fp4pass.fx.numerics"]),
     ("pipeline", ["fp4pass.pipeline", "fp4pass.study", "fp4pass.checkpoint"]),
     ("commands", ["fp4pass", "fp4pass.cli", "fp4pass.__main__", "fp4pass.commands", "fp4pass.bench",
                   "fp4pass.examples"]),
 ]
 # the units whose mutual imports must also be acyclic, package by package
-UNITS = ["fp4pass.formats", "fp4pass.convert", "fp4pass.onnx", "fp4pass.fx", "fp4pass.calib", "fp4pass.checkpoint",
+UNITS = ["fp4pass.formats", "fp4pass.convert", "fp4pass.onnx", "fp4pass.fx", "fp4pass.calib", "fp4pass.safetensors",
+         "fp4pass.checkpoint",
          "fp4pass.commands",
          "fp4pass.bench", "fp4pass.examples"]
 
@@ -159,18 +165,28 @@ def _import_graph_of(source: dict[str, str], tmp_path) -> dict[str, dict[str, in
 def test_the_checks_see_function_level_and_relative_imports(tmp_path):
     """The parser itself: a function-level upward import and a two-module cycle are found."""
     found = _import_graph_of({
-        "fp4pass.onnx.a": "def f():\n    from fp4pass.calib import runner\n",
-        "fp4pass.calib.runner": "from ..onnx import a\n",
+        "fp4pass.calib.a": "def f():\n    from fp4pass.onnx import calibrate\n",
+        "fp4pass.onnx.calibrate": "from ..calib import a\n",
         "fp4pass.calib": "",
         "fp4pass.onnx": "",
     }, tmp_path)
-    assert found["fp4pass.onnx.a"] == {"fp4pass.calib.runner": 2}
-    assert found["fp4pass.calib.runner"] == {"fp4pass.onnx.a": 1}
-    assert layer_of("fp4pass.calib.runner") > layer_of("fp4pass.onnx.a")
-    assert cycles({m: set(t) for m, t in found.items()}) == [["fp4pass.calib.runner", "fp4pass.onnx.a"]]
+    assert found["fp4pass.calib.a"] == {"fp4pass.onnx.calibrate": 2}
+    assert found["fp4pass.onnx.calibrate"] == {"fp4pass.calib.a": 1}
+    assert layer_of("fp4pass.onnx.calibrate") > layer_of("fp4pass.calib.a")
+    assert cycles({m: set(t) for m, t in found.items()}) == [["fp4pass.calib.a", "fp4pass.onnx.calibrate"]]
 
 
-@pytest.mark.parametrize("module, layer", [("fp4pass.fx.exporter", "passes"), ("fp4pass.fx.calibration", "calib"),
-                                           ("fp4pass.onnx.act_quant", "passes"), ("fp4pass.pipeline", "pipeline")])
+@pytest.mark.parametrize("module, layer", [("fp4pass.fx.exporter", "passes"), ("fp4pass.fx.calibration", "runs"),
+                                           ("fp4pass.onnx.act_quant", "passes"), ("fp4pass.pipeline", "pipeline"),
+                                           ("fp4pass.calib.compute", "calib"), ("fp4pass.onnx.calibrate", "runs")])
 def test_layer_assignment(module, layer):
     assert LAYERS[layer_of(module)][0] == layer
+
+
+def test_checkpoint_calibration_does_not_load_onnx_ir():
+    """The checkpoint door calibrates through the neutral fp4pass.calib: importing it loads no ONNX code (a fresh
+    interpreter, so that no other test's imports count)."""
+    code = ("import sys, fp4pass.checkpoint.calibration, fp4pass.calib\n"
+            "print(sorted(m for m in ('onnx_ir', 'onnxruntime') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"

@@ -75,44 +75,102 @@ def test_lowering_in_a_function_body_uses_constant_nodes_and_the_function_import
     assert ops.count("Constant") == 3  # codes, FP32 scales, gather indices (the E8M0 Constant is gone)
 
 
+def test_the_quantizer_lowering_raises_the_opset_its_emulation_needs():
+    """SetOrtVersions is configured with the quantizer lowering's result: TensorRT's quantizer in an opset-19
+    graph (or an opset-19 function's body), lowered to standard ops, leaves the model (and that function) at the
+    emulation's opset (21)."""
+    import numpy as np
+
+    from fp4pass.onnx.act_quant import trt_quantizer
+    from fp4pass.onnx.emulate import MIN_OPSET
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 32]))
+    g = ir.Value(name="g", const_value=ir.tensor(np.array(0.05, dtype=np.float32), name="g"))
+    nodes, x_hat = trt_quantizer(x, g, g, "q")
+    graph = ir.Graph([x], [x_hat], nodes=nodes, initializers=[g], opset_imports={"": 19, "trt": 1})
+    lowered, report = lower(ir.Model(graph, ir_version=10))
+    assert report.lowered == {LowerTRTFP4DynamicQuantize.name: 1}
+    assert lowered.opset_imports[""] == MIN_OPSET == 21
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 32]))
+    constant = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0.05, dtype=np.float32), name="g")})
+    nodes, x_hat = trt_quantizer(x, constant.outputs[0], constant.outputs[0], "q")
+    body = ir.Graph([x], [x_hat], nodes=[constant, *nodes], opset_imports={"": 19, "trt": 1})
+    function = ir.Function("local", "Quantize", graph=body, attributes=[])
+    x_in = ir.Value(name="x_in", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 32]))
+    call = ir.node("Quantize", [x_in], domain="local")
+    call.outputs[0].name, call.outputs[0].type = "y", ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([x_in], [call.outputs[0]], nodes=[call], opset_imports={"": 19, "local": 1})
+    lowered, _ = lower(ir.Model(graph, ir_version=10, functions=[function]))
+    (body_after,) = lowered.functions.values()
+    assert body_after.opset_imports[""] == lowered.opset_imports[""] == MIN_OPSET
+
+
 def test_each_lowering_pass_says_whether_it_changed_the_model():
     model = ir.serde.deserialize_model(B.if_branch_model())
-    report = LoweringReport()
-    dq_pass = LowerFP4DequantizeLinear(report)
+    dq_pass = LowerFP4DequantizeLinear()
     first = dq_pass(model)
     assert first.modified is True and first.model is model
+    assert first.lowered == 2 and first.declined == [] and first.functions == []  # one DQ in each branch
     assert dq_pass(model).modified is False  # nothing left to lower
-    assert LowerTRTFP4DynamicQuantize(report)(model).modified is False
-    assert LowerQMoEFP4(report=report)(model).modified is False
-    versions = SetOrtVersions(report, [dq_pass])
+    assert LowerTRTFP4DynamicQuantize()(model).modified is False
+    assert LowerQMoEFP4()(model).modified is False
+    assert LoweringReport.of([first]).lowered == {LowerFP4DequantizeLinear.name: 2}
+    versions = SetOrtVersions()
     assert versions(model).modified is True  # IR capped and com.microsoft imported
     assert versions(model).modified is False
 
 
 def _weight_passes(proto, calibrated=False, scale_form="dq"):
-    from fp4pass.onnx.pipeline import weight_passes
+    """(model, (rewrite, fold_quark, versions, group), declined): the passes of stages 4 and 5; ``versions`` is
+    built from the rewrite's result (``versions(wrote_dq)``), as run_weight_passes does."""
+    from fp4pass.onnx.pipeline import FoldQuarkFakeQuants, GroupInitializers, RewriteMXFP4Weights, SetOpsetAndIR
     from fp4pass.onnx.rewrite_common import WeightConversion
     from fp4pass.onnx.sharing import find_weights
 
     model = ir.serde.deserialize_model(proto)
     records, declined = find_weights(model)
     convs = [WeightConversion(r, "auto") for r in records]
-    return model, weight_passes(records, convs, scale_form, calibrated, declined), declined
+    passes = (RewriteMXFP4Weights(records, convs, scale_form), FoldQuarkFakeQuants(calibrated, declined),
+              SetOpsetAndIR, GroupInitializers(records))
+    return model, passes, declined
 
 
 def test_each_convert_pass_says_whether_it_changed_the_model():
     from tests.graph_variants import mlp
 
     model, (rewrite, fold_quark, versions, group), _ = _weight_passes(mlp(onnx.TensorProto.FLOAT))
-    assert rewrite(model).modified is True and len(rewrite.done) == 2 and rewrite.wrote_dq
-    assert fold_quark(model).modified is False and fold_quark.entries == []  # no Quark node in this model
-    assert versions(model).modified is False  # opset 24, IR 12 (E8M0 scales stay for nothing: IR 11 needed)
+    rewritten = rewrite(model)
+    assert rewritten.modified is True and len(rewritten.done) == 2 and rewritten.wrote_dq
+    folded = fold_quark(model)
+    assert folded.modified is False and folded.entries == []  # no Quark node in this model
+    # opset 24, IR 12 (E8M0 scales stay for nothing: IR 11 needed)
+    assert versions(rewritten.wrote_dq)(model).modified is False
     assert group(model).modified is True  # W1's scales moved up next to W1
     names = list(model.graph.initializers)
     assert names.index("W1_scale_e4m3") == names.index("W1") + 1
     assert group(model).modified is False
     empty, (rewrite, *_), _ = _weight_passes(B.function_model())  # its weight is declined (inside a function)
-    assert rewrite(empty).modified is False and rewrite.done == []
+    result = rewrite(empty)
+    assert result.modified is False and result.done == []
+
+
+def test_weight_stages_report_through_their_results_in_the_order_they_ran():
+    """The opset pass learns from the rewrite's result that an FP4 DQ was written (opset 21 -> 23); each
+    stage's report comes back in its own result."""
+    from fp4pass.onnx.pipeline import run_weight_passes
+    from fp4pass.onnx.rewrite_common import WeightConversion
+    from fp4pass.onnx.sharing import find_weights
+    from tests.graph_variants import mlp
+
+    model = ir.serde.deserialize_model(mlp(onnx.TensorProto.FLOAT))
+    model.opset_imports[""] = model.graph.opset_imports[""] = 21
+    records, declined = find_weights(model)
+    stages = run_weight_passes(model, records, [WeightConversion(r, "auto") for r in records], "dq", False, declined)
+    assert [r.name for r, *_ in stages.rewrite.done] == [r.name for r in records] and stages.rewrite.wrote_dq
+    assert stages.quark.entries == [] and stages.quark.modified is False
+    assert stages.versions.versions["before"]["opset"] == 21 and stages.versions.versions["after"]["opset"] == 23
+    assert model.opset_imports[""] == 23 and stages.grouped.modified is True
 
 
 def test_set_opset_and_ir_raises_the_opset_once_and_keeps_functions_in_step():
@@ -122,8 +180,8 @@ def test_set_opset_and_ir_raises_the_opset_once_and_keeps_functions_in_step():
     model = ir.serde.deserialize_model(proto)
     model.opset_imports[""] = 21
     next(iter(model.functions.values())).opset_imports[""] = 21
-    first = SetOpsetAndIR(wrote_fp4_dq=lambda: True)
-    assert first(model).modified is True
+    first = SetOpsetAndIR(wrote_fp4_dq=True)(model)
+    assert first.modified is True
     # opset 23 alone needs IR 11; the FLOAT8E8M0 scales stored in the function's Constant node need IR 12
     assert first.versions == {"before": {"ir_version": 12, "opset": 21}, "after": {"ir_version": 12, "opset": 23}}
     assert next(iter(model.functions.values())).opset_imports[""] == 23
@@ -137,7 +195,7 @@ def test_fold_quark_pass_reports_a_change_on_a_quark_model():
     model, (rewrite, fold_quark, *_), declined = _weight_passes(proto)
     rewrite(model)
     result = fold_quark(model)
-    assert result.modified is True and any(e["kind"] == "constant" for e in fold_quark.entries)
+    assert result.modified is True and any(e["kind"] == "constant" for e in result.entries)
     assert any(d.pattern == "quark" for d in declined)  # activations stay, declined, without calibration
 
 
@@ -238,16 +296,16 @@ def test_activation_quantizers_go_into_each_branch_that_reads_the_outer_activati
 
 
 def test_an_activation_consumer_inside_a_function_is_declined_with_the_reason():
-    from fp4pass.calib.runner import calibration_targets
+    from fp4pass.onnx.calibrate import calibration_targets
     from fp4pass.onnx.act_quant import InsertActivationQuantizers
 
     proto = B.nvfp4_function_model()
     model = ir.serde.deserialize_model(proto)
     targets, declined = calibration_targets(model)
     assert targets == [] and "function local.fp4::Linear" in declined[0]["reason"]
-    insert = InsertActivationQuantizers({"x": 0.01}, target="reference")
-    assert insert(model).modified is False
-    (entry,) = insert.entries
+    result = InsertActivationQuantizers({"x": 0.01}, target="reference")(model)
+    assert result.modified is False
+    (entry,) = result.entries
     assert not entry["inserted"] and "function local.fp4::Linear" in entry["reason"]
 
 

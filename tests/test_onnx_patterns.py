@@ -7,7 +7,7 @@ import onnx_ir as ir
 
 import onnx_builders as B
 from fp4pass.onnx import convert
-from fp4pass.onnx.patterns import find_fp4_consumers, find_mxfp4
+from fp4pass.onnx.matching import find_fp4_consumers, find_mxfp4
 from fp4pass.onnx.sharing import find_weights, reader_nodes
 from fp4pass.examples.moe import build_tiny_mlp
 

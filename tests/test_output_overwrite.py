@@ -79,7 +79,7 @@ def test_overwrite_refuses_a_folder_fp4pass_did_not_write(work, capsys, marker):
 def test_overwrite_keeps_the_old_folder_when_the_new_one_fails(work, capsys, monkeypatch):
     """The old folder goes only once the new one is complete: a failure while writing leaves it whole."""
     import fp4pass.checkpoint.run as run
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
 
     assert cli(capsys, "convert", KIMI, "-o", "out", "--quiet")[0] == 0
     first = _tree(work / "out")

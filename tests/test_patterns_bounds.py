@@ -13,8 +13,8 @@ import tracemalloc
 
 import pytest
 
-from fp4pass.checkpoint import patterns
-from fp4pass.checkpoint.patterns import BadPattern, Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs
+from fp4pass.safetensors import patterns
+from fp4pass.safetensors.patterns import BadPattern, Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs
 
 
 class TookTooLong(Exception):
@@ -109,7 +109,7 @@ def test_indexes_at_a_names_end_agree_with_plain_loops(name):
 
 
 def test_a_config_over_16_mib_is_refused_by_the_validator(tmp_path):
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
     from fp4pass.checkpoint.validate import validate
 
     folder = tmp_path / "ck"

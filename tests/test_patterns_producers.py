@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fp4pass.onnx import convert
 from fp4pass.onnx.loading import load
-from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.matching import find_mxfp4
 from tests.producer_fixtures import FIXTURES, constant_value
 
 

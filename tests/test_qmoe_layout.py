@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fp4pass.onnx.lower import lower
-from fp4pass.onnx.patterns import find_mxfp4
+from fp4pass.onnx.matching import find_mxfp4
 from fp4pass.onnx.qmoe_layout import KERNEL, LAYOUT_KEY, SCHEMA, Hints, detect, kernel_to_schema, schema_to_kernel
 from tests.oracles import qmoe_kernel_codes
 

@@ -169,7 +169,7 @@ def test_six_hundred_thousand_exclusions_validate_in_seconds(tmp_path):
 # ---------------------------------------------------------------------------------- the files it opens
 
 def test_a_quant_config_linked_out_of_the_folder_is_never_opened(tmp_path, capsys, monkeypatch):
-    from fp4pass.checkpoint import catalog
+    from fp4pass.safetensors import catalog
 
     folder = _copy(MODELOPT_MOE, tmp_path)
     outside = tmp_path / "elsewhere" / "hf_quant_config.json"

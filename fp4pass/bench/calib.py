@@ -30,7 +30,7 @@ def _mlp(k: int, seed: int = 0) -> ir.Model:
 
 
 def bench_calibration_overhead(device: torch.device, quick: bool) -> list[BenchResult]:
-    from fp4pass.calib import calibrate_model
+    from fp4pass.onnx.calibrate import calibrate_model
     from fp4pass.onnx.runtime import make_session
 
     provider = "cuda" if device.type == "cuda" else "cpu"

@@ -72,7 +72,7 @@ def _plain_model(src: Path, device: torch.device):
     """The checkpoint as a plain transformers model: every weight resident in bf16 (experts dequantized)."""
     from transformers import AutoModelForCausalLM
 
-    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.safetensors.catalog import Catalog
     from fp4pass.checkpoint.detect import detect
     from fp4pass.checkpoint.layerwise.model import WeightLoader, WeightSources, resolve_architecture
 

@@ -109,7 +109,7 @@ def _convert_child(src: Path, dst: Path, fmt: str, before=lambda: None) -> dict:
 
 
 def _largest(folder: Path) -> int:
-    from fp4pass.checkpoint.catalog import Catalog
+    from fp4pass.safetensors.catalog import Catalog
 
     with Catalog.open(folder) as catalog:
         return max(e.nbytes for e in catalog.tensors.values())

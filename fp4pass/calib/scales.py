@@ -17,7 +17,6 @@ calibration sample) travel in :meth:`ActivationScales.report`, not in SCALES.jso
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import global_scale_from_amax
 from fp4pass.formats.constants import E4M3_MAX, FP32_MAX, GLOBAL_SCALE_MIN
-from fp4pass.io import read_regular_file, write_json
+from fp4pass.io import read_regular_file, strict_json, write_json
 
 __all__ = ["ActivationScale", "ActivationScales", "ScalesFileError", "input_scale_from_g_amax"]
 
@@ -44,33 +43,6 @@ INPUT_SCALE_MAX = FP32_MAX / E4M3_MAX
 
 #: the largest SCALES.json read (a calibration of ~100k activations at ~200 bytes each is 20 MB)
 SCALES_MAX_BYTES = 256 << 20
-#: the most digits a JSON integer may have: FP32's largest value, 3.4e38, needs 39
-JSON_INT_MAX_DIGITS = 40
-
-
-def parse_strict_json(text: str, where: str):
-    """``json.loads`` that refuses, with :class:`ScalesFileError` naming ``where``, what plain JSON lets through:
-
-    - an object with a key twice (``{"amax": NaN, "amax": 1}`` would keep the last and hide the first);
-    - an integer of more than :data:`JSON_INT_MAX_DIGITS` digits (no FP32 number needs them; Python would
-      spend quadratic time on thousands of digits, or refuse past 4300 with a ValueError).
-    """
-
-    def pairs(items: list[tuple[str, object]]) -> dict:
-        out: dict = {}
-        for key, value in items:
-            if key in out:
-                raise ScalesFileError(f"{where}: key {key!r} appears twice in one object")
-            out[key] = value
-        return out
-
-    def integer(digits: str) -> int:
-        if len(digits.lstrip("-")) > JSON_INT_MAX_DIGITS:
-            raise ScalesFileError(f"{where}: an integer of {len(digits.lstrip('-'))} digits; at most "
-                                  f"{JSON_INT_MAX_DIGITS}")
-        return int(digits)
-
-    return json.loads(text, object_pairs_hook=pairs, parse_int=integer)
 
 
 def input_scale_from_g_amax(g_amax: float) -> float:
@@ -165,13 +137,15 @@ class ActivationScales:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ActivationScales":
-        """Read SCALES.json: a regular file of at most :data:`SCALES_MAX_BYTES`, strict JSON (module rules)."""
+        """Read SCALES.json: a regular file of at most :data:`SCALES_MAX_BYTES`, strict JSON
+        (:func:`fp4pass.io.strict_json`, the reader of every file handed in: no key twice, no NaN, no integer
+        longer than any FP32 number needs, bounded depth)."""
         raw = read_regular_file(path, SCALES_MAX_BYTES, ScalesFileError)
         try:
-            data = parse_strict_json(raw.decode("utf-8"), str(path))
+            data = strict_json(raw)
         except UnicodeDecodeError as exc:
             raise ScalesFileError(f"{path}: not a SCALES.json (not UTF-8 text at byte {exc.start})") from None
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise ScalesFileError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_json(data, where=str(path))
 

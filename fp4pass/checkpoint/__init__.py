@@ -8,8 +8,10 @@
     scales = fp4pass.checkpoint.calibrate("gpt-oss-20b", "calib.npz")   # then convert(..., scales=scales)
     result = fp4pass.checkpoint.diff("gpt-oss-20b", "gpt-oss-20b-nvfp4", "calib.jsonl")  # what NVFP4 costs
 
-Modules: ``safetensors_io`` (the file format, read and written streaming), ``catalog`` (a checkpoint folder),
-``detect`` (the three MXFP4 input forms and the w1/w3 pairs), ``input_scales`` (activation scales onto module
+The safetensors reading below it (the file format, read and written streaming; a checkpoint folder; bounded
+exclusion patterns; Hub IDs) is :mod:`fp4pass.safetensors`, shared with the fx door.
+
+Modules: ``detect`` (the three MXFP4 input forms and the w1/w3 pairs), ``input_scales`` (activation scales onto module
 names), ``engine`` (one unit through ``fp4pass.convert``), ``output_forms`` (ModelOpt and compressed-tensors
 names, dtypes, shapes and configs), ``run`` (convert: ``plan`` the output, then ``shards`` writes it),
 ``inspection`` (inspect), ``check`` (the result read back by
@@ -24,7 +26,7 @@ from fp4pass.checkpoint.calibration import CheckpointScales, calibrate
 from fp4pass.checkpoint.numerics import CheckpointDiff, diff
 from fp4pass.checkpoint.inspection import format_inspection, inspect
 from fp4pass.checkpoint.run import CheckFailed, convert, format_report, summary_line
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.checkpoint.validate import format_validation, validate
 
 __all__ = ["convert", "inspect", "calibrate", "validate", "diff", "CheckpointDiff", "CheckFailed", "CheckpointError",

@@ -12,7 +12,7 @@ Forms:
   sees more than :data:`ENCODE_CHARS` characters (:func:`_encode`), whatever the vocabulary holds.
 
 ``seq_len`` also cuts longer ``.npz`` rows; ``num_samples`` caps the rows taken (all when None). Refused
-(:class:`~fp4pass.calib.runner.CalibrationDataError`, exit 2), naming the file and the row: a token id outside
+(:class:`~fp4pass.calib.errors.CalibrationDataError`, exit 2), naming the file and the row: a token id outside
 [0, vocab_size), a float array, an empty array, no ``input_ids``, a mask of another shape or with values other
 than 0/1, a row whose mask is all 0, text without a tokenizer, a line that is not a JSON object with ``text``
 or whose text holds a lone surrogate (``"\\ud800"``: no UTF-8 text, no tokenizer can take it).
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.io.jsonio import strict_json
 from fp4pass.io import open_regular
 from fp4pass.npz import npz_files, read_npz
@@ -271,7 +271,7 @@ def _note_dropped(path: Path, rows: int, seq_len: int, num_samples: int | None, 
 
 def _refuse_links_out(folder: Path, files: list[Path]) -> None:
     """A data folder's entry that is a symlink to a file outside the folder is refused before anything is read,
-    as a checkpoint folder's are (:mod:`fp4pass.checkpoint.catalog`): the folder given is what is read."""
+    as a checkpoint folder's are (:mod:`fp4pass.safetensors.catalog`): the folder given is what is read."""
     base = os.path.realpath(folder)
     for file in files:
         if os.path.islink(file):

@@ -42,19 +42,19 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4pass.calib.calibrators import HeadroomCalibrator, MSECalibrator, make_calibrator
-from fp4pass.calib.runner import CalibrationDataError, scale_for
+from fp4pass.calib import CalibrationDataError, scale_for
 from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
 from fp4pass.calib.stats import ActivationStats
 from fp4pass.checkpoint.calib_data import Batch, load_batches
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.layerwise.hidden_states import HiddenStore, hidden_budget
 from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture
 from fp4pass.checkpoint.layerwise.runner import (LayerRunner, LayerVisitor, default_device, routed_forward,
                                                  run_layers, share_batches)
 from fp4pass.checkpoint.model_limits import check_attention_memory, check_config_fields, check_fits_shards
-from fp4pass.checkpoint.safetensors_io import CheckpointError
-from fp4pass.hub import resolve_checkpoint
+from fp4pass.safetensors.files import CheckpointError
+from fp4pass.safetensors.hub import resolve_checkpoint
 
 __all__ = ["calibrate", "CheckpointScales"]
 

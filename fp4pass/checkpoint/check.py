@@ -47,7 +47,7 @@ import torch
 from fp4pass.checkpoint.detect import FusedExperts
 from fp4pass.checkpoint.forms import CT_NVFP4, MODELOPT_LINEAR, MODELOPT_STACK
 from fp4pass.checkpoint.output_forms import MODELOPT
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.errors import FP4PassError
 from fp4pass.extras import require
 from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS, LOSSLESS_SPREAD

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from fp4pass.checkpoint.forms import (CT_MXFP4, CT_SHAPE_SUFFIX, DEEPSEEK_MXFP4, DOWN_NAMES, E8M0_DTYPES, EXPERT,
                                       GATE_NAMES, GPT_OSS_MXFP4, UP_NAMES, WEIGHT_SUFFIX, block_precision)
-from fp4pass.checkpoint.safetensors_io import TensorEntry
+from fp4pass.safetensors.files import TensorEntry
 
 __all__ = ["Linear", "FusedExperts", "Detected", "detect", "GPT_OSS", "COMPRESSED_TENSORS", "DEEPSEEK"]
 

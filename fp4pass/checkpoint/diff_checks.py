@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.formats.constants import NV_BLOCK_SIZE
 
 __all__ = ["check_stored_shapes", "nonfinite_scales", "CheckpointNames"]

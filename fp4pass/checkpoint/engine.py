@@ -27,11 +27,11 @@ import math
 import torch
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
-from fp4pass.checkpoint.safetensors_io import CheckpointError
-from fp4pass.convert import mxfp4_to_nvfp4
+from fp4pass.safetensors.files import CheckpointError
+from fp4pass.convert import lossless_range, mxfp4_to_nvfp4
 from fp4pass.errors import FP4PassError
 from fp4pass.formats import MXFP4Tensor, NVFP4Tensor
-from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, E8M0_NAN, LOSSLESS_SPREAD
+from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, E8M0_NAN
 from fp4pass.metrics import snr_db
 
 __all__ = ["Converted", "convert_linears", "convert_fused", "convert_experts", "measure", "stats_entry"]
@@ -69,7 +69,7 @@ def takes_lossless_path(scales: torch.Tensor, method: str) -> bool:
         return False
     flat = scales.reshape(-1).numpy()
     lo, hi = int(flat.min()), int(flat.max())
-    return hi != E8M0_NAN and hi - lo <= LOSSLESS_SPREAD and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
+    return hi != E8M0_NAN and lossless_range(lo, hi) and hi - E8M0_BIAS - E4M3_POW2_MAX_EXP >= -126
 
 
 def stats_entry(stats) -> dict:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp4pass.checkpoint.catalog import CONFIG_LIMIT, CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, read_json_file
+from fp4pass.safetensors.catalog import CONFIG_LIMIT, CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, read_json_file
 from fp4pass.checkpoint.detect import FusedExperts, Linear, detect
 from fp4pass.checkpoint.forms import block_precision
-from fp4pass.checkpoint.safetensors_io import DTYPES, CheckpointError, TensorEntry
-from fp4pass.hub import HubError, hub_cache
+from fp4pass.safetensors.files import DTYPES, CheckpointError, TensorEntry
+from fp4pass.safetensors.hub import HubError, hub_cache
 
 __all__ = ["inspect_hub_headers", "format_hub_inspection", "read_hub_headers"]
 
@@ -36,7 +36,7 @@ NOT_READ = {"mxfp4": "the lossless forecast (it reads every E8M0 block scale)",
 
 
 class HubUnavailable(Exception):
-    """The Hub cannot say: unreachable, no such repository or revision, or a gated one. :func:`fp4pass.hub.
+    """The Hub cannot say: unreachable, no such repository or revision, or a gated one. :func:`fp4pass.safetensors.hub.
     resolve_checkpoint` then names the reason in its own words (it fetches nothing in these cases)."""
 
 

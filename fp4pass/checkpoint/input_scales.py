@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.forms import DOWN_NAMES, GATE_NAMES, STACK, UP_NAMES, expert_parts
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 __all__ = ["InputScales", "resolve_input_scales"]
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from fp4pass.checkpoint import engine
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts
 from fp4pass.checkpoint.output_forms import MODELOPT
 from fp4pass.checkpoint.plan import linears_of
 from fp4pass.checkpoint.run import matrices_note, open_checkpoint
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.formats.constants import E8M0_BIAS
-from fp4pass.hub import resolve_checkpoint
+from fp4pass.safetensors.hub import resolve_checkpoint
 
 __all__ = ["inspect", "format_inspection"]
 

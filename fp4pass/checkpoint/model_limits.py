@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 __all__ = ["check_config_fields", "check_fits_shards", "check_attention_memory", "attention_bytes",
            "available_bytes", "COUNT_FIELDS", "TOP_K_FIELDS", "EXPERT_COUNT_FIELDS", "ATTENTION_BYTES_PER_SCORE"]

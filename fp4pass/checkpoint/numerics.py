@@ -49,9 +49,9 @@ import time
 
 import torch
 
-from fp4pass.calib.runner import CalibrationDataError
+from fp4pass.calib.errors import CalibrationDataError
 from fp4pass.checkpoint.calib_data import Batch, load_batches
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import detect
 from fp4pass.checkpoint.diff_checks import CheckpointNames, check_stored_shapes, nonfinite_scales
 from fp4pass.checkpoint.diff_figures import (Energy, LogitStats, float32_logits, next_tokens, reduce_sums,
@@ -64,7 +64,7 @@ from fp4pass.checkpoint.layerwise.runner import (LayerRunner, LayerVisitor, defa
 from fp4pass.checkpoint.model_limits import (available_bytes, check_attention_memory, check_config_fields,
                                              check_fits_shards)
 from fp4pass.checkpoint.nvfp4_weights import NVFP4Weights, fake_quantize_activation, find_nvfp4
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 __all__ = ["diff", "CheckpointDiff", "WORST_EXPERTS", "SHAPE_FIELDS"]
 
@@ -243,12 +243,12 @@ def diff(reference, candidate, data, *, seq_len: int | None = None, num_samples:
          show_progress: bool | None = False, trust_remote_code: bool = False) -> CheckpointDiff:
     """Run ``reference`` (the source checkpoint) and ``candidate`` (its NVFP4 checkpoint) side by side on ``data``
     (any form calibration takes) and measure what the NVFP4 checkpoint loses (module docstring). Each folder may be a Hugging Face Hub model ID
-    (``org/name[@revision]``: :func:`fp4pass.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
+    (``org/name[@revision]``: :func:`fp4pass.safetensors.hub.resolve_checkpoint`). ``device``: auto | cpu | cuda;
     ``hidden_budget_bytes``: hidden states kept in memory (the rest spill to a temporary folder), as in calibration.
     Raises :class:`CheckpointError` / :class:`CalibrationDataError` (exit 2) for unrelated models, bad data, or
     a shard header that does not fit the model (checked before any tensor is read). ``trust_remote_code``: run
     the folders' own modeling code (config.json ``auto_map``), never without it."""
-    from fp4pass.hub import resolve_checkpoint
+    from fp4pass.safetensors.hub import resolve_checkpoint
 
     start = time.perf_counter()
     given_src = reference
@@ -298,7 +298,7 @@ def diff(reference, candidate, data, *, seq_len: int | None = None, num_samples:
 def _model_name(given) -> str:
     """The source as its user named it: a Hub model ID as given, or the one whose cache snapshot the folder is
     (``.../models--org--name/snapshots/<commit>``), else the folder's own name."""
-    from fp4pass.hub import parse_hub_id
+    from fp4pass.safetensors.hub import parse_hub_id
 
     text = os.fspath(given)
     if parse_hub_id(text) is not None and not os.path.lexists(text):

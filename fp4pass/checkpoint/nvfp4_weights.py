@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4pass.checkpoint.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
+from fp4pass.safetensors.catalog import QUANT_CONFIG_NAME, Catalog, member_path, read_json_file
 from fp4pass.checkpoint.forms import (CT_NVFP4, DIVISOR, E4M3_DTYPE, MODELOPT_LINEAR, MODELOPT_STACK, MULTIPLIER,
                                       stack_scale_pattern)
-from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.safetensors.files import CheckpointError, TensorEntry
+from fp4pass.formats.byte_tables import word_values
 from fp4pass.formats.codecs import E2M1_MAX, E4M3_MAX, decode_e2m1
 from fp4pass.formats.constants import NV_BLOCK_SIZE
 
@@ -50,19 +51,6 @@ _BLOCK_SCALES = MODELOPT_LINEAR.role("block_scales").suffix  # ".weight_scale", 
 #: a global / input scale's suffix -> its convention, the multiplier (ModelOpt) first
 _GLOBAL = {form.role("global_scale").suffix: form.convention for form in _LINEAR_FORMS}
 _INPUT = {form.role("input_scale").suffix: form.convention for form in _LINEAR_FORMS}
-
-
-_WORD_VALUES: dict = {}
-
-
-def _word_values(device: torch.device) -> torch.Tensor:
-    """float32 [65536, 4]: the four E2M1 values of each little-endian pair of bytes, byte 0's low nibble first
-    (from :func:`decode_e2m1`), built once per device."""
-    if device not in _WORD_VALUES:
-        word = torch.arange(65536, dtype=torch.int32, device=device)
-        nibbles = [((word >> shift) & 0x0F).to(torch.uint8) for shift in (0, 4, 8, 12)]
-        _WORD_VALUES[device] = torch.stack([decode_e2m1(n) for n in nibbles], -1)
-    return _WORD_VALUES[device]
 
 
 def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, convention: str,
@@ -79,7 +67,7 @@ def decode_nvfp4(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: 
         else None
     if sys.byteorder == "little":  # K/2 is a multiple of 8 (16 values a block): the bytes pair up
         words = codes.contiguous().view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
-        values = torch.index_select(_word_values(codes.device), 0, words, out=buffer)
+        values = torch.index_select(word_values(codes.device), 0, words, out=buffer)
     else:
         values, buffer = decode_e2m1(torch.stack([codes & 0x0F, codes >> 4], -1).reshape(-1)), None
     s = block_scales.view(torch.float8_e4m3fn).float()

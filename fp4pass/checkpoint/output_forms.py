@@ -38,7 +38,7 @@ from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.engines import ARCH_DEEPSEEK_V4, vllm_module_name
 from fp4pass.checkpoint.families import architecture_of, family_of
 from fp4pass.checkpoint.forms import CT_NVFP4, FP8_SCALE_SUFFIXES, MODELOPT_LINEAR, MODELOPT_STACK, Form
-from fp4pass.checkpoint.safetensors_io import OutputSpec
+from fp4pass.safetensors.files import OutputSpec
 
 __all__ = ["MODELOPT", "COMPRESSED_TENSORS_FORMAT", "FORMATS", "linear_specs", "fused_specs", "exclude_list",
            "hf_quant_config", "quantization_config", "side_configs", "output_style", "quant_algo", "PRODUCER",

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fp4pass.checkpoint import output_forms
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.forms import WEIGHT_SUFFIX
-from fp4pass.checkpoint.safetensors_io import CheckpointError, OutputSpec
+from fp4pass.safetensors.files import CheckpointError, OutputSpec
 
 __all__ = ["Item", "Plan", "linears_of", "output_specs", "plan_output", "kept_modules", "converted_modules"]
 

@@ -2,7 +2,7 @@
 
 Order of work in :func:`convert`:
 
-1. read the folder (:class:`~fp4pass.checkpoint.catalog.Catalog`: every shard's header checked first), find
+1. read the folder (:class:`~fp4pass.safetensors.catalog.Catalog`: every shard's header checked first), find
    the MXFP4 weights (:func:`~fp4pass.checkpoint.detect.detect`), resolve the input scales;
 2. plan: every output tensor's name, dtype and shape, in source order, cut into shards of at most
    ``max_shard_bytes`` (a unit is never split);
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from fp4pass.checkpoint import output_forms
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, detect
 from fp4pass.checkpoint.input_scales import resolve_input_scales
 from fp4pass.checkpoint.forms import CT_NVFP4
@@ -40,7 +40,7 @@ from fp4pass.checkpoint.plan import linears_of as _members
 from fp4pass.checkpoint.plan import converted_modules as _converted_modules
 from fp4pass.checkpoint.plan import kept_modules as _kept_modules
 from fp4pass.checkpoint.plan import plan_output as _plan
-from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from fp4pass.safetensors.files import CheckpointError, SafetensorsFile
 from fp4pass.checkpoint.shards import UnitFailed
 from fp4pass.checkpoint.shards import checked_reciprocal as _reciprocal
 from fp4pass.checkpoint.shards import write_shards as _write_shards
@@ -49,7 +49,7 @@ from fp4pass.checkpoint.validate import validate_own_output
 from fp4pass.choices import Method, values
 from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS, check_threads
 from fp4pass.errors import UsageError
-from fp4pass.hub import resolve_checkpoint
+from fp4pass.safetensors.hub import resolve_checkpoint
 from fp4pass.io import atomic_folder
 from fp4pass.progress import byte_progress
 
@@ -148,10 +148,10 @@ def convert(source, output, format: str = MODELOPT, input_scale: float | None = 
     codes/scales pair is in the output unless declined.
 
     ``follow_symlinks``: read symlinks of the folder that lead out of it (refused by default:
-    :mod:`fp4pass.checkpoint.catalog`). ``before_rename(report)``: called once everything is written (and
+    :mod:`fp4pass.safetensors.catalog`). ``before_rename(report)``: called once everything is written (and
     checked), before ``out_dir`` is renamed into place, which is the last step: what it writes (a report
     beside the folder) is in place first, and when it fails no ``out_dir`` appears. ``src_dir`` may be a Hugging
-    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.hub.resolve_checkpoint`). ``overwrite``: an
+    Face Hub model ID (``org/name[@revision]``, :func:`fp4pass.safetensors.hub.resolve_checkpoint`). ``overwrite``: an
     existing ``out_dir`` that fp4pass wrote (it holds :data:`fp4pass.io.OUTPUT_MARKER`) is replaced by that
     rename, and only then removed; any other non-empty ``out_dir`` is refused. ``show_progress``: bars on
     stderr over the bytes written and the units checked (:mod:`fp4pass.progress`; None: on a terminal).

@@ -20,13 +20,13 @@ import torch
 
 from fp4pass.checkpoint import engine, output_forms
 from fp4pass.checkpoint.byte_transpose import transpose_bytes, transpose_read
-from fp4pass.checkpoint.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
+from fp4pass.safetensors.catalog import CONFIG_NAME, INDEX_NAME, QUANT_CONFIG_NAME, Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.forms import DIVISOR, MODELOPT_STACK
 from fp4pass.checkpoint.input_scales import InputScales
 from fp4pass.checkpoint.output_forms import nvfp4_form
 from fp4pass.checkpoint.plan import Item, Plan, linears_of
-from fp4pass.checkpoint.safetensors_io import DIRECT_ALIGN, CheckpointError, ShardWriter, aligned_view
+from fp4pass.safetensors.files import DIRECT_ALIGN, CheckpointError, ShardWriter, aligned_view
 
 __all__ = ["UnitFailed", "checked_reciprocal", "write_shards", "write_side_files"]
 

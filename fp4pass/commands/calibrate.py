@@ -57,7 +57,7 @@ def run(args) -> int:
     doors.refuse_foreign(args, doors.CALIBRATE, door)
     if door is doors.CHECKPOINT_FOLDER:
         return _checkpoint_calib.calibrate_folder(args)
-    from fp4pass.calib import calibrate_model
+    from fp4pass.onnx.calibrate import calibrate_model
     from fp4pass.onnx.loading import load
 
     inputs = {**_safety.model_inputs("the input model", args.model), "--data": args.data}

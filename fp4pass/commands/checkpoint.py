@@ -117,7 +117,7 @@ def _check_flags(args) -> None:
 
 def refuse_nvfp4_folder(folder, follow_symlinks: bool = False) -> None:
     """An NVFP4 checkpoint given to ``convert``: say so, with its form and scheme, and point at ``inspect``."""
-    from fp4pass.checkpoint.safetensors_io import CheckpointError
+    from fp4pass.safetensors.files import CheckpointError
     from fp4pass.checkpoint.validate import is_nvfp4_folder, validate
 
     if not is_nvfp4_folder(folder, follow_symlinks=follow_symlinks):

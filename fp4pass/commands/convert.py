@@ -142,7 +142,7 @@ def _refuse_nvfp4_model(args) -> None:
 def _check_scales(path: str, model_path: str) -> None:
     """SCALES.json readable, its values in range, every tensor one that an FP4 consumer reads."""
     from fp4pass.calib import ActivationScales
-    from fp4pass.calib.runner import calibration_targets
+    from fp4pass.onnx.calibrate import calibration_targets
     from fp4pass.calib.scales import ScalesFileError
     from fp4pass.onnx.loading import load
 

@@ -34,7 +34,7 @@ from fp4pass.errors import UsageError
 
 def _is_checkpoint(path, args) -> bool:
     """A folder, or a Hugging Face Hub model ID with no local path of that name."""
-    from fp4pass.hub import parse_hub_id
+    from fp4pass.safetensors.hub import parse_hub_id
 
     return path is not None and (os.path.isdir(path) or (parse_hub_id(path) is not None and not os.path.lexists(path)))
 
@@ -177,8 +177,8 @@ def refine(args, entrance: Entrance, door: Door) -> Door:
 
 def resolve(path, args):
     """A Hugging Face Hub model ID's snapshot folder in the local Hub cache, fetched first where needed
-    (:func:`fp4pass.hub.resolve_checkpoint`; download bars hidden under --quiet); any other path as given."""
-    from fp4pass.hub import resolve_checkpoint
+    (:func:`fp4pass.safetensors.hub.resolve_checkpoint`; download bars hidden under --quiet); any other path as given."""
+    from fp4pass.safetensors.hub import resolve_checkpoint
 
     return resolve_checkpoint(path, show_progress=False if getattr(args, "quiet", False) else None)
 

@@ -36,7 +36,7 @@ def register(sub, common) -> None:
 
 
 def run(args) -> int:
-    from fp4pass.hub import uncached_hub_id
+    from fp4pass.safetensors.hub import uncached_hub_id
 
     remote = uncached_hub_id(args.model)
     if remote is not None:  # not cached: its headers only, never the shards (fp4pass.checkpoint.hub_headers)

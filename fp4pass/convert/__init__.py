@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from fp4pass.convert.lossless import lossless_range
 from fp4pass.convert.layout import EMPTY_K, GroupLayout, exact_pow2, exact_pow2_list, exponent_range, scale_code_range
 from fp4pass.convert import patterns as pattern_mod
 from fp4pass.convert.methods import AUTO_STEPS, auto_candidates, choose_m, pow2_scale_codes
@@ -42,7 +43,7 @@ from fp4pass.formats.constants import E4M3_POW2_MAX_EXP, E8M0_BIAS, LOSSLESS_SPR
 from fp4pass.metrics import snr_db
 
 __all__ = ["mxfp4_to_nvfp4", "ConversionStats", "METHODS", "M_RULES", "EFFORTS", "LOSSLESS_SPREAD",
-           "DEFAULT_EFFORT", "DEFAULT_THREADS", "intra_op_threads", "max_threads", "check_threads"]
+           "lossless_range", "DEFAULT_EFFORT", "DEFAULT_THREADS", "intra_op_threads", "max_threads", "check_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +156,11 @@ def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     halves = layout.k // 16
     code_lo, code_hi = scale_code_range(scales, layout, mx.name)  # also refuses E8M0 code 255
     if method == "auto" and reference is None and layout.groups > 1:
-        near = [u - l <= LOSSLESS_SPREAD for l, u in zip(code_lo, code_hi)]
+        near = [lossless_range(lo, hi) for lo, hi in zip(code_lo, code_hi)]
         if any(near) and not all(near):
             return _convert_apart(mx, layout, near, code_lo, code_hi, m_rule, chunk_elements, effort)
     # auto only: hybrid's m is defined by the blocks that hold a value (seed Algo 3), which needs the codes
-    fast_lossless = method == "auto" and all(u - l <= LOSSLESS_SPREAD for l, u in zip(code_lo, code_hi))
+    fast_lossless = method == "auto" and all(lossless_range(lo, hi) for lo, hi in zip(code_lo, code_hi))
     if fast_lossless:
         # Every block (holding a value or not) is within 17 octaves of its group's top: m = k_max - 8 puts
         # them all in E4M3's exact window, nibbles shared with the input, scales straight from exponents.
@@ -176,7 +177,7 @@ def _convert(mx, method, group_dims, reference, m_rule, chunk_elements, effort):
     elif method != "requant":
         k_max, k_min = exponent_range(codes, scales, layout)
         empty = k_max == EMPTY_K
-        lossless = empty | (k_max - k_min <= LOSSLESS_SPREAD)
+        lossless = empty | lossless_range(k_min, k_max)
         # verbatim nibbles are shared with the input, never copied; methods that re-encode write a copy
         out_codes = codes if method == "verbatim" or bool(lossless.all()) else codes.clone()
     else:
@@ -327,7 +328,7 @@ def _convert_apart(mx: MXFP4Tensor, layout: GroupLayout, near: list[bool], code_
                                   layout.mx_block, mx.name)
     k_max, k_min = exponent_range(*searched_layout.flat(MXFP4Tensor(searched_codes, searched_scales, layout.mx_block)),
                                   searched_layout)
-    lossy = bool(((k_max != EMPTY_K) & (k_max - k_min > LOSSLESS_SPREAD)).any())
+    lossy = bool(((k_max != EMPTY_K) & ~lossless_range(k_min, k_max)).any())
 
     def lossless_side() -> tuple[torch.Tensor | None, float]:
         """The near groups' scales and global scales; for a lossy tensor, the output's codes and their signal."""

@@ -1,4 +1,6 @@
-"""The FP4/FP8 number formats: codecs, nibble packing, ``MXFP4Tensor`` and ``NVFP4Tensor``.
+"""The FP4/FP8 number formats: codecs, nibble packing, ``MXFP4Tensor`` and ``NVFP4Tensor``, the E2M1 byte
+tables (:mod:`~fp4pass.formats.byte_tables`) and the value rules of NVFP4 scales
+(:mod:`~fp4pass.formats.scale_checks`).
 
 One source of truth per format: the converter, the ONNX emulation subgraphs and the tests all derive from
 these definitions.
@@ -27,6 +29,7 @@ from fp4pass.formats.codecs import (
 from fp4pass.formats.mxfp4 import MX_BLOCK_SIZE, MXFP4Tensor, ScaleRule, shared_exponent
 from fp4pass.formats.nvfp4 import NV_BLOCK_SIZE, NVFP4Tensor, global_scale_from_amax
 from fp4pass.formats.packing import pack_nibbles, unpack_nibbles
+from fp4pass.formats.scale_checks import block_scale_problems, scale_value_problems
 
 __all__ = [
     "E2M1_MAX",
@@ -41,6 +44,7 @@ __all__ = [
     "MXFP4Tensor",
     "NVFP4Tensor",
     "ScaleRule",
+    "block_scale_problems",
     "decode_e2m1",
     "decode_e4m3",
     "decode_e8m0",
@@ -52,6 +56,7 @@ __all__ = [
     "pow2",
     "round_e2m1",
     "round_e4m3",
+    "scale_value_problems",
     "shared_exponent",
     "unpack_nibbles",
 ]

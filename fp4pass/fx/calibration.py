@@ -31,7 +31,7 @@ Signature::
    its ranks (:func:`fp4pass.calib.distributed.all_reduce_stats`: MAX for amax, SUM for counts and
    histograms) before the scales are computed, so every rank gets the scales of all ranks' data.
 6. Compute: the calibrator (:func:`fp4pass.calib.make_calibrator`; max, percentile, headroom, mse) gives
-   ``g_amax``; :func:`fp4pass.calib.runner.scale_for` the :class:`~fp4pass.calib.ActivationScale`
+   ``g_amax``; :func:`fp4pass.calib.scale_for` the :class:`~fp4pass.calib.ActivationScale`
    (``input_scale = g_amax / (6*448)``, FP32).
 7. Insert: ``torch.ops.fp4pass.fake_quantize_nvfp4(x, input_scale)`` (:mod:`fp4pass.fx.act_ops`) after each
    calibrated activation ``x``, node name ``{x}_fake_quantize_nvfp4``; only the FP4 matmuls are rewired to
@@ -54,7 +54,8 @@ from torch.utils import _pytree as pytree
 
 from fp4pass.calib import ActivationScales, ActivationStats, make_calibrator
 from fp4pass.calib.distributed import all_reduce_stats, distributed_ready
-from fp4pass.calib.runner import CalibrationDataError, einsum_contracts_last, scale_for
+from fp4pass.calib import CalibrationDataError, scale_for
+from fp4pass.onnx.activations import einsum_contracts_last
 from fp4pass.errors import FP4PassError, ModelError, NonFiniteError, UsageError
 from fp4pass.formats import NV_BLOCK_SIZE
 from fp4pass.fx import act_ops  # noqa: F401  (registers torch.ops.fp4pass.fake_quantize_nvfp4)

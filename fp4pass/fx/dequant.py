@@ -11,8 +11,8 @@ hold a temporary wider than a chunk:
   into a table of 256 x 256 value pairs ``(e2m1(b & 15) * m(s), e2m1(b >> 4) * m(s))``, m(s) the block's
   multiplier in FP32; the pairs are gathered straight into the output's rows, each pair of float32 moved as
   one 8-byte word (a float64 view used as a bit container, never computed with). One gather per value and no
-  pass over the output afterwards; the table (512 KiB) is built once for MXFP4, once per global-scale group
-  for NVFP4.
+  pass over the output afterwards; the table (512 KiB, :mod:`fp4pass.formats.byte_tables`) is built once for
+  MXFP4, once per global-scale group for NVFP4.
 
 Peak extra memory: the output plus about ``chunk_elements`` x 2 bytes of index (8 MiB by default) and the
 table. The scales are multipliers applied on dequantize:
@@ -32,41 +32,16 @@ import torch
 from fp4pass.errors import FormatError, ShapeError
 from fp4pass.formats import MX_BLOCK_SIZE, NV_BLOCK_SIZE
 from fp4pass.formats.codecs import check_e8m0
-from fp4pass.formats.constants import E2M1_VALUES, E8M0_BIAS, E8M0_MAX_EXP
+from fp4pass.formats.byte_tables import mxfp4_scaled_pairs, scaled_pairs
 
 __all__ = ["dequantize_mxfp4", "dequantize_nvfp4", "CHUNK_ELEMENTS"]
 
 #: output values dequantized per step: an int32 index of half as many entries (8 MiB) is the temporary
 CHUNK_ELEMENTS = 1 << 22
 
-_PAIRS: dict[torch.device, torch.Tensor] = {}
-_MX_TABLES: dict[torch.device, torch.Tensor] = {}
 #: NVFP4 global-scale groups up to which each gets its own table (one per expert); more (a scale per row) fall
 #: back to a multiply pass over the output
 _MAX_TABLES = 256
-
-
-def _pairs(device: torch.device) -> torch.Tensor:
-    """float32 [256, 2]: byte -> (e2m1(low nibble), e2m1(high nibble))."""
-    if device not in _PAIRS:
-        codes = torch.arange(256)
-        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-        _PAIRS[device] = torch.stack([lut[codes & 15], lut[codes >> 4]], dim=1).to(device)
-    return _PAIRS[device]
-
-
-def _scaled_table(multipliers: torch.Tensor) -> torch.Tensor:
-    """float64 words [256 * 256]: entry ``s * 256 + b`` holds the float32 pair of byte b times multipliers[s]."""
-    pairs = _pairs(multipliers.device)
-    table = pairs.unsqueeze(0) * multipliers.reshape(256, 1, 1)  # [s, b, 2], each product rounded once in FP32
-    return table.contiguous().view(torch.float64).reshape(256 * 256)
-
-
-def _mx_table(device: torch.device) -> torch.Tensor:
-    if device not in _MX_TABLES:  # 2^(s - 127); s = 255 (NaN) is refused before any lookup
-        exponents = (torch.arange(256) - E8M0_BIAS).clamp(max=E8M0_MAX_EXP).float()
-        _MX_TABLES[device] = _scaled_table(torch.ldexp(torch.ones(256), exponents).to(device))
-    return _MX_TABLES[device]
 
 
 def _e4m3_values(device: torch.device) -> torch.Tensor:
@@ -112,7 +87,8 @@ def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, *, chunk_element
     rows, k = _check(codes, scales, MX_BLOCK_SIZE, name)
     check_e8m0(scales, f"{name} scales")
     out = torch.empty((*codes.shape[:-1], k), dtype=torch.float32, device=codes.device)
-    _fill(out.view(rows, k), codes.reshape(rows, k // 2), scales.reshape(rows, -1), _mx_table(codes.device),
+    _fill(out.view(rows, k), codes.reshape(rows, k // 2), scales.reshape(rows, -1),
+          mxfp4_scaled_pairs(codes.device),
           MX_BLOCK_SIZE, chunk_elements)
     return out
 
@@ -137,7 +113,7 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, global_scale: to
     flat_g, e4m3 = g.reshape(-1), _e4m3_values(codes.device)
     flat_out, flat_codes, flat_scales = out.view(rows, k), codes.reshape(rows, k // 2), scales.reshape(rows, -1)
     if groups > _MAX_TABLES:  # a global scale per row or so: multiply the rows instead of a table per group
-        ones = _scaled_table(torch.ones(256, device=codes.device))
+        ones = scaled_pairs(torch.ones(256, device=codes.device))
         _fill(flat_out, flat_codes, torch.zeros_like(flat_scales), ones, NV_BLOCK_SIZE, chunk_elements)
         per_row = flat_g.repeat_interleave(per_group).reshape(rows, 1)
         step = max(1, chunk_elements // k)
@@ -147,7 +123,7 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, global_scale: to
             flat_out[r0:r1].view(r1 - r0, -1, NV_BLOCK_SIZE).mul_(scale.unsqueeze(-1))
         return out
     for i in range(groups):
-        table = _scaled_table(e4m3 * flat_g[i])  # fp32(e4m3(s) * G) per scale code, as the format rounds it
+        table = scaled_pairs(e4m3 * flat_g[i])  # fp32(e4m3(s) * G) per scale code, as the format rounds it
         r0, r1 = i * per_group, (i + 1) * per_group
         _fill(flat_out[r0:r1], flat_codes[r0:r1], flat_scales[r0:r1], table, NV_BLOCK_SIZE, chunk_elements)
     return out

@@ -24,7 +24,6 @@ Checkpoint naming, both read:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -35,7 +34,8 @@ import torch
 
 from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.extras import require
-from fp4pass.io import read_regular_file
+from fp4pass.io import read_regular_file, strict_json
+from fp4pass.safetensors.files import CheckpointError, SafetensorsFile
 from fp4pass.fx.mxfp4 import MXFP4Experts
 
 __all__ = ["load_gpt_oss", "read_config", "checkpoint_tensors", "checkpoint_layers", "CausalLMLogits",
@@ -138,8 +138,8 @@ def read_config(checkpoint_dir: str | Path, **config_overrides):
     if not os.path.lexists(path):
         raise ModelError(f"{checkpoint_dir}: no config.json (not a gpt-oss checkpoint folder)")
     try:  # a regular file only: a config.json linked to /dev/zero or a FIFO would be read forever
-        raw = json.loads(read_regular_file(path, CONFIG_MAX_BYTES, ModelError).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raw = strict_json(read_regular_file(path, CONFIG_MAX_BYTES, ModelError))
+    except (ValueError, RecursionError) as exc:  # the one strict reader: no key twice, no NaN, bounded depth
         raise ModelError(f"{path}: cannot read ({exc})") from None
     if not isinstance(raw, dict):
         raise ModelError(f"{path}: holds a JSON {type(raw).__name__}; expected a JSON object")
@@ -194,56 +194,21 @@ def _safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
 
 
 def _open(file: Path, device):
-    """``safe_open`` of one file; a ModelError naming it when its header is not valid safetensors."""
+    """``safe_open`` of one file whose header the shared safetensors reader has checked first
+    (:class:`fp4pass.safetensors.files.SafetensorsFile`: the length, the JSON, every entry's dtype, shape and
+    offsets, the file's size), so that a header that lies is one ModelError naming the file and the tensor, in
+    the words the checkpoint door uses."""
     from safetensors import safe_open
 
     try:
+        SafetensorsFile(file)
+    except CheckpointError as exc:
+        problem = str(exc).removeprefix(f"{file.name}: ")
+        raise ModelError(f"{file}: not a readable safetensors file: {problem}") from None
+    try:
         return safe_open(str(file), framework="pt", device=str(device))
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: the file is bad, whatever the kind
-        where = _header_problem(file)
-        raise ModelError(f"{file}: not a readable safetensors file: {where or f'{type(exc).__name__}: {exc}'}") \
-            from None
-
-
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _header_problem(file: Path) -> str | None:
-    """Which tensor of a safetensors header is wrong and how (8-byte little-endian length, JSON object of
-    name -> {dtype, shape, data_offsets}), or None when the header itself reads well."""
-    try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                return f"{size} bytes, shorter than the 8-byte header length"
-            length = int.from_bytes(head, "little")
-            if length > size - 8:
-                return f"header length {length} is past the end of the file ({size} bytes)"
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, RecursionError) as exc:
-        return f"header is not JSON ({exc})"
-    if not isinstance(header, dict):
-        return "header is not a JSON object"
-    data = size - 8 - length
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict):
-            return f"tensor {name}: header entry is not an object"
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in _DTYPE_BYTES:
-            return f"tensor {name}: unknown dtype {dtype!r}"
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            return f"tensor {name}: shape {shape!r} is not a list of sizes"
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):
-            return f"tensor {name}: data_offsets {offsets!r} are not inside the file's {data} data bytes"
-        if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            return (f"tensor {name}: {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype} "
-                    f"({math.prod(shape) * _DTYPE_BYTES[dtype]} expected)")
-    return None
+        raise ModelError(f"{file}: not a readable safetensors file: {type(exc).__name__}: {exc}") from None
 
 
 def checkpoint_layers(checkpoint_dir: str | Path) -> int:

@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from fp4pass.errors import FP4PassError, ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.onnx.numerics import DiffResult, plot_diff
-from fp4pass.onnx.numerics import _sort_key  # worst first, the ONNX diff's own order
+from fp4pass.onnx.diff_result import worst_first  # the ONNX diff's own order
 from fp4pass.fx.program import program_module
 from fp4pass.fx.shapes import check_inputs, guard_error
 from fp4pass.progress import progress
@@ -303,7 +303,7 @@ def diff(a, b, example_inputs, *, intermediates: bool = True, weights: bool = Fa
         except ValueError as exc:
             raise ModelError(f"fx diff: output {exc}") from None
         output_metrics.append(metrics)
-        key = _sort_key(metrics)
+        key = worst_first(metrics)
         if worst_key is None or key < worst_key:
             worst_key = key
             if errors.size > _ERROR_SAMPLE:

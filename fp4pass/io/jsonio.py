@@ -1,5 +1,6 @@
 """JSON out (strict RFC 8259: no NaN or Infinity) and JSON in (one strict reader for every file a stranger
-hands in: bounded in size and depth, no key twice, no NaN/Infinity, valid Unicode)."""
+hands in: configs, indexes, safetensors headers, Hub indexes, calibration rows, SCALES.json; bounded in size,
+depth and integer digits, no key twice, no NaN/Infinity, valid Unicode)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def json_text(data, indent: int | None = 2) -> str:
 JSON_MAX_DEPTH = 64
 # a string literal (its escapes included): what lies between strings is the structure
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+#: the most digits a JSON integer may have: FP32's largest value, 3.4e38, needs 39, and no count, size or offset
+#: of a checkpoint needs 21; Python spends quadratic time on thousands of digits, and refuses past 4300
+JSON_INT_MAX_DIGITS = 40
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
@@ -59,14 +63,17 @@ def no_duplicate_keys(pairs):
     """``json.loads``' ``object_pairs_hook``: a dict, or ValueError when a key is given twice."""
     out = {}
     for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+        if key in out:  # json.loads would keep the last and hide the first (a NaN amax before a good one)
+            raise ValueError(f"duplicate key {key!r} appears twice in one object")
         out[key] = value
     return out
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+def _bounded_int(digits: str) -> int:
+    count = len(digits.lstrip("-"))
+    if count > JSON_INT_MAX_DIGITS:
+        raise ValueError(f"an integer of {count} digits; at most {JSON_INT_MAX_DIGITS}")
+    return int(digits)
 
 
 def json_depth(raw: bytes) -> int:
@@ -87,14 +94,25 @@ def json_depth(raw: bytes) -> int:
 
 
 def strict_json(raw: bytes, max_depth: int = JSON_MAX_DEPTH):
-    """Parse UTF-8 JSON a stranger handed in: no key twice, no NaN/Infinity, no string that is not valid Unicode
-    (a lone surrogate escape such as ``\\ud800``, which no UTF-8 writer can write back), nested at most
-    ``max_depth`` deep (checked before the parse). ValueError says why. The caller bounds the size (it reads the
-    file with :func:`fp4pass.io.read_regular_file` or :func:`fp4pass.io.open_regular` and a limit)."""
+    """Parse UTF-8 JSON a stranger handed in: no key twice, no NaN/Infinity, no integer of more than
+    :data:`JSON_INT_MAX_DIGITS` digits, no string that is not valid Unicode (a lone surrogate escape such as
+    ``\\ud800``, which no UTF-8 writer can write back), nested at most ``max_depth`` deep (checked before the
+    parse). ValueError says why (UnicodeDecodeError, a ValueError, for bytes that are not UTF-8); a key given
+    twice is named before a NaN among its values. The caller bounds the size (it reads the file with
+    :func:`fp4pass.io.read_regular_file` or :func:`fp4pass.io.open_regular` and a limit)."""
     depth = json_depth(raw)
     if depth > max_depth:
         raise ValueError(f"arrays and objects nested {depth} deep; at most {max_depth} are read")
-    data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys, parse_constant=_no_constant)
+    constants: list[str] = []
+
+    def constant(name: str) -> float:
+        constants.append(name)  # refused after the parse, so that a duplicate key holding it is named first
+        return float("nan")
+
+    data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys, parse_constant=constant,
+                      parse_int=_bounded_int)
+    if constants:
+        raise ValueError(f"{constants[0]} is not a JSON number")
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -36,7 +36,7 @@ result back (:func:`fp4pass.onnx.emulate.nvfp4_fake_quant`), bit-exact with ``NV
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -51,7 +51,8 @@ from fp4pass.onnx.emulate import MIN_OPSET, nvfp4_fake_quant
 from fp4pass.onnx.passes import function_graphs, function_label, function_of
 from fp4pass.onnx.patterns import node_label
 
-__all__ = ["insert_activation_quantizers", "InsertActivationQuantizers", "QuantizerScale", "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
+__all__ = ["insert_activation_quantizers", "InsertActivationQuantizers", "InsertResult", "QuantizerScale",
+           "trt_quantizer", "TRT_DOMAIN", "TRT_QUANTIZE_OP", "TARGETS", "SCALE_FORMS"]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def _activation_dtype(node: ir.Node, index: int) -> ir.DataType:
 
 
 def _consumers_by_activation(model: ir.Model) -> dict[str, list[tuple[ir.Node, int]]]:
-    from fp4pass.onnx.patterns import find_fp4_consumers
+    from fp4pass.onnx.matching import find_fp4_consumers
 
     groups: dict[str, list[tuple[ir.Node, int]]] = {}
     for node, index, _weight in find_fp4_consumers(model):
@@ -156,9 +157,7 @@ def insert_activation_quantizers(model: ir.Model, scales, target: str = "trt",
     Report entries: ``{"activation", "consumers", "input_scale", "g_amax", "target", "scale_form",
     "inserted": bool, "reason", "alphas"}``.
     """
-    insert = InsertActivationQuantizers(scales, target=target, scale_form=scale_form, alphas=alphas)
-    insert(model)
-    return insert.entries
+    return InsertActivationQuantizers(scales, target=target, scale_form=scale_form, alphas=alphas)(model).entries
 
 
 def _function_reason(function: ir.Function) -> str:
@@ -166,11 +165,18 @@ def _function_reason(function: ir.Function) -> str:
             "whose body is shared by every call; inline the function to quantize it")
 
 
-class InsertActivationQuantizers(ir.passes.InPlacePass):
-    """Stage 6 as an onnx_ir pass (module docstring): ``entries`` holds the report after it ran; ``modified``
-    is True when a quantizer was inserted.
+@dataclass
+class InsertResult(ir.passes.PassResult):
+    """What :class:`InsertActivationQuantizers` did: ``entries``, one report entry per activation."""
 
-    Consumers are found everywhere (:func:`fp4pass.onnx.patterns.find_fp4_consumers`). One quantizer serves
+    entries: list = field(default_factory=list)
+
+
+class InsertActivationQuantizers(ir.passes.InPlacePass):
+    """Stage 6 as an onnx_ir pass (module docstring): returns an :class:`InsertResult` (its ``entries`` the
+    report); ``modified`` is True when a quantizer was inserted.
+
+    Consumers are found everywhere (:func:`fp4pass.onnx.matching.find_fp4_consumers`). One quantizer serves
     the consumers of one graph: a consumer inside an If / Loop / Scan body gets a quantizer in that body,
     placed before it (its name gets ``_{n}`` after ``_nvfp4``), reading the outer activation and the one
     global scale initializer of the main graph. A consumer inside a local function's body is declined with
@@ -186,19 +192,17 @@ class InsertActivationQuantizers(ir.passes.InPlacePass):
         if scale_form == "alpha" and alphas is None:
             raise UsageError("activation quantizers: scale_form 'alpha' needs the consumers' alpha initializers")
         self.scales, self.target, self.scale_form, self.alphas = scales, target, scale_form, alphas
-        self.entries: list[dict] = []
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> InsertResult:
         groups, owners = _consumers_by_activation(model), function_graphs(model)
         scaled_alphas: dict[str, float] = {}  # alpha initializer -> the input scale it was multiplied by
         scales = quantizer_scales(self.scales)
-        self.entries = [self._insert(model, name, scale, groups, owners, scaled_alphas)
-                        for name, scale in scales.items()]
-        self.entries += self._unscaled(groups, owners, scales)
-        inserted = any(e["inserted"] for e in self.entries)
+        entries = [self._insert(model, name, scale, groups, owners, scaled_alphas) for name, scale in scales.items()]
+        entries += self._unscaled(groups, owners, scales)
+        inserted = any(e["inserted"] for e in entries)
         if inserted:
             _ensure_opset(model, self.target)
-        return ir.passes.PassResult(model, inserted)
+        return InsertResult(model, inserted, entries)
 
     def _unscaled(self, groups, owners, scales) -> list[dict]:
         """Entries for the activations an FP4 consumer could quantize but ``scales`` has no scale for: they

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.formats.constants import LOSSLESS_SPREAD
+from fp4pass.convert.lossless import LOSSLESS_SPREAD, lossless_range
 from fp4pass.onnx import loading
 from fp4pass.onnx.nvfp4_forms import find_nvfp4, nvfp4_problems, scheme
 from fp4pass.onnx.patterns import declined_line, node_label
@@ -49,7 +49,7 @@ def _range(k: np.ndarray, holds: np.ndarray) -> tuple[int | None, int | None]:
 def _spread_entry(k: np.ndarray, holds: np.ndarray) -> dict:
     k_min, k_max = _range(k, holds)
     spread = 0 if k_min is None else k_max - k_min
-    return {"k_min": k_min, "k_max": k_max, "spread": spread, "lossless": spread <= LOSSLESS_SPREAD}
+    return {"k_min": k_min, "k_max": k_max, "spread": spread, "lossless": k_min is None or lossless_range(k_min, k_max)}
 
 
 _ERROR_KEYS = ("blocks16_total", "blocks16_verbatim", "mse", "max_abs_err", "snr_db")

@@ -64,6 +64,7 @@ __all__ = [
     "lower_for_ort",
     "lower",
     "LoweringReport",
+    "LoweringResult",
     "LowerFP4DequantizeLinear",
     "LowerQMoEFP4",
     "LowerTRTFP4DynamicQuantize",
@@ -78,14 +79,27 @@ _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 @dataclass
+class LoweringResult(ir.passes.PassResult):
+    """What one :class:`NodeLowering` did: ``lowered`` nodes rewritten, ``declined`` the reason for each node
+    it left, ``functions`` the function bodies it rewrote a node in."""
+
+    name: str = "lowering"
+    lowered: int = 0
+    declined: list = field(default_factory=list)
+    functions: list = field(default_factory=list)
+
+
+@dataclass
 class LoweringReport:
     """What :func:`lower` changed: counts per pass, and the reason for every matching node it left."""
 
     lowered: dict[str, int] = field(default_factory=dict)
     declined: list[str] = field(default_factory=list)
 
-    def count(self, pass_name: str) -> None:
-        self.lowered[pass_name] = self.lowered.get(pass_name, 0) + 1
+    @classmethod
+    def of(cls, results: list[LoweringResult]) -> "LoweringReport":
+        """The lowerings' results, in the order they ran, as one report."""
+        return cls({r.name: r.lowered for r in results if r.lowered}, [d for r in results for d in r.declined])
 
     def summary(self) -> str:
         done = ", ".join(f"{n} x {name}" for name, n in self.lowered.items()) or "nothing to lower"
@@ -186,14 +200,9 @@ def _dequant_gbq(scope: Scope, data: ir.Value, scales: ir.Value, block_size: int
 class NodeLowering(ir.passes.InPlacePass):
     """One lowering as an onnx_ir pass: every node it ``matches``, wherever it lives (main graph, subgraphs,
     function bodies), is ``check``ed, then rewritten in the graph that holds it (:class:`Scope`), or left with
-    the reason in ``report``. ``functions`` lists the function bodies it rewrote a node in."""
+    the reason in the :class:`LoweringResult` it returns."""
 
     name = "lowering"
-
-    def __init__(self, report: LoweringReport | None = None) -> None:
-        super().__init__()
-        self.report = report if report is not None else LoweringReport()
-        self.functions: list[ir.Function] = []
 
     def matches(self, node: ir.Node) -> bool:
         raise NotImplementedError
@@ -208,10 +217,10 @@ class NodeLowering(ir.passes.InPlacePass):
         """:meth:`check`, for a node that sits in ``function``'s body (None: in the main graph or a subgraph)."""
         return self.check(node)
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> LoweringResult:
         owners = function_graphs(model)
         names = ModelNames(model)
-        modified = False
+        result = LoweringResult(model, False, self.name)
         for node in all_nodes(model):
             if node.graph is None or not self.matches(node):  # graph None: removed by an earlier rewrite
                 continue
@@ -219,14 +228,14 @@ class NodeLowering(ir.passes.InPlacePass):
             reason = self.check_in(node, function)
             if reason is not None:
                 logger.warning("lowering for onnxruntime: left %s: %s", node.op_type, reason)
-                self.report.declined.append(reason)
+                result.declined.append(reason)
                 continue
             self.rewrite(Scope(node, function, names), node)
-            self.report.count(self.name)
-            if function is not None and function not in self.functions:
-                self.functions.append(function)
-            modified = True
-        return ir.passes.PassResult(model, modified)
+            result.lowered += 1
+            if function is not None and function not in result.functions:
+                result.functions.append(function)
+            result.modified = True
+        return result
 
 
 class LowerFP4DequantizeLinear(NodeLowering):
@@ -327,11 +336,11 @@ class LowerQMoEFP4(NodeLowering):
 
     name = "QMoE FP4 -> MoE"
 
-    def __init__(self, hints: qmoe_layout.Hints | None = None, report: LoweringReport | None = None) -> None:
-        super().__init__(report)
+    def __init__(self, hints: qmoe_layout.Hints | None = None) -> None:
+        super().__init__()
         self.given_hints = self.hints = hints
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> LoweringResult:
         self.hints = self.given_hints if self.given_hints is not None else qmoe_layout.Hints.of(model)
         return super().call(model)
 
@@ -493,13 +502,6 @@ class LowerTRTFP4DynamicQuantize(NodeLowering):
         graph.remove(node, safe=True)
 
 
-def lowering_passes(report: LoweringReport | None = None) -> list[ir.passes.PassBase]:
-    """The passes of :func:`lower`, in order (module docstring), sharing one ``report``."""
-    report = report if report is not None else LoweringReport()
-    lowerings = [LowerTRTFP4DynamicQuantize(report), LowerQMoEFP4(report=report), LowerFP4DequantizeLinear(report)]
-    return [*lowerings, RemoveUnusedOpsetsPass(), SetOrtVersions(report, lowerings)]
-
-
 def lower(model: ir.Model, *, for_reference: bool = False) -> tuple[ir.Model, LoweringReport]:
     """A lowered copy of ``model`` (input untouched; tensors shared, not copied) and what was done.
 
@@ -514,9 +516,13 @@ def lower(model: ir.Model, *, for_reference: bool = False) -> tuple[ir.Model, Lo
             cause = cause.__cause__
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise ModelError(f"the model cannot be copied to be run, it is not a valid graph: {first[:240]}") from exc
-    report = LoweringReport()
-    passes = [LowerTRTFP4DynamicQuantize(report), RemoveUnusedOpsetsPass()] if for_reference else lowering_passes(report)
-    run_passes(passes, lowered)
+    lowerings = ([LowerTRTFP4DynamicQuantize()] if for_reference else
+                 [LowerTRTFP4DynamicQuantize(), LowerQMoEFP4(), LowerFP4DequantizeLinear()])
+    results = run_passes([*lowerings, RemoveUnusedOpsetsPass()], lowered)[:len(lowerings)]
+    report = LoweringReport.of(results)
+    if not for_reference:  # configured with what TensorRT's quantizer lowering did (its first result)
+        run_passes([SetOrtVersions(emulated=bool(results[0].lowered), emulated_functions=results[0].functions)],
+                   lowered)
     logger.debug("lowering for %s: %s", "onnx.reference" if for_reference else "onnxruntime", report.summary())
     return lowered, report
 
@@ -539,10 +545,11 @@ def _has_fp4(model: ir.Model) -> bool:
 class SetOrtVersions(ir.passes.InPlacePass):
     """Pass 5 of the module docstring: the versions and imports onnxruntime needs after the lowerings."""
 
-    def __init__(self, report: LoweringReport, lowerings=()) -> None:
+    def __init__(self, emulated: bool = False, emulated_functions=()) -> None:
+        """``emulated``: TensorRT's activation quantizer was lowered to standard ops (which need opset
+        :data:`emulate.MIN_OPSET`), in the main graph or in ``emulated_functions``' bodies."""
         super().__init__()
-        self.report = report
-        self.lowerings = lowerings
+        self.emulated, self.emulated_functions = emulated, list(emulated_functions)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         before = (model.ir_version, dict(model.opset_imports), [dict(f.opset_imports) for f in model.functions.values()])
@@ -552,10 +559,9 @@ class SetOrtVersions(ir.passes.InPlacePass):
             if any(n.domain == MS_DOMAIN for n in ir.traversal.RecursiveGraphIterator(function)):
                 function.opset_imports.setdefault(MS_DOMAIN, 1)
                 model.opset_imports.setdefault(MS_DOMAIN, 1)
-        emulated = [p for p in self.lowerings if isinstance(p, LowerTRTFP4DynamicQuantize)]
-        if self.report.lowered.get(LowerTRTFP4DynamicQuantize.name):
+        if self.emulated:
             model.opset_imports[""] = max(model.opset_imports.get("", emulate.MIN_OPSET), emulate.MIN_OPSET)
-            for function in (f for p in emulated for f in p.functions):
+            for function in self.emulated_functions:
                 function.opset_imports[""] = max(function.opset_imports.get("", emulate.MIN_OPSET), emulate.MIN_OPSET)
         ir_version = min(model.ir_version or ORT_MAX_IR_VERSION, ORT_MAX_IR_VERSION)
         model.ir_version = max(ir_version, FP4_MIN_IR_VERSION) if _has_fp4(model) else ir_version

@@ -43,8 +43,6 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -54,6 +52,8 @@ from fp4pass.errors import ModelError, UsageError
 from fp4pass.metrics import TensorMetrics, compare
 from fp4pass.npz import read_npz
 from fp4pass.onnx.alpha_scope import missing_global_scale
+from fp4pass.onnx.diff_plot import PLOT_SNR_CAP, PlotPoints, plot_diff, plot_points  # noqa: F401  (public here)
+from fp4pass.onnx.diff_result import DiffResult, worst_first  # noqa: F401  (DiffResult: public here too)
 from fp4pass.onnx.feeds import dims_mismatch, kv_cache_pairs, plan_feeds
 from fp4pass.onnx.initializer_inputs import initializer_inputs, unlist_initializer_inputs
 from fp4pass.onnx.loading import load
@@ -61,7 +61,6 @@ from fp4pass.onnx.lower import lower
 from fp4pass.onnx.runtime import (Placement, cuda_available, end_profile, make_session, node_placement, profiling,
                                   run_with_past_buffers)
 from fp4pass.onnx.runtime import provider_options as session_provider_options
-from fp4pass.onnx.tables import aligned
 from fp4pass.progress import progress
 
 __all__ = ["diff", "DiffResult", "make_inputs", "plot_diff", "plot_points", "PlotPoints", "PLOT_SNR_CAP", "REFERENCE"]
@@ -75,81 +74,6 @@ _ERROR_SAMPLE = 200_000  # |a-b| values kept from the worst output, for the hist
 _DEFAULT_ELEMENTS = 1 << 20  # size assumed for a tensor whose shape is not known statically
 #: the most elements drawn for one random input (4 GiB of float32), static dims and --shape alike
 MAX_RANDOM_ELEMENTS = 2**30
-
-
-def _sort_key(m: TensorMetrics) -> tuple:
-    """Worst first: new NaN/Inf, then lowest SNR; identical tensors last."""
-    snr = math.inf if m.snr_db is None else m.snr_db
-    return (not m.new_nonfinite, snr, -m.max_abs_err)
-
-
-@dataclass
-class DiffResult:
-    """What :func:`diff` found. ``to_json`` gives the JSON keys of ``fp4pass diff --json`` (the notes included); the
-    rest is for tables and plots."""
-
-    provider: str
-    outputs: list[TensorMetrics]
-    intermediates: list[TensorMetrics]
-    first_divergent: dict | None
-    passed: bool
-    notes: list[str] = field(default_factory=list)
-    snr_min: float | None = None
-    order: list[str] = field(default_factory=list)  # compared tensors, topological order of the original
-    worst_output_errors: np.ndarray | None = None  # sample of |a-b| of the worst output
-    provider_notes: list[str] = field(default_factory=list)  # the runtime's words on the provider (also in notes)
-    provider_options: dict = field(default_factory=dict)  # the CUDA EP's options as the session took them
-    placement: dict | None = None  # per model ("original", "rewritten"): Placement.to_json() of a CUDA run
-
-    def to_json(self) -> dict:
-        return {
-            "provider": self.provider,
-            "outputs": [m.to_json() for m in self.outputs],
-            "intermediates": [m.to_json() for m in self.intermediates],
-            "first_divergent": self.first_divergent,
-            "passed": self.passed,
-            "notes": list(self.notes),
-            "provider_options": dict(self.provider_options),
-            "placement": self.placement,
-        }
-
-    def format_table(self, limit: int = 20, notes: bool = True) -> str:
-        """Outputs, then the worst ``limit`` intermediates, each worst first; the first divergent node; the notes
-        (``notes``: one line each, "note: ..."); then the verdict."""
-
-        def fmt(value, spec):
-            return "-" if value is None else format(value, spec)
-
-        header = ("tensor", "shape", "snr_db", "rel_l2", "cosine", "max_abs", "mean_abs", "p99_abs", "nan", "inf", "")
-        lines = []
-
-        def section(title, rows):
-            table = [header]
-            for m in rows:
-                snr = ("identical" if m.identical else "NaN" if m.nan and m.snr_db is None
-                       else fmt(m.snr_db, ".2f"))
-                cosine = "-" if m.nan and m.snr_db is None else fmt(m.cosine, ".6f")
-                table.append((m.name, str(list(m.shape)), snr, fmt(m.rel_l2, ".3e"), cosine,
-                              fmt(m.max_abs_err, ".3e"), fmt(m.mean_abs_err, ".3e"), fmt(m.p99_abs_err, ".3e"),
-                              m.nan, m.inf, "<" if m.below(self.snr_min) else ""))
-            lines.append(title)
-            lines.extend(aligned(table, right=set(range(2, 10))))  # names whole, columns sized to their cells
-
-        section(f"outputs ({len(self.outputs)}), provider {self.provider}:", sorted(self.outputs, key=_sort_key))
-        if self.intermediates:
-            worst = sorted(self.intermediates, key=_sort_key)[:limit]
-            section(f"intermediates (worst {len(worst)} of {len(self.intermediates)}):", worst)
-        if self.first_divergent:
-            fd = self.first_divergent
-            what = "first divergent" if self.snr_min is not None else "first divergent (differs at all; no --snr-min)"
-            snr = "identical" if fd["snr_db"] is None else f"{fd['snr_db']:.2f} dB"
-            lines.append(f"{what}: node {fd['node']!r} ({fd['op_type']}) tensor {fd['tensor']!r} snr {snr}")
-        if notes:
-            lines.extend(f"note: {note}" for note in self.notes)
-        threshold = (" (no SNR threshold applied: --snr-min not given; only NaN/Inf fail)" if self.snr_min is None
-                     else f" (snr-min {self.snr_min:g} dB)")
-        lines.append(("PASSED" if self.passed else "FAILED") + threshold)
-        return "\n".join(lines)
 
 
 def _static_dims(value: ir.Value, shapes: dict, notes: list[str]) -> tuple[int, ...]:
@@ -514,8 +438,8 @@ def _diff(original, rewritten, inputs, provider: str, *, intermediates: bool, sn
                 except ValueError as exc:
                     raise ModelError(f"output {exc}") from None
                 output_metrics.append(m)
-                if worst_key is None or _sort_key(m) < worst_key:
-                    worst_key = _sort_key(m)
+                if worst_key is None or worst_first(m) < worst_key:
+                    worst_key = worst_first(m)
                     if errors.size > _ERROR_SAMPLE:
                         errors = sample_rng.choice(errors, _ERROR_SAMPLE, replace=False)
                     worst_errors = errors
@@ -601,89 +525,3 @@ def _first_divergent(model: ir.Model, by_name: dict[str, TensorMetrics], snr_min
             return {"node": node.name, "op_type": node.op_type, "tensor": hit.name,
                     "snr_db": None if hit.snr_db is None or not math.isfinite(hit.snr_db) else hit.snr_db}
     return None
-
-
-#: SNR shown at most on the plot: float32 rounding noise sits near 140 dB, so anything above is "exact up to
-#: rounding"; a few tensors at ~780 dB (errors of one ulp in huge values) would otherwise squash the rest
-PLOT_SNR_CAP = 160.0
-_NAMED_TICKS = 60  # tensors named on the x axis one by one up to this many; beyond, every k-th
-
-
-@dataclass
-class PlotPoints:
-    """What :func:`plot_diff` draws for the per-tensor panel: one point per compared tensor, graph order.
-
-    ``snr``: the value drawn, in dB (capped at ``cap``); ``kind``: "measured", "capped" (the SNR is above the
-    cap, drawn at it), "identical" (no error, drawn at the cap) or "nonfinite" (no finite SNR, drawn under the
-    lowest one)."""
-
-    names: list[str]
-    snr: list[float]
-    kind: list[str]
-    cap: float
-
-
-def plot_points(result: DiffResult, cap: float = PLOT_SNR_CAP) -> PlotPoints:
-    """The per-tensor SNR points of ``result`` (see :class:`PlotPoints`)."""
-    by_name = {m.name: m for m in [*result.intermediates, *result.outputs]}
-    names = [n for n in result.order if n in by_name]
-    finite = [by_name[n].snr_db for n in names if by_name[n].snr_db is not None and math.isfinite(by_name[n].snr_db)]
-    floor = min([*finite, cap]) - 10
-    snr, kind = [], []
-    for name in names:
-        value = by_name[name].snr_db
-        if value is None:
-            snr.append(cap), kind.append("identical")
-        elif not math.isfinite(value):
-            snr.append(floor), kind.append("nonfinite")
-        elif value > cap:
-            snr.append(cap), kind.append("capped")
-        else:
-            snr.append(value), kind.append("measured")
-    return PlotPoints(names, snr, kind, cap)
-
-
-def plot_diff(result: DiffResult, path) -> None:
-    """PNG: SNR (dB) of every compared tensor in graph order, named on the x axis, capped at
-    :data:`PLOT_SNR_CAP` (identical and capped tensors marked), and the |a-b| histogram of the worst output."""
-    from fp4pass.extras import require
-
-    matplotlib = require("matplotlib", "plot", "plotting a diff")
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib.pyplot as plt
-
-    points = plot_points(result)
-    count = len(points.names)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10, min(40, 0.25 * count)), 8),
-                                   gridspec_kw={"height_ratios": [3, 2]})
-    xs = list(range(count))
-    ax1.plot(xs, points.snr, color="0.6", linewidth=0.8, zorder=1)
-    styles = {"measured": (".", "C0", "SNR"), "capped": ("^", "C1", f"above {points.cap:g} dB (drawn at it)"),
-              "identical": ("^", "green", "identical"), "nonfinite": ("v", "red", "no finite SNR (NaN/Inf)")}
-    for kind, (marker, color, label) in styles.items():
-        idx = [i for i, k in enumerate(points.kind) if k == kind]
-        if idx:
-            ax1.scatter(idx, [points.snr[i] for i in idx], marker=marker, color=color, label=label, zorder=3, s=18)
-    if result.snr_min is not None:
-        ax1.axhline(result.snr_min, color="red", linestyle="--", linewidth=0.8, label=f"--snr-min {result.snr_min:g}")
-    step = max(1, math.ceil(count / _NAMED_TICKS))
-    ax1.set_xticks(xs[::step])
-    ax1.set_xticklabels(points.names[::step], rotation=90, fontsize=6)
-    ax1.set_xlabel("tensor (topological order of the original)" + (f", every {step}th named" if step > 1 else ""))
-    ax1.set_ylabel(f"SNR (dB, capped at {points.cap:g})")
-    ax1.set_ylim(top=points.cap + 5)
-    ax1.set_title(f"per-tensor SNR, provider {result.provider}")
-    if count:
-        ax1.legend(fontsize=7, loc="lower left")
-    worst = sorted(result.outputs, key=_sort_key)[0] if result.outputs else None
-    errors = result.worst_output_errors
-    if worst is not None and errors is not None and errors.size and errors.max() > 0:
-        ax2.hist(errors[errors > 0], bins=100, log=True)
-        ax2.set_title(f"|a-b| of the worst output {worst.name!r} (non-zero errors)")
-    else:
-        ax2.set_title("no output differs")
-    ax2.set_xlabel("|a - b|")
-    fig.tight_layout()
-    fig.savefig(path, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=100)
-    plt.close(fig)

@@ -18,9 +18,10 @@ Activation quantizers (``x_hat = e2m1(q) * e4m3(s) * input_scale``):
 2. ``reference``: the standard-op emulation (:func:`fp4pass.onnx.emulate.nvfp4_fake_quant`), found by its
    ``Div(block_amax, Mul(input_scale, 6))`` before the cast of the block scales to FLOAT8E4M3FN.
 
-Checks (the checkpoint validator's kinds): a global scale, alpha or input_scale that is 0 (``zero_scale``: the
-weights or activations dequantize to 0), negative (``negative_scale``) or NaN/Inf (``nonfinite_scale``); an
-E4M3 block scale whose code is NaN (0x7F/0xFF) or carries the sign bit on a non-zero magnitude.
+Checks (the checkpoint validator's kinds, the rules of :mod:`fp4pass.formats.scale_checks`): a global scale,
+alpha or input_scale that is 0 (``zero_scale``: the weights or activations dequantize to 0), negative
+(``negative_scale``) or NaN/Inf (``nonfinite_scale``); an E4M3 block scale whose code is NaN (0x7F/0xFF) or
+carries the sign bit on a non-zero magnitude.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ import numpy as np
 import onnx_ir as ir
 
 from fp4pass.formats import NV_BLOCK_SIZE
-from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE, MS_DOMAIN, TRT_DOMAIN
+from fp4pass.formats.constants import E2M1_MAX, MS_DOMAIN, TRT_DOMAIN
+from fp4pass.formats.scale_checks import block_scale_problems, scale_value_problems
 from fp4pass.onnx.passes import all_nodes
 from fp4pass.onnx.patterns import QMOE_WEIGHTS, node_label, trace_consumers
 
 __all__ = ["NVFP4Weight", "ActivationQuantizer", "find_nvfp4", "nvfp4_problems", "scheme"]
-
-_E4M3_NAN = E4M3_MAX_CODE + 1  # 0x7F: E4M3FN's NaN magnitude, and the magnitude mask
-_E4M3_SIGN = 0x80
-
 
 @dataclass
 class NVFP4Weight:
@@ -241,16 +239,20 @@ def _where(values: np.ndarray, per_expert: bool) -> str:
     return f"expert {index}" if per_expert else f"element {index}"
 
 
+_CONSEQUENCES = {"nonfinite_scale": "NaN or infinite: every value it scales is NaN",
+                 "zero_scale": "0: every value it scales dequantizes to 0",
+                 "negative_scale": "negative: every value it scales flips its sign"}
+_BLOCK_WORDS = {"nonfinite_scale": "NaN (code 0x7F/0xFF)", "negative_scale": "negative (sign bit set)"}
+
+
 def _scale_problems(what: str, values: np.ndarray | None, per_expert: bool, fix: str) -> list[dict]:
     if values is None:
         return []
     flat = values.reshape(-1)
     problems = []
-    for kind, bad, consequence in (
-            ("nonfinite_scale", ~np.isfinite(flat), "NaN or infinite: every value it scales is NaN"),
-            ("zero_scale", flat == 0, "0: every value it scales dequantizes to 0"),
-            ("negative_scale", np.isfinite(flat) & (flat < 0), "negative: every value it scales flips its sign")):
+    for kind, bad in scale_value_problems(flat):
         if bad.any():
+            consequence = _CONSEQUENCES[kind]
             first = int(np.flatnonzero(bad)[0])
             where = f" ({int(bad.sum())} of {flat.size}, first {_where(bad, per_expert)})" if flat.size > 1 else ""
             problems.append({"kind": kind, "tensor": what, "message": f"{what}: {float(flat[first])!r} is "
@@ -262,11 +264,9 @@ def _block_problems(weight: NVFP4Weight, fix: str) -> list[dict]:
     codes = weight.block_scales
     if codes is None:
         return []
-    magnitude = codes & _E4M3_NAN
     problems = []
-    for kind, bad, what in (("nonfinite_scale", magnitude == _E4M3_NAN, "NaN (code 0x7F/0xFF)"),
-                            ("negative_scale", (codes >= _E4M3_SIGN) & (magnitude != 0) & (magnitude != _E4M3_NAN),
-                             "negative (sign bit set)")):
+    for kind, bad in block_scale_problems(codes):
+        what = _BLOCK_WORDS[kind]
         count = int(np.count_nonzero(bad))
         if count:
             first = tuple(int(i) for i in np.argwhere(bad)[0])

@@ -11,6 +11,11 @@ function, if any, a node's graph belongs to.
 Running. :func:`run_passes` runs ``onnx_ir.passes.PassManager`` (one step: each pass once, in order) and
 re-raises a pass's own exception rather than the ``PassError`` the manager wraps it in, so that fp4pass's
 errors (:mod:`fp4pass.errors`, which the command line maps to exit codes) come through unchanged.
+
+Results. A pass is configured in its ``__init__`` and reports only through what its ``call`` returns: an
+``onnx_ir.passes.PassResult`` (``model``, ``modified``), or a dataclass derived from it that adds the pass's
+report (``RewriteResult.done``, ``VersionsResult.versions``, ...). The manager itself returns only whether
+anything changed, so :func:`run_passes` hands back each pass's own result, in order.
 """
 
 from __future__ import annotations
@@ -92,11 +97,35 @@ class ModelNames:
         return name
 
 
-def run_passes(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.passes.PassResult:
-    """Run ``passes`` in order on ``model`` with ``ir.passes.PassManager`` (module docstring)."""
-    manager = ir.passes.PassManager(list(passes), steps=1)
+class _Kept(ir.passes.PassBase):
+    """One pass as the manager runs it, its result kept for :func:`run_passes` (the manager returns only
+    whether anything changed); in place or not as the pass itself is."""
+
+    def __init__(self, inner: ir.passes.PassBase, results: list) -> None:
+        self.inner, self.results = inner, results
+
+    @property
+    def in_place(self) -> bool:
+        return self.inner.in_place
+
+    @property
+    def changes_input(self) -> bool:
+        return self.inner.changes_input
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        result = self.inner(model)
+        self.results.append(result)
+        return result
+
+
+def run_passes(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> list[ir.passes.PassResult]:
+    """Run ``passes`` in order on ``model`` with ``ir.passes.PassManager``; each pass's own result, in order
+    (module docstring)."""
+    results: list[ir.passes.PassResult] = []
+    manager = ir.passes.PassManager([_Kept(p, results) for p in passes], steps=1)
     try:
-        return manager(model)
+        manager(model)
+        return results
     except _WRAPPERS as exc:
         cause: BaseException = exc
         while isinstance(cause, _WRAPPERS) and cause.__cause__ is not None:

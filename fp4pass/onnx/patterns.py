@@ -9,10 +9,10 @@ MXFP4 in (one class per pattern; ``check`` returns the reason a node is declined
    x_hat = e2m1(W) * 2^(S - 127) * fc*_global_scale[e].
 3. :class:`GatherBlockQuantizedFp4` - ``com.microsoft::GatherBlockQuantized(W FLOAT4E2M1, idx, S float)`` with
    block_size 32 along the last axis and every scale a power of two (an E8M0 scale stored as float).
-4. :class:`FP4FloatScaleDequantize` - ``DequantizeLinear-23/24(W FLOAT4E2M1, S FLOAT|FLOAT16|BFLOAT16,
+4. ``patterns_float.FP4FloatScaleDequantize`` - ``DequantizeLinear-23/24(W FLOAT4E2M1, S FLOAT|FLOAT16|BFLOAT16,
    block_size=32)``, the torch exporter's form: MXFP4 where every scale is a power of two in E8M0's range,
    else FP4 with arbitrary scales (lossy path).
-5. :class:`QuarkMXFakeQuant` - ``com.amd.quark::MXQuantizeDequantize(W float, element_dtype='fp4_e2m1',
+5. ``patterns_float.QuarkMXFakeQuant`` - ``com.amd.quark::MXQuantizeDequantize(W float, element_dtype='fp4_e2m1',
    block_size=32, axis)`` on a linear weight initializer (AMD Quark): W is quantized with Quark's own rule.
 
 Declined only, so that a user learns why they stay (the report names op, reason and what would convert):
@@ -20,8 +20,10 @@ Declined only, so that a user learns why they stay (the report names op, reason 
 (INT4 ``GatherBlockQuantized``). fp4pass's own NVFP4 output (block-16 FP4 DQ fed by an E4M3 DQ) is skipped.
 
 Each match becomes an :class:`FP4Weight` record (bytes are read later, lazily, from the initializers).
-:func:`find_fp4_consumers` lists the nodes that compute with an FP4 weight, in the input (MXFP4) or the
-output (NVFP4) forms, with the index of their activation input: what activation calibration quantizes.
+Patterns 4 and 5 (float scales, float weights) live in :mod:`fp4pass.onnx.patterns_float`; the registry and
+the walks over a model (:func:`~fp4pass.onnx.matching.find_mxfp4`, which lists the weights and the declines,
+and :func:`~fp4pass.onnx.matching.find_fp4_consumers`, the nodes that compute with an FP4 weight: what
+activation calibration quantizes) in :mod:`fp4pass.onnx.matching`.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.formats.constants import E8M0_MAX_EXP, E8M0_MIN_EXP, MS_DOMAIN, QUARK_DOMAIN
+from fp4pass.formats.constants import E8M0_MAX_EXP, E8M0_MIN_EXP, MS_DOMAIN
 from fp4pass.onnx import qmoe_layout
-from fp4pass.onnx.passes import all_nodes, constant_tensor, function_graphs, function_label, function_of
+from fp4pass.onnx.passes import constant_tensor
 
 __all__ = [
     "FP4Weight",
@@ -42,20 +44,23 @@ __all__ = [
     "MXFP4Dequantize",
     "QMoEFp4",
     "GatherBlockQuantizedFp4",
-    "FP4FloatScaleDequantize",
-    "QuarkMXFakeQuant",
-    "QuarkWeight",
     "Bnb4Decline",
     "GatherBlockQuantizedInt4Decline",
     "node_label",
     "op_label",
     "declined_line",
-    "quark_constant",
-    "PATTERNS",
-    "find_mxfp4",
-    "find_fp4_consumers",
+    "FLOAT_SCALE_TYPES",
+    "DeclineOnly",
+    "trace_consumers",
+    "node_attr",
+    "value_dtype",
+    "float_scaled",
+    "initializer_reason",
+    "shared_reason",
+    "dq_layout_reason",
+    "dequantized_constants_reason",
+    "LINEAR_CONSUMERS",
     "PASSTHROUGH_OPS",
-    "node_label",
 ]
 
 PASSTHROUGH_OPS = ("Transpose", "Reshape", "Cast")  # allowed between a dequantize and its consumer
@@ -134,7 +139,7 @@ def op_label(node: ir.Node) -> str:
     return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
-def _dtype(value: ir.Value | None) -> ir.DataType | None:
+def value_dtype(value: ir.Value | None) -> ir.DataType | None:
     """A value's type: its stored tensor's (an initializer, or a Constant node, whose output often carries
     no type in a function body), else its declared one."""
     stored = constant_tensor(value)
@@ -151,7 +156,7 @@ def node_label(node: ir.Node) -> str:
     return f"{node.op_type} -> {out}" if out else node.op_type
 
 
-def _dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
+def dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
     """Why an FP4 DequantizeLinear's stored weight is not laid out as the pass converts it (no zero point,
     rank 2 or 3, blocks along the last axis), with what would make it convertible; None when it is."""
     if len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -161,14 +166,14 @@ def _dq_layout_reason(node: ir.Node, w: ir.Value) -> str | None:
     if rank not in (2, 3):
         return (f"weight {w.name!r} has rank {rank}; 2-D [N, K] or 3-D [E, N, K] is supported (store it reshaped "
                 "to one of them, with a Reshape after the dequantize)")
-    axis = _attr(node, "axis", 1)
+    axis = node_attr(node, "axis", 1)
     if axis not in (-1, rank - 1):
         return (f"weight {w.name!r} is blocked along axis {axis}, not the last axis (store it transposed, "
                 "blocks along the last axis, with a Transpose after the dequantize)")
     return None
 
 
-def _initializer_reason(value: ir.Value, role: str) -> str | None:
+def initializer_reason(value: ir.Value, role: str) -> str | None:
     """Why ``value`` cannot be rewritten as a stored weight, or None when it is a plain initializer."""
     if value.is_graph_input():
         return (f"{role} {value.name!r} is a graph input, not an initializer (the pass rewrites stored weights: "
@@ -179,7 +184,7 @@ def _initializer_reason(value: ir.Value, role: str) -> str | None:
     return None
 
 
-def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
+def shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
     others = [user for user, _ in value.uses() if user is not node]
     if others:
         return f"{role} {value.name!r} is also used by node {node_label(others[0])!r} ({others[0].op_type})"
@@ -191,13 +196,13 @@ def _shared_reason(value: ir.Value, node: ir.Node, role: str) -> str | None:
 def _constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
     """Why the weight/scale pair of ``node`` is not a rewritable constant pair, or None."""
     for value, role in ((weight, "weight"), (scale, "scale")):
-        reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+        reason = initializer_reason(value, role) or shared_reason(value, node, role)
         if reason:
             return reason
     return None
 
 
-def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
+def dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Value) -> str | None:
     """Like :func:`_constants_reason` for a DequantizeLinear (patterns 1 and 4 alike), where sharing is allowed:
 
     - the weight may be read by other DequantizeLinear nodes (data input); they are converted together
@@ -206,7 +211,7 @@ def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Val
       for its other readers.
     """
     for value, role in ((weight, "weight"), (scale, "scale")):
-        reason = _initializer_reason(value, role)
+        reason = initializer_reason(value, role)
         if reason:
             return reason
     for user, index in weight.uses():
@@ -218,7 +223,7 @@ def _dequantized_constants_reason(node: ir.Node, weight: ir.Value, scale: ir.Val
     return None
 
 
-def _attr(node: ir.Node, name: str, default):
+def node_attr(node: ir.Node, name: str, default):
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
 
@@ -252,22 +257,23 @@ class MXFP4Dequantize:
     name = "dq"
 
     def match(self, node: ir.Node) -> bool:
-        return (node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
-                and not _float_scaled(node))
+        return (node.domain == "" and node.op_type == "DequantizeLinear"
+                and value_dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1
+                and not float_scaled(node))
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if s is None:
             return f"DequantizeLinear of {w.name!r} has no scale"
-        reason = _dequantized_constants_reason(node, w, s)
+        reason = dequantized_constants_reason(node, w, s)
         if reason:
             return reason
-        if _dtype(s) != ir.DataType.FLOAT8E8M0:
-            return f"scale of {w.name!r} is {_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
-        reason = _dq_layout_reason(node, w)
+        if value_dtype(s) != ir.DataType.FLOAT8E8M0:
+            return f"scale of {w.name!r} is {value_dtype(s)}, not FLOAT8E8M0 (not MXFP4)"
+        reason = dq_layout_reason(node, w)
         if reason:
             return reason
-        block = _attr(node, "block_size", 0)
+        block = node_attr(node, "block_size", 0)
         if block != 32:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
         return None
@@ -293,12 +299,12 @@ class QMoEFp4:
         self.hints = hints
 
     def match(self, node: ir.Node) -> bool:
-        return node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") == "fp4"
+        return node.domain == MS_DOMAIN and node.op_type == "QMoE" and node_attr(node, "quant_type", "int") == "fp4"
 
     def check(self, node: ir.Node) -> str | None:
         if len(node.inputs) > 8 and node.inputs[8] is not None:
             return "fc3 weights (unfused SwiGLU) have no global scale input in QMoE 'nvfp4'"
-        block = _attr(node, "block_size", 32)
+        block = node_attr(node, "block_size", 32)
         if block not in (0, 32):
             return f"block_size {block}; MXFP4 needs 32"
         for slot, (wi, si, gi) in QMOE_WEIGHTS.items():
@@ -306,15 +312,15 @@ class QMoEFp4:
             s = node.inputs[si] if len(node.inputs) > si else None
             if s is None:
                 return f"{slot} scales are missing"
-            if _dtype(w) != ir.DataType.UINT8 or _dtype(s) not in (ir.DataType.FLOAT8E8M0, ir.DataType.UINT8):
-                return f"{slot} weights/scales are {_dtype(w)}/{_dtype(s)}, not uint8 FP4 / E8M0"
+            if value_dtype(w) != ir.DataType.UINT8 or value_dtype(s) not in (ir.DataType.FLOAT8E8M0, ir.DataType.UINT8):
+                return f"{slot} weights/scales are {value_dtype(w)}/{value_dtype(s)}, not uint8 FP4 / E8M0"
             for value, role in ((w, f"{slot} weight"), (s, f"{slot} scale")):
-                reason = _initializer_reason(value, role) or _shared_reason(value, node, role)
+                reason = initializer_reason(value, role) or shared_reason(value, node, role)
                 if reason:
                     return reason
             g = node.inputs[gi] if len(node.inputs) > gi else None
             if g is not None:
-                reason = _initializer_reason(g, f"{slot} global scale") or _shared_reason(g, node, f"{slot} global scale")
+                reason = initializer_reason(g, f"{slot} global scale") or shared_reason(g, node, f"{slot} global scale")
                 if reason:
                     return reason
             if w.const_value.shape.rank() != 3 or s.const_value.shape.rank() != 3:
@@ -358,8 +364,8 @@ def _qmoe_global_scales_reason(node: ir.Node) -> str | None:
         also = [i for i, v in enumerate(node.inputs) if v is g and i != gi]
         if also:
             return f"{role} is also input {also[0]} of the node; the global scale must be a tensor of its own"
-        if _dtype(g) != ir.DataType.FLOAT:
-            return f"{role} is {_dtype(g)}, not FLOAT"
+        if value_dtype(g) != ir.DataType.FLOAT:
+            return f"{role} is {value_dtype(g)}, not FLOAT"
         shape = [int(d) for d in g.const_value.shape]
         if shape != [e]:
             return f"{role} has shape {shape}; one FP32 scale per expert, [{e}], is expected"
@@ -395,21 +401,21 @@ class GatherBlockQuantizedFp4:
 
     def match(self, node: ir.Node) -> bool:
         return (node.domain == MS_DOMAIN and node.op_type == "GatherBlockQuantized"
-                and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1)
+                and value_dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1)
 
     def check(self, node: ir.Node) -> str | None:
         w, s = node.inputs[0], node.inputs[2]
         reason = _constants_reason(node, w, s)
         if reason:
             return reason
-        if _dtype(s) != ir.DataType.FLOAT:
-            return f"scale {s.name!r} is {_dtype(s)}; float32 scales are supported"
+        if value_dtype(s) != ir.DataType.FLOAT:
+            return f"scale {s.name!r} is {value_dtype(s)}; float32 scales are supported"
         rank = w.const_value.shape.rank()
         if rank not in (2, 3):
             return f"weight {w.name!r} has rank {rank}"
-        if _attr(node, "quantize_axis", 1) not in (-1, rank - 1):
+        if node_attr(node, "quantize_axis", 1) not in (-1, rank - 1):
             return f"weight {w.name!r} is blocked along a non-last axis"
-        block = _attr(node, "block_size", 128)
+        block = node_attr(node, "block_size", 128)
         if block != 32:
             return f"weight {w.name!r} has block size {block}; MXFP4 needs 32"
         if tuple(s.const_value.shape.numpy())[:-1] != tuple(w.const_value.shape.numpy())[:-1]:
@@ -422,142 +428,11 @@ class GatherBlockQuantizedFp4:
                           consumers=[Consumer(node, 0, None)])]
 
 FLOAT_SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-QUARK_MX_OP = "MXQuantizeDequantize"
-QUARK_FP4 = "fp4_e2m1"
 
 
-def _float_scaled(node: ir.Node) -> bool:
+def float_scaled(node: ir.Node) -> bool:
     """An FP4 DequantizeLinear whose scale input is FLOAT/FLOAT16/BFLOAT16 (pattern 4, or fp4pass's NVFP4 output)."""
-    return len(node.inputs) > 1 and _dtype(node.inputs[1]) in FLOAT_SCALE_TYPES
-
-
-class FP4FloatScaleDequantize:
-    """Pattern 4: ``DequantizeLinear-23/24(W FLOAT4E2M1, S FLOAT|FLOAT16|BFLOAT16, axis=last, block_size=32)``.
-
-    The torch exporter's form (torch 2.13 ``torch.onnx.export(dynamo=True)`` has no E8M0 type, so a
-    ``torch.onnx.ops.symbolic("DequantizeLinear", ...)`` on a float4_e2m1fn_x2 buffer carries float scales).
-    Math: x_hat[..., i] = e2m1(W[..., i]) * S[..., i // 32], one multiply in the scale's float type.
-
-    Where every S is a power of two 2^k with k in [-127, 127] (or 0 over a block whose codes are all ±0), it
-    is MXFP4 by value: E8M0 code k + 127 (0 for the zero scales), converted exactly as pattern 1. Otherwise
-    it is FP4 with arbitrary block scales, converted through the lossy path (:mod:`fp4pass.convert.scaled`),
-    and the report says so. FP4 DequantizeLinear at block 16 whose scale is fp4pass's own ``DQ(E4M3, G)`` is
-    NVFP4 already and is neither matched nor declined.
-    """
-
-    name = "dq_float"
-
-    def match(self, node: ir.Node) -> bool:
-        return (node.domain == "" and node.op_type == "DequantizeLinear"
-                and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1 and _float_scaled(node))
-
-    def check(self, node: ir.Node) -> str | None:
-        w, s = node.inputs[0], node.inputs[1]
-        reason = _dequantized_constants_reason(node, w, s)
-        if reason:
-            return reason
-        reason = _dq_layout_reason(node, w)
-        if reason:
-            return reason
-        block = _attr(node, "block_size", 0)
-        if block != 32:
-            fix = ("store its block scales as FLOAT8E4M3FN with an FP32 global scale (NVFP4's two-DQ form)"
-                   if block == 16 else "requantize it with blocks of 32 along the last axis")
-            return f"weight {w.name!r} has block size {block} with float scales; FP4 converts at block 32 only ({fix})"
-        shape = tuple(w.const_value.shape.numpy())
-        if tuple(s.const_value.shape.numpy()) != (*shape[:-1], shape[-1] // 32) or shape[-1] % 32:
-            return (f"scale {s.name!r} has shape {list(s.const_value.shape.numpy())}, "
-                    f"expected {[*shape[:-1], shape[-1] // 32]} for weight {list(shape)}")
-        return None
-
-    def records(self, node: ir.Node) -> list[FP4Weight]:
-        w, s = node.inputs[0], node.inputs[1]
-        return [FP4Weight(self.name, node, w, s, tuple(w.const_value.shape.numpy()),
-                          consumers=trace_consumers(node.outputs[0]))]
-
-
-@dataclass
-class QuarkWeight(FP4Weight):
-    """A float weight under Quark's MX fake-quant, quantized to MXFP4 (``codes``/``scales`` are new values not
-    yet in the graph). ``source`` is the float initializer; ``perm`` the axis swap that brings Quark's block
-    axis last (None when it is last already): codes are stored permuted and a Transpose restores the layout."""
-
-    source: ir.Value | None = None
-    perm: list[int] | None = None
-
-
-def _quark_fp4(node: ir.Node) -> bool:
-    element = _attr(node, "element_dtype", "")
-    if isinstance(element, bytes):
-        element = element.decode()
-    return node.domain == QUARK_DOMAIN and node.op_type == QUARK_MX_OP and element == QUARK_FP4
-
-
-def quark_constant(node: ir.Node) -> bool:
-    """A Quark FP4 fake-quant whose input is a stored constant (weight or bias), not an activation."""
-    x = node.inputs[0] if node.inputs else None
-    return _quark_fp4(node) and x is not None and not x.is_graph_input() and x.const_value is not None
-
-
-def _linear_weight(value: ir.Value) -> bool:
-    consumers = trace_consumers(value)
-    return bool(consumers) and all(c.node.domain == "" and c.node.op_type in LINEAR_CONSUMERS
-                                   and c.activation_input is not None for c in consumers)
-
-
-class QuarkMXFakeQuant:
-    """Pattern 5: ``com.amd.quark::MXQuantizeDequantize(W, element_dtype='fp4_e2m1', block_size=32, axis)`` on a
-    float weight initializer that MatMul / Gemm / Einsum read as their weight (AMD Quark ``quark.onnx``).
-
-    Quark's rule (its ``mx_kernel.cc`` / ``funcs.cuh``, amd-quark 0.13): the block exponent is the largest
-    float32 exponent in the block minus E2M1's emax 2, k = floor(log2(amax)) - 2 (OCP's rule, ``ScaleRule.FLOOR``),
-    and each x / 2^k is rounded to nearest, ties to even, on the E2M1 grid, saturating at ±6. The weight is
-    quantized so, its block axis moved last, then converted to NVFP4 like any MXFP4 weight; the fake-quant
-    node is dropped. Biases and other constants under the fake-quant are folded (:mod:`rewrite_quark`), and
-    activations are left to the activation step.
-    """
-
-    name = "quark"
-
-    def match(self, node: ir.Node) -> bool:
-        return quark_constant(node) and node.inputs[0].const_value.shape.rank() >= 2 and _linear_weight(node.outputs[0])
-
-    def check(self, node: ir.Node) -> str | None:
-        w = node.inputs[0]
-        reason = _initializer_reason(w, "weight") or _shared_reason(w, node, "weight")
-        if reason:
-            return reason
-        if _dtype(w) not in FLOAT_SCALE_TYPES:
-            return f"weight {w.name!r} is {_dtype(w)}, not a float type"
-        shape = tuple(w.const_value.shape.numpy())
-        rank = len(shape)
-        if rank not in (2, 3):
-            return f"weight {w.name!r} has rank {rank}; 2-D or 3-D is supported"
-        block = _attr(node, "block_size", 32)
-        if block != 32:
-            return f"weight {w.name!r} has MX block size {block}; MXFP4 needs 32 (re-run Quark with block_size 32)"
-        axis = _attr(node, "axis", 1)
-        if not -rank <= axis < rank:
-            return f"weight {w.name!r}: axis {axis} is out of range for rank {rank}"
-        if shape[axis] % 32:
-            return f"weight {w.name!r}: dim {shape[axis]} along the block axis {axis} is not a multiple of 32"
-        if rank == 3 and axis % rank == 0:
-            return f"weight {w.name!r} is blocked along the expert axis 0"
-        return None
-
-    def records(self, node: ir.Node) -> list[FP4Weight]:
-        from fp4pass.onnx.quark_mx import quantize_weight
-
-        w = node.inputs[0]
-        rank = w.const_value.shape.rank()
-        axis = _attr(node, "axis", 1) % rank
-        perm = None
-        if axis != rank - 1:
-            perm = list(range(rank))
-            perm[axis], perm[-1] = perm[-1], perm[axis]
-        codes, scales, shape = quantize_weight(w, perm)
-        return [QuarkWeight(self.name, node, codes, scales, shape, consumers=trace_consumers(node.outputs[0]),
-                            source=w, perm=perm)]
+    return len(node.inputs) > 1 and value_dtype(node.inputs[1]) in FLOAT_SCALE_TYPES
 
 
 class DeclineOnly:
@@ -579,7 +454,7 @@ class Bnb4Decline(DeclineOnly):
         return node.inputs[1].name if len(node.inputs) > 1 and node.inputs[1] is not None else None
 
     def check(self, node: ir.Node) -> str | None:
-        kind = {0: "FP4", 1: "NF4"}.get(_attr(node, "quant_type", -1), "4-bit")
+        kind = {0: "FP4", 1: "NF4"}.get(node_attr(node, "quant_type", -1), "4-bit")
         return (f"bitsandbytes {kind} (MatMulBnb4): its own 4-bit code book with one float absmax per block, "
                 "not OCP E2M1 with power-of-two scales; export the weight as MXFP4 "
                 "(DequantizeLinear FLOAT4E2M1 + FLOAT8E8M0, block 32) to convert it")
@@ -592,107 +467,9 @@ class GatherBlockQuantizedInt4Decline(DeclineOnly):
 
     def match(self, node: ir.Node) -> bool:
         return (node.domain == MS_DOMAIN and node.op_type == "GatherBlockQuantized"
-                and _dtype(node.inputs[0]) != ir.DataType.FLOAT4E2M1)
+                and value_dtype(node.inputs[0]) != ir.DataType.FLOAT4E2M1)
 
     def check(self, node: ir.Node) -> str | None:
-        return (f"{_dtype(node.inputs[0])} data with bits={_attr(node, 'bits', 4)}: integer 4-bit quantization, "
+        return (f"{value_dtype(node.inputs[0])} data with bits={node_attr(node, 'bits', 4)}: integer 4-bit "
+                "quantization, "
                 "not FP4; export the table as FLOAT4E2M1 with power-of-two block-32 scales to convert it")
-
-
-PATTERNS = (MXFP4Dequantize(), QMoEFp4(), GatherBlockQuantizedFp4(), FP4FloatScaleDequantize(), QuarkMXFakeQuant(),
-            Bnb4Decline(), GatherBlockQuantizedInt4Decline())
-
-
-def _all_nodes(model: ir.Model):
-    """Every node: main graph, subgraphs, function bodies (:func:`fp4pass.onnx.passes.all_nodes`)."""
-    return all_nodes(model)
-
-
-def function_reason(function: ir.Function) -> str:
-    """Why a weight pattern inside ``function``'s body is declined, and what would make it convertible."""
-    return (f"inside function {function_label(function)}: a function body holds no initializers, so the NVFP4 "
-            "codes and scales have nowhere to be stored; inline the function "
-            "(onnx.inliner.inline_local_functions) and lift its Constant nodes to initializers "
-            "(onnx_ir.passes.common.LiftConstantsToInitializersPass(size_limit=0)), then convert")
-
-
-def find_mxfp4(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[Declined]]:
-    """Every MXFP4 weight pattern in ``model`` (subgraphs and function bodies included), and the near-misses
-    with their reason. A weight pattern inside a local function's body is declined (:func:`function_reason`).
-
-    ``model_dir``: the model's folder, where a ``genai_config.json`` tells an ambiguous QMoE layout.
-    """
-    found: list[FP4Weight] = []
-    declined: list[Declined] = []
-    hints = qmoe_layout.Hints.of(model, model_dir)
-    patterns = tuple(QMoEFp4(hints) if isinstance(p, QMoEFp4) else p for p in PATTERNS)
-    owners = function_graphs(model)
-    for node in _all_nodes(model):
-        if _is_nvfp4_dq(node):  # fp4pass's own NVFP4 output: nothing to convert, nothing to decline
-            continue
-        function = function_of(node, owners)
-        for pattern in patterns:
-            if not pattern.match(node):
-                continue
-            try:
-                reason = pattern.check(node)
-            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
-                # a malformed node: declined with its reason, the others still convert
-                reason = f"malformed node ({type(exc).__name__}: {exc})"
-            if function is not None:
-                reason = (f"inside function {function_label(function)}: {reason}" if isinstance(pattern, DeclineOnly)
-                          else function_reason(function))
-            if reason is None:
-                found.extend(pattern.records(node))
-            else:
-                tensor = node.inputs[0].name if node.inputs and node.inputs[0] is not None else None
-                if pattern.name == "qmoe":
-                    tensor = node.inputs[2].name if len(node.inputs) > 2 and node.inputs[2] is not None else None
-                if hasattr(pattern, "tensor"):
-                    tensor = pattern.tensor(node)
-                declined.append(Declined(pattern.name, node_label(node), tensor, reason, op_label(node)))
-            break
-    return found, declined
-
-
-def _is_nvfp4_dq(node: ir.Node) -> bool:
-    """``DQ(W FLOAT4E2M1, s, block_size=16)`` whose scale comes from ``DQ(S FLOAT8E4M3FN, G)`` (fp4pass's output)."""
-    if not (node.domain == "" and node.op_type == "DequantizeLinear" and _dtype(node.inputs[0]) == ir.DataType.FLOAT4E2M1):
-        return False
-    scale_producer = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    return (_attr(node, "block_size", 0) == 16 and scale_producer is not None
-            and scale_producer.op_type == "DequantizeLinear"
-            and _dtype(scale_producer.inputs[0]) == ir.DataType.FLOAT8E4M3FN)
-
-
-def find_fp4_consumers(model: ir.Model) -> list[tuple[ir.Node, int, FP4Weight | ir.Value]]:
-    """Nodes that compute with an FP4 weight: ``(node, activation_input_index, weight)``.
-
-    Covers MatMul/Gemm/Einsum fed (through Transpose/Reshape/Cast) by an MXFP4 dequantize (pattern 1) or by the
-    NVFP4 two-DQ form fp4pass writes, and QMoE nodes with quant_type 'fp4' or 'nvfp4' (activation input 0).
-    ``weight`` is the :class:`FP4Weight` for MXFP4 inputs, else the FP4 codes value. Nodes where the weight
-    is not a MatMul/Gemm/Einsum operand (e.g. a Gather of an embedding) are not listed.
-    """
-    result: list[tuple[ir.Node, int, FP4Weight | ir.Value]] = []
-    seen: set[int] = set()
-
-    def add(node, act, weight):
-        if id(node) not in seen and act is not None:
-            seen.add(id(node))
-            result.append((node, act, weight))
-
-    mx_patterns = (PATTERNS[0], FP4FloatScaleDequantize())
-    for node in _all_nodes(model):
-        mx_pattern = next((p for p in mx_patterns if p.match(node)), None)
-        if mx_pattern is not None and not _is_nvfp4_dq(node) and mx_pattern.check(node) is None:
-            for record in mx_pattern.records(node):
-                for c in record.consumers:
-                    if c.node.op_type in LINEAR_CONSUMERS and c.node.domain == "":
-                        add(c.node, c.activation_input, record)
-        elif _is_nvfp4_dq(node):
-            for c in trace_consumers(node.outputs[0]):
-                if c.node.op_type in LINEAR_CONSUMERS and c.node.domain == "":
-                    add(c.node, c.activation_input, node.inputs[0])
-        elif node.domain == MS_DOMAIN and node.op_type == "QMoE" and _attr(node, "quant_type", "int") in ("fp4", "nvfp4"):
-            add(node, 0, node.inputs[2])
-    return result

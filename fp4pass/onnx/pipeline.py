@@ -1,7 +1,8 @@
 """The ONNX stages of ``fp4pass.onnx.convert`` (MXFP4 -> NVFP4 over a whole ONNX model), which
 :func:`fp4pass.pipeline.convert` runs in this order. Stages 4-6 are ``onnx_ir`` in-place passes
 (``ir.passes.InPlacePass``: ``call(model) -> PassResult(model, modified)``) run by ``ir.passes.PassManager``
-(:func:`fp4pass.onnx.passes.run_passes`); each holds its inputs and, after it ran, its results for the report.
+(:func:`fp4pass.onnx.passes.run_passes`); each is configured in its ``__init__`` and reports through the result
+its ``call`` returns (a ``PassResult`` with the pass's report added: :class:`RewriteResult`, ...).
 docs/passes.md has the whole list, with what each pass walks and declines.
 
 1. load       - path / ModelProto / onnx_ir.Model / graphsurgeon Graph into onnx_ir (external data lazy, checked)
@@ -11,15 +12,16 @@ docs/passes.md has the whole list, with what each pass walks and declines.
                 declined: the reason names the function and says what converts it (inline, lift constants)
 3. validate   - every weight's scales read and checked (shapes, E8M0 code 255) before anything is written
                 (``WeightConversion``)
-4. rewrite    - :class:`RewriteMXFP4Weights` (records and conversions in; ``done``, ``alphas``, ``wrote_dq``
-                out): per weight :mod:`rewrite_trt` (``dq`` / ``alpha`` form, GatherBlockQuantized) or
+4. rewrite    - :class:`RewriteMXFP4Weights` (records and conversions in; :class:`RewriteResult` ``done``,
+                ``alphas``, ``wrote_dq`` out): per weight :mod:`rewrite_trt` (``dq`` / ``alpha`` form,
+                GatherBlockQuantized) or
                 :mod:`rewrite_qmoe` (QMoE 'fp4' -> 'nvfp4'); new tensors are lazy and go to the graph that
                 holds the codes (an outer-scope initializer read in a branch: the main graph), new nodes to
                 the graph of the node they serve. A Quark weight becomes an MXFP4 DQ first.
-                :class:`FoldQuarkFakeQuants` (``entries`` out): the Quark fake-quants left are folded
-                (constants) or go with the activations (:mod:`rewrite_quark`)
-5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR` (``versions`` out), :class:`GroupInitializers`
-6. activations (optional) - calibration (``fp4pass.calib``, not a pass: it measures), then
+                :class:`FoldQuarkFakeQuants` (:class:`FoldResult` ``entries`` out): the Quark fake-quants left
+                are folded (constants) or go with the activations (:mod:`rewrite_quark`)
+5. clean up   - :class:`rewrite_cleanup.SetOpsetAndIR` (``wrote_dq`` in, ``versions`` out), :class:`GroupInitializers`
+6. activations (optional) - calibration (``fp4pass.onnx.calibrate``, not a pass: it measures), then
                 :class:`fp4pass.onnx.act_quant.InsertActivationQuantizers` (``entries`` out; one quantizer per
                 graph that holds consumers, a consumer in a function body declined); run by the pipeline
                 above both (:mod:`fp4pass.pipeline`), so that this package never imports the calibration
@@ -43,11 +45,13 @@ to 'nvfp4' under every target: it is the only NVFP4 form of that op).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
 from fp4pass.choices import ExternalData, Method, Provider, ScaleForm, Target, values
 from fp4pass.errors import UsageError
+from fp4pass.onnx.passes import run_passes
 from fp4pass.onnx.rewrite_cleanup import SetOpsetAndIR
 from fp4pass.onnx.rewrite_common import UniqueNames
 from fp4pass.onnx.rewrite_qmoe import QMoEToNVFP4
@@ -56,8 +60,8 @@ from fp4pass.onnx.rewrite_quark import (activation_declines, drop_unused_quark_o
 from fp4pass.onnx.rewrite_trt import AlphaNVFP4, DequantizeToNVFP4, GatherToNVFP4, alpha_note
 from fp4pass.onnx.sharing import sharing_note
 
-__all__ = ["RewriteMXFP4Weights", "FoldQuarkFakeQuants", "SetOpsetAndIR", "GroupInitializers", "weight_passes",
-           "quark_replaced", "materialize", "METHODS",
+__all__ = ["RewriteMXFP4Weights", "RewriteResult", "FoldQuarkFakeQuants", "FoldResult", "SetOpsetAndIR",
+           "GroupInitializers", "WeightStages", "run_weight_passes", "quark_replaced", "materialize", "METHODS",
            "SCALE_FORMS", "TARGETS", "EXTERNAL_DATA"]
 
 log = logging.getLogger(__name__)
@@ -84,22 +88,27 @@ def materialize(model: ir.Model) -> None:
                 value.const_value = tensor
 
 
-class RewriteMXFP4Weights(ir.passes.InPlacePass):
-    """Stage 4: rewrite every matched weight (``records``, each with its lazy ``convs`` entry) into NVFP4.
+@dataclass
+class RewriteResult(ir.passes.PassResult):
+    """What :class:`RewriteMXFP4Weights` did: ``done`` [(record, conv, form, note)] for the report, ``alphas``
+    {consumer node: alpha initializer} (the ``alpha`` form), ``wrote_dq`` whether an FP4 DequantizeLinear (or
+    GatherBlockQuantized with a DQ scale) was written. ``modified``: at least one weight was rewritten."""
 
-    Out, after the pass ran: ``done`` [(record, conv, form, note)] for the report, ``alphas`` {consumer
-    node: alpha initializer} (the ``alpha`` form), ``wrote_dq`` whether an FP4 DequantizeLinear (or
-    GatherBlockQuantized with a DQ scale) was written. ``modified``: at least one weight was rewritten.
-    """
+    done: list = field(default_factory=list)
+    alphas: dict = field(default_factory=dict)
+    wrote_dq: bool = False
+
+
+class RewriteMXFP4Weights(ir.passes.InPlacePass):
+    """Stage 4: rewrite every matched weight (``records``, each with its lazy ``convs`` entry) into NVFP4;
+    returns a :class:`RewriteResult`."""
 
     def __init__(self, records, convs, scale_form: str) -> None:
         super().__init__()
         self.records, self.convs, self.scale_form = list(records), list(convs), scale_form
-        self.done: list[tuple] = []
-        self.alphas: dict[str, str] = {}
-        self.wrote_dq = False
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> RewriteResult:
+        result = RewriteResult(model, bool(self.records))
         scale_form = self.scale_form
         names = UniqueNames(model.graph)  # one for every rewrite: new tensor names never clash
         alpha_pass, dq_pass, gbq_pass = AlphaNVFP4(names), DequantizeToNVFP4(names), GatherToNVFP4(names)
@@ -109,11 +118,11 @@ class RewriteMXFP4Weights(ir.passes.InPlacePass):
             if record.pattern == "quark":
                 materialize_weight(record)
             if record.pattern in ("dq", "dq_float", "quark"):
-                self.wrote_dq = True
+                result.wrote_dq = True
                 reason = alpha_pass.check(record) if scale_form == "alpha" else None
                 if scale_form == "alpha" and reason is None:
                     out = alpha_pass.rewrite(record, conv)
-                    self.alphas.update(out["alphas"])
+                    result.alphas.update(out["alphas"])
                     if out["gemm_alpha"]:
                         note = "; ".join(filter(None, [note, f"global scale in Gemm alpha of {', '.join(out['gemm_alpha'])}"]))
                     if out["cast"]:  # worded once the global scale is known (after the conversion)
@@ -123,7 +132,7 @@ class RewriteMXFP4Weights(ir.passes.InPlacePass):
                         note = "; ".join(filter(None, [note, f"alpha form not possible ({reason}); wrote the dq form"]))
                     out = dq_pass.rewrite(record, conv)
             elif record.pattern == "gbq":
-                self.wrote_dq = True
+                result.wrote_dq = True
                 out = gbq_pass.rewrite(record, conv)
             else:
                 out = qmoe_pass.rewrite(record, conv)
@@ -132,8 +141,8 @@ class RewriteMXFP4Weights(ir.passes.InPlacePass):
             shared = sharing_note(record)
             if shared:
                 note = _joined_note(shared, note) if callable(note) else "; ".join(n for n in (shared, note) if n)
-            self.done.append((record, conv, out["form"], note))
-        return ir.passes.PassResult(model, bool(self.records))
+            result.done.append((record, conv, out["form"], note))
+        return result
 
 
 def _joined_note(first: str | None, later):
@@ -141,25 +150,31 @@ def _joined_note(first: str | None, later):
     return lambda: "; ".join(n for n in (first, later()) if n)
 
 
+@dataclass
+class FoldResult(ir.passes.PassResult):
+    """What :class:`FoldQuarkFakeQuants` did: ``entries``, the report's "quark" list."""
+
+    entries: list = field(default_factory=list)
+
+
 class FoldQuarkFakeQuants(ir.passes.InPlacePass):
     """Stage 4, Quark's rest: the Quark fake-quants left after the weights. Constants are folded; activations
     removed when ``calibrated`` quantizers replace them, else kept and their declines appended to
     ``declined`` (running them needs Quark's custom-op library); the com.amd.quark import goes once no node
-    uses it. Out: ``entries`` (the report's "quark" list). ``modified``: a node was folded or removed."""
+    uses it. Returns a :class:`FoldResult`; ``modified``: a node was folded or removed."""
 
     def __init__(self, calibrated: bool, declined: list) -> None:
         super().__init__()
         self.calibrated, self.declined = calibrated, declined
-        self.entries: list[dict] = []
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.entries = fold_constants(model, self.declined)
+    def call(self, model: ir.Model) -> FoldResult:
+        entries = fold_constants(model, self.declined)
         if self.calibrated:
-            self.entries += remove_activation_fake_quants(model)
+            entries += remove_activation_fake_quants(model)
         else:
             self.declined.extend(activation_declines(model))
         dropped = drop_unused_quark_opset(model)
-        return ir.passes.PassResult(model, bool(self.entries) or dropped)
+        return FoldResult(model, bool(entries) or dropped, entries)
 
 
 def quark_replaced(entries: list[dict], activations: list[dict]) -> None:
@@ -208,9 +223,21 @@ class GroupInitializers(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
 
-def weight_passes(records, convs, scale_form: str, calibrated: bool, declined: list) -> list[ir.passes.PassBase]:
-    """Stages 4 and 5 as onnx_ir passes, in the order they run (module docstring); run them with
-    :func:`fp4pass.onnx.passes.run_passes`, then read their results off them."""
-    rewrite = RewriteMXFP4Weights(records, convs, scale_form)
-    return [rewrite, FoldQuarkFakeQuants(calibrated, declined), SetOpsetAndIR(lambda: rewrite.wrote_dq),
-            GroupInitializers(records)]
+@dataclass
+class WeightStages:
+    """The results of stages 4 and 5, one per pass, in the order they ran."""
+
+    rewrite: RewriteResult
+    quark: FoldResult
+    versions: ir.passes.PassResult
+    grouped: ir.passes.PassResult
+
+
+def run_weight_passes(model: ir.Model, records, convs, scale_form: str, calibrated: bool,
+                      declined: list) -> WeightStages:
+    """Stages 4 and 5 as onnx_ir passes, in order (module docstring). The opset pass is configured with what
+    the rewrite's result says (an FP4 DequantizeLinear written or not), so it runs once the rewrite has."""
+    rewrite, quark = run_passes([RewriteMXFP4Weights(records, convs, scale_form),
+                                 FoldQuarkFakeQuants(calibrated, declined)], model)
+    versions, grouped = run_passes([SetOpsetAndIR(rewrite.wrote_dq), GroupInitializers(records)], model)
+    return WeightStages(rewrite, quark, versions, grouped)

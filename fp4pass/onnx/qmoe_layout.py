@@ -27,7 +27,6 @@ that contradicts the shapes is declined too.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from fp4pass.io import read_regular_file
+from fp4pass.io import read_regular_file, strict_json
 
 __all__ = [
     "SCHEMA",
@@ -76,7 +75,7 @@ class Hints:
             path = Path(model_dir) / "genai_config.json"
             try:  # a regular file only (never a FIFO or /dev/zero), and a few MB at most
                 genai = (os.path.lexists(path)
-                         and "model" in json.loads(read_regular_file(path, GENAI_CONFIG_MAX_BYTES, ValueError)))
+                         and "model" in strict_json(read_regular_file(path, GENAI_CONFIG_MAX_BYTES, ValueError)))
             except (ValueError, TypeError, RecursionError):
                 genai = False
         if model is None:

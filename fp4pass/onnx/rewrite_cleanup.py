@@ -15,7 +15,7 @@ ran, and ``PassResult.modified`` says whether either number changed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import onnx
 import onnx_ir as ir
@@ -23,7 +23,7 @@ import onnx_ir as ir
 from fp4pass.formats.constants import E8M0_MIN_IR_VERSION, FP4_MIN_IR_VERSION
 from fp4pass.onnx.passes import all_nodes, constant_tensor
 
-__all__ = ["SetOpsetAndIR"]
+__all__ = ["SetOpsetAndIR", "VersionsResult"]
 
 _IR_FOR_TYPE = {ir.DataType.FLOAT4E2M1: FP4_MIN_IR_VERSION, ir.DataType.FLOAT8E4M3FN: 11,
                 ir.DataType.FLOAT8E8M0: E8M0_MIN_IR_VERSION}
@@ -36,17 +36,23 @@ def _min_ir_for_opset(version: int) -> int:
         return onnx.IR_VERSION
 
 
-class SetOpsetAndIR(ir.passes.InPlacePass):
-    """Cases 1 and 2 of the module docstring. ``wrote_fp4_dq``: whether an FP4 DequantizeLinear was written,
-    or a callable that tells it when the pass runs (the rewrite pass before it in a pass manager knows)."""
+@dataclass
+class VersionsResult(ir.passes.PassResult):
+    """What :class:`SetOpsetAndIR` did: ``versions`` ``{"before": {"ir_version", "opset"}, "after": {...}}``."""
 
-    def __init__(self, wrote_fp4_dq: bool | Callable[[], bool] = False) -> None:
+    versions: dict = field(default_factory=dict)
+
+
+class SetOpsetAndIR(ir.passes.InPlacePass):
+    """Cases 1 and 2 of the module docstring. ``wrote_fp4_dq``: whether an FP4 DequantizeLinear was written
+    (the rewrite's :class:`~fp4pass.onnx.pipeline.RewriteResult` says). Returns a :class:`VersionsResult`."""
+
+    def __init__(self, wrote_fp4_dq: bool = False) -> None:
         super().__init__()
         self.wrote_fp4_dq = wrote_fp4_dq
-        self.versions: dict | None = None
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        wrote = self.wrote_fp4_dq() if callable(self.wrote_fp4_dq) else self.wrote_fp4_dq
+    def call(self, model: ir.Model) -> VersionsResult:
+        wrote = self.wrote_fp4_dq
         before = {"ir_version": model.ir_version, "opset": model.opset_imports.get("", None)}
         default = model.opset_imports.get("", 1)
         if wrote and default < 23:
@@ -67,5 +73,5 @@ class SetOpsetAndIR(ir.passes.InPlacePass):
                 stored = constant_tensor(node.outputs[0])
                 needed = max(needed, _IR_FOR_TYPE.get(stored.dtype, 0) if stored is not None else 0)
         model.ir_version = needed
-        self.versions = {"before": before, "after": {"ir_version": needed, "opset": model.opset_imports.get("")}}
-        return ir.passes.PassResult(model, self.versions["after"] != before)
+        versions = {"before": before, "after": {"ir_version": needed, "opset": model.opset_imports.get("")}}
+        return VersionsResult(model, versions["after"] != before, versions)

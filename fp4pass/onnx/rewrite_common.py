@@ -18,11 +18,11 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS
+from fp4pass.convert import DEFAULT_EFFORT, DEFAULT_THREADS, lossless_range
 from fp4pass.errors import FormatError, ShapeError, UsageError
 from fp4pass.formats import MXFP4Tensor
 from fp4pass.formats.codecs import check_e8m0
-from fp4pass.formats.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, LOSSLESS_SPREAD
+from fp4pass.formats.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN
 from fp4pass.onnx.loading import tensor_bytes
 from fp4pass.onnx.patterns import FP4Weight
 from fp4pass.onnx.qmoe_layout import KERNEL, kernel_to_schema, schema_to_kernel
@@ -370,7 +370,7 @@ class WeightConversion:
         scales = self._read_scales(check=False).reshape(self.record.shape[0], -1)
         if scales.size == 0:
             return False
-        return bool((scales.max(axis=1).astype(np.int64) - scales.min(axis=1) <= LOSSLESS_SPREAD).all())
+        return bool(lossless_range(scales.min(axis=1).astype(np.int64), scales.max(axis=1).astype(np.int64)).all())
 
     def global_scale(self) -> np.ndarray:
         """FP32 global scale, [] or [E] (small; kept after the big parts are released)."""

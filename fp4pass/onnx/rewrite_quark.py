@@ -13,7 +13,7 @@ weight: Quark reads a float32 subnormal amax as exponent -127 and lets k go belo
 amax < 2^-125); fp4pass clamps k to E8M0's -127. Inputs in FLOAT16/BFLOAT16 are computed in float32, as Quark's
 kernel casts them.
 
-1. weights (pattern 5, :class:`fp4pass.onnx.patterns.QuarkMXFakeQuant`): :func:`quantize_weight` gives the
+1. weights (pattern 5, :class:`fp4pass.onnx.patterns_float.QuarkMXFakeQuant`): :func:`quantize_weight` gives the
    MXFP4 codes and E8M0 scales (block axis moved last), :func:`materialize_weight` replaces the fake-quant by
    ``DequantizeLinear(codes, scales, axis=-1, block_size=32)`` (+ a Transpose back when Quark blocked another
    axis), which the NVFP4 rewrite of pattern 1 then converts. The float weight initializer is removed.
@@ -30,8 +30,9 @@ import onnx_ir as ir
 
 from fp4pass.formats import MX_BLOCK_SIZE
 from fp4pass.onnx.quark_mx import QUARK_SCALE_RULE, _float32, quantize_weight, quark_fake_quant, quark_mxfp4  # noqa: F401
-from fp4pass.onnx.patterns import (QUARK_DOMAIN, Declined, QuarkWeight, _quark_fp4, node_label, op_label, quark_constant,
-                                   trace_consumers)
+from fp4pass.formats.constants import QUARK_DOMAIN
+from fp4pass.onnx.patterns import Declined, node_label, op_label, trace_consumers
+from fp4pass.onnx.patterns_float import QuarkWeight, quark_fp4, quark_constant
 
 __all__ = [
     "QUARK_SCALE_RULE",
@@ -156,7 +157,7 @@ def fold_constants(model: ir.Model, declined: list[Declined] | None = None) -> l
 
 def activation_fake_quants(model: ir.Model) -> list[ir.Node]:
     """Case 3: the Quark FP4 fake-quants on values computed at run time (or graph inputs)."""
-    return [node for graph in model.graphs() for node in graph if _quark_fp4(node) and not quark_constant(node)]
+    return [node for graph in model.graphs() for node in graph if quark_fp4(node) and not quark_constant(node)]
 
 
 ACTIVATION_REASON = ("Quark MX fake-quant on an activation, left as it is: running the output needs Quark's "

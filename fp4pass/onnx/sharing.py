@@ -1,7 +1,7 @@
 """Weights read by several dequantize nodes: converted once, every reader rewritten.
 
 onnxruntime's QDQ tools give each consumer its own DequantizeLinear over the same initializers, and tied
-embeddings read one weight twice. :func:`fp4pass.onnx.patterns.find_mxfp4` returns one record per reader;
+embeddings read one weight twice. :func:`fp4pass.onnx.matching.find_mxfp4` returns one record per reader;
 :func:`group_shared` merges the records of one weight (its FP4 codes initializer W):
 
 1. every reader of W (a DequantizeLinear reading it as data) matched, all with the same pattern, the same scale
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, fields
 
 import onnx_ir as ir
 
-from fp4pass.onnx.patterns import Declined, FP4Weight, find_mxfp4, node_label, op_label
+from fp4pass.onnx.matching import find_mxfp4
+from fp4pass.onnx.patterns import Declined, FP4Weight, node_label, op_label
 
 __all__ = ["SharedFP4Weight", "group_shared", "find_weights", "reader_nodes", "sharing_note"]
 
@@ -102,6 +103,6 @@ def group_shared(records: list[FP4Weight], declined: list[Declined]) -> tuple[li
 
 
 def find_weights(model: ir.Model, model_dir=None) -> tuple[list[FP4Weight], list[Declined]]:
-    """:func:`fp4pass.onnx.patterns.find_mxfp4` (``model_dir``: where a QMoE layout hint may lie), with the
+    """:func:`fp4pass.onnx.matching.find_mxfp4` (``model_dir``: where a QMoE layout hint may lie), with the
     readers of one weight merged (module docstring)."""
     return group_shared(*find_mxfp4(model, model_dir))

@@ -16,7 +16,7 @@ from fp4pass.checkpoint.engines.records import ENGINE_RECORDS, ENGINES, Engine, 
 from fp4pass.checkpoint.engines.rules import NVFP4_ALGOS, MixedShards, QuantizedLayers, SchemeTargets, vllm_module_name
 from fp4pass.checkpoint.engines.verdicts import ARCH_DEEPSEEK_V4, ct_targets, engine_verdicts, verdict_line
 from fp4pass.checkpoint.families import gpt_oss
-from fp4pass.checkpoint.patterns import BadPattern
+from fp4pass.safetensors.patterns import BadPattern
 
 ARCH_GPT_OSS = gpt_oss.FAMILY.architectures[0]
 

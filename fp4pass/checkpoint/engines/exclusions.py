@@ -12,7 +12,7 @@ from fp4pass.checkpoint.engines.records import engine_record
 from fp4pass.checkpoint.engines.rules import NVFP4_ALGOS, QuantizedLayers, SchemeTargets
 from fp4pass.checkpoint.families import family_of, fused_shards
 from fp4pass.checkpoint.forms import GATE_NAMES
-from fp4pass.checkpoint.patterns import entries
+from fp4pass.safetensors.patterns import entries
 
 __all__ = ["Exclusions", "exclusions", "is_excluded", "engine_modules", "FUSED_SHARDS"]
 
@@ -26,9 +26,9 @@ class Exclusions:
 
     ``form``: "modelopt" (``exclude_modules`` / ``ignore`` globs) or "compressed-tensors" (``ignore``: exact
     names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). ``where`` names the
-    list's config field in messages. Raises :class:`~fp4pass.checkpoint.patterns.BadPattern` for an entry the
+    list's config field in messages. Raises :class:`~fp4pass.safetensors.patterns.BadPattern` for an entry the
     engine cannot use (not a string, an invalid regex); :meth:`excluded` raises it for a regex that runs past
-    its time (:mod:`fp4pass.checkpoint.patterns`).
+    its time (:mod:`fp4pass.safetensors.patterns`).
     """
 
     def __init__(self, engine: str, exclude, form: str = "modelopt", architecture: str | None = None,
@@ -105,7 +105,7 @@ def is_excluded(engine: str, module: str, exclude, shards: list[str] | None = No
     names and ``re:`` regexes, matched against vLLM's renamed names for ``architecture``). Raises
     :class:`~fp4pass.checkpoint.engines.rules.MixedShards` where the engine raises because only some shards are
     excluded, and
-    :class:`~fp4pass.checkpoint.patterns.BadPattern` for an entry the engine cannot use.
+    :class:`~fp4pass.safetensors.patterns.BadPattern` for an entry the engine cannot use.
     """
     rules = exclude if isinstance(exclude, Exclusions) else Exclusions(engine, exclude, form, architecture)
     return rules.excluded(module, shards)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fp4pass.checkpoint.catalog import CONFIG_NAME, QUANT_CONFIG_NAME
+from fp4pass.safetensors.catalog import CONFIG_NAME, QUANT_CONFIG_NAME
 from fp4pass.checkpoint.engines.rules import (SglangCompressedTensors, SglangModelopt, TrtllmGlobs,
                                               VllmCompressedTensors, VllmModelopt)
 from fp4pass.checkpoint.families import family_of

@@ -20,7 +20,7 @@ import operator
 import re
 
 from fp4pass.checkpoint.families import family_of
-from fp4pass.checkpoint.patterns import Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
+from fp4pass.safetensors.patterns import Budget, GlobIndex, RegexList, SubstringIndex, dotted_runs, entries
 
 __all__ = ["MixedShards", "vllm_module_name", "shards_rule", "VllmModelopt", "VllmCompressedTensors",
            "SglangModelopt", "SglangCompressedTensors", "TrtllmGlobs", "SchemeTargets", "QuantizedLayers",
@@ -133,7 +133,7 @@ class SglangModelopt:
     ``*`` -> ``.*``, fullmatched against the whole name or any one component; the fused shard tails
     ``q_a_proj``, ``kv_a_proj_with_mqa``, ... found inside the name's last component).
 
-    An entry without other regex syntax is matched as a ``*``-only glob (:class:`~fp4pass.checkpoint.patterns.
+    An entry without other regex syntax is matched as a ``*``-only glob (:class:`~fp4pass.safetensors.patterns.
     Glob`, no backtracking); the others as SGLang's regex, with a timeout."""
 
     def __init__(self, exclude: list[str], where: str, architecture: str | None = None):

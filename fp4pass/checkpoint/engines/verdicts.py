@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import re
 
-from fp4pass.checkpoint.catalog import QUANT_CONFIG_NAME
+from fp4pass.safetensors.catalog import QUANT_CONFIG_NAME
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.engines.exclusions import engine_modules, exclusions
 from fp4pass.checkpoint.engines.records import ENGINE_RECORDS, ENGINES, engine_record
 from fp4pass.checkpoint.engines.rules import NVFP4_ALGOS, MixedShards, shards_rule
 from fp4pass.checkpoint.families import deepseek_v4, family_of
 from fp4pass.checkpoint.forms import CT_NVFP4, EXPERT, MODELOPT_LINEAR, MODELOPT_STACK, STACK_PROJS
-from fp4pass.checkpoint.patterns import BadPattern, entries
+from fp4pass.safetensors.patterns import BadPattern, entries
 
 __all__ = ["engine_verdicts", "verdict_line", "ct_targets", "ARCH_DEEPSEEK_V4"]
 

@@ -1,8 +1,8 @@
 """MXFP4 weights decoded into the model's bf16 tensors: one Linear, or an expert stack straight into its slots.
 
 The decode is exact: bf16 holds every MXFP4 value (:func:`mx_dequantize`), so the layer runs on the numbers
-``MXFP4Tensor.dequantize()`` gives. A byte pair is looked up as its four bf16 values in one table per device,
-then multiplied in place by its block's power of two; a stack is decoded expert by expert on the device that
+``MXFP4Tensor.dequantize()`` gives. A byte pair is looked up as its four bf16 values in one table per device
+(:mod:`fp4pass.formats.byte_tables`), then multiplied in place by its block's power of two; a stack is decoded expert by expert on the device that
 holds it, so only the packed bytes cross the bus (:func:`decode_experts`).
 """
 
@@ -14,6 +14,7 @@ import threading
 import torch
 
 from fp4pass.formats import MXFP4Tensor
+from fp4pass.formats.byte_tables import word_values
 
 __all__ = ["mx_dequantize", "decode_experts", "LoadCancelled"]
 
@@ -21,24 +22,6 @@ __all__ = ["mx_dequantize", "decode_experts", "LoadCancelled"]
 class LoadCancelled(Exception):
     """A fill stopped by its loader's ``cancel`` event
     (:attr:`fp4pass.checkpoint.layerwise.model.WeightLoader.cancel`)."""
-
-
-_PAIRS: dict = {}
-_PAIRS_LOCK = threading.Lock()
-
-
-def _pair_table(device: torch.device) -> torch.Tensor:
-    """int64 [65536]: for each little-endian byte pair, its four E2M1 values in bf16 (byte 0's low nibble
-    first), built once per device from :func:`fp4pass.formats.codecs.decode_e2m1`."""
-    from fp4pass.formats.codecs import decode_e2m1
-
-    with _PAIRS_LOCK:
-        if device not in _PAIRS:
-            word = torch.arange(65536, dtype=torch.int32, device=device)
-            nibbles = [(word >> shift) & 0x0F for shift in (0, 4, 8, 12)]
-            values = torch.stack([decode_e2m1(n.to(torch.uint8)) for n in nibbles], -1).to(torch.bfloat16)
-            _PAIRS[device] = values.view(torch.int64).reshape(65536)
-        return _PAIRS[device]
 
 
 def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str,
@@ -65,7 +48,7 @@ def mx_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
             return value
         out.copy_(value.reshape(out.shape))
         return out
-    table = _pair_table(codes.device)
+    table = word_values(codes.device, torch.bfloat16).view(torch.int64).reshape(65536)
     words = codes.contiguous().view(torch.uint16).reshape(-1).to(torch.int32)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=codes.device)

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.detect import FusedExperts, Linear
 from fp4pass.checkpoint.forms import DOWN_NAMES, GATE_NAMES, STACK_PROJS, UP_NAMES, WEIGHT_SUFFIX, expert_parts
 from fp4pass.checkpoint.layerwise.decode import LoadCancelled, decode_experts, mx_dequantize
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 __all__ = ["resolve_architecture", "build_skeleton", "Source", "WeightSources", "WeightLoader", "experts_modules",
            "store_in_checkpoint_order", "materialize", "FP8_BLOCK"]

@@ -34,12 +34,12 @@ from collections.abc import Sequence
 
 import torch
 
-from fp4pass.calib.runner import CalibrationDataError
-from fp4pass.checkpoint.catalog import Catalog
+from fp4pass.calib.errors import CalibrationDataError
+from fp4pass.safetensors.catalog import Catalog
 from fp4pass.checkpoint.layerwise.hidden_states import HiddenStore
 from fp4pass.checkpoint.layerwise.model import (WeightLoader, WeightSources, build_skeleton, materialize,
                                                 resolve_architecture, store_in_checkpoint_order)
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 
 __all__ = ["LayerRunner", "LayerPrefetcher", "LayerVisitor", "run_layers", "Clock", "share_batches",
            "routed_forward", "expert_output", "expert_projection", "float32_products", "float32_linears",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fp4pass.checkpoint.catalog import CONFIG_NAME, QUANT_CONFIG_NAME
+from fp4pass.safetensors.catalog import CONFIG_NAME, QUANT_CONFIG_NAME
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.engines.records import ENGINE_RECORDS, ENGINES
 from fp4pass.checkpoint.validate.kinds import Problem
@@ -91,7 +91,7 @@ def _exclusion_lists(qc: dict | None, hq: dict | None, problems: list[Problem]
     hf_quant_config.json's ``quantization.exclude_modules``; TensorRT-LLM hf_quant_config.json when there is one,
     else config.json.
     A list that is not a list of strings is a ``bad_config_value`` (the engine raises on it) and None."""
-    from fp4pass.checkpoint.patterns import BadPattern, entries
+    from fp4pass.safetensors.patterns import BadPattern, entries
 
     from_qc = from_hq = None
     if qc is not None:

@@ -3,7 +3,7 @@
 A shard the index names that is missing or unreadable, or a tensor the index places in a shard that does not
 hold it, is a problem of the folder (every engine stops loading at it), not an error of the reading: what can be
 read is still checked. Nothing but config.json, hf_quant_config.json, the index and the shards' headers is read
-here; symlinks follow the catalog's rule (:func:`fp4pass.checkpoint.catalog.member_path`).
+here; symlinks follow the catalog's rule (:func:`fp4pass.safetensors.catalog.member_path`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4pass.checkpoint.catalog import (CONFIG_NAME, INDEX_LIMIT, INDEX_NAME, QUANT_CONFIG_NAME, member_path,
+from fp4pass.safetensors.catalog import (CONFIG_NAME, INDEX_LIMIT, INDEX_NAME, QUANT_CONFIG_NAME, member_path,
                                         read_json_file)
-from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry
+from fp4pass.safetensors.files import CheckpointError, SafetensorsFile, TensorEntry
 from fp4pass.checkpoint.validate.kinds import Problem
 
 __all__ = ["Folder", "member", "read_folder"]

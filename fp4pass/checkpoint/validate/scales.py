@@ -22,7 +22,7 @@ import numpy as np
 
 from fp4pass.checkpoint.forms import (CT_NVFP4, DIVISOR, E4M3_DTYPE, EXPERT, GATE_NAMES, MODELOPT_LINEAR, MULTIPLIER,
                                       UP_NAMES)
-from fp4pass.checkpoint.safetensors_io import TensorEntry
+from fp4pass.safetensors.files import TensorEntry
 from fp4pass.checkpoint.validate.configs import Configs
 from fp4pass.checkpoint.validate.kinds import Problem
 from fp4pass.checkpoint.validate.tensors import FOLDED_BLOCK_MAX, WEIGHT_AMAX_RANGE, Module, usable_multipliers

@@ -17,7 +17,7 @@ import torch
 from fp4pass.checkpoint.forms import (CT_NVFP4, DIVISOR, E4M3_DTYPE, EXPERT, GATE_NAMES, MODELOPT_LINEAR,
                                       MODELOPT_STACK, MULTIPLIER, NVFP4_SUFFIXES, UP_NAMES, Form, block_precision,
                                       stack_scale_pattern)
-from fp4pass.checkpoint.safetensors_io import CheckpointError, TensorEntry
+from fp4pass.safetensors.files import CheckpointError, TensorEntry
 from fp4pass.checkpoint.validate.reading import Folder
 from fp4pass.formats.constants import E2M1_MAX, E4M3_MAX_CODE
 

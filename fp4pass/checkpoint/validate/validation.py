@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp4pass.checkpoint import engines as eng
-from fp4pass.checkpoint.catalog import CONFIG_NAME, QUANT_CONFIG_NAME, read_json_file
+from fp4pass.safetensors.catalog import CONFIG_NAME, QUANT_CONFIG_NAME, read_json_file
 from fp4pass.checkpoint.configs import quantization_config
 from fp4pass.checkpoint.forms import CT_NVFP4, MODELOPT_LINEAR
-from fp4pass.checkpoint.safetensors_io import CheckpointError
+from fp4pass.safetensors.files import CheckpointError
 from fp4pass.checkpoint.validate.configs import check_configs, config_groups, read_configs
 from fp4pass.checkpoint.validate.exclusions import check_exclusions, check_roles
 from fp4pass.checkpoint.validate.kinds import FAILS_LOAD, WRITER_BUGS, Problem
@@ -26,7 +26,7 @@ from fp4pass.checkpoint.validate.scales import (check_pairs, check_presence, che
                                                 check_values)
 from fp4pass.checkpoint.validate.tensors import Module, find_modules, partner_name, read_exact_blocks, read_scales
 from fp4pass.checkpoint.validate.verdicts import cannot_load_fix, engines_held_to, settle_verdicts, verdicts_for
-from fp4pass.hub import resolve_checkpoint
+from fp4pass.safetensors.hub import resolve_checkpoint
 
 __all__ = ["Validation", "validation", "validate", "validate_own_output", "is_nvfp4_folder"]
 

@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp4pass.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorEntry, strict_json
+from fp4pass.safetensors.files import CheckpointError, SafetensorsFile, TensorEntry, strict_json
 from fp4pass.io import copy_regular_file, open_regular, read_exact
 
 __all__ = ["Catalog", "read_json_file", "INDEX_NAME", "CONFIG_NAME", "QUANT_CONFIG_NAME", "member_path"]
@@ -55,7 +55,7 @@ def _json_object(raw: bytes, path: Path, what: str) -> dict:
 
 
 def read_json_file(path: Path, what: str, limit: int = CONFIG_LIMIT) -> dict:
-    """A JSON object (:func:`~fp4pass.checkpoint.safetensors_io.strict_json`) from a regular file of at most
+    """A JSON object (:func:`~fp4pass.safetensors.files.strict_json`) from a regular file of at most
     ``limit`` bytes, read exactly (:func:`fp4pass.io.open_regular`: no FIFO, device, pseudo or endless file)."""
 
     fd, info = open_regular(path, CheckpointError)

@@ -1,9 +1,9 @@
-"""The calibration run: stream data through the model, collect activation statistics, pick the scales.
+"""The ONNX calibration run: stream data through the model, collect activation statistics, pick the scales.
 
 Steps (ModelOpt's staging: targets -> session -> collect -> compute):
 
 1. Targets: the activation input of every quantizable consumer of an FP4 weight
-   (:func:`fp4pass.onnx.patterns.find_fp4_consumers`: MatMul / Gemm / Einsum, and QMoE's input), each
+   (:func:`fp4pass.onnx.matching.find_fp4_consumers`: MatMul / Gemm / Einsum, and QMoE's input), each
    activation once however many consumers it feeds. Declined, with the reason: an activation blocked along
    another axis than its last (Gemm transA=1, MatMul with the weight as input A, an Einsum whose activation
    does not contract its last axis), a constant, one computed inside a subgraph (an outer activation that a
@@ -14,8 +14,9 @@ Steps (ModelOpt's staging: targets -> session -> collect -> compute):
 3. Collect: one ``session.run`` per feed (into reused output buffers, :class:`_TargetOutputs`); each target's batch goes into its
    :class:`~fp4pass.calib.stats.ActivationStats` (reduced in torch, on the GPU when torch has one); the
    activations themselves are dropped after each batch.
-4. Compute: the calibrator turns the statistics into ``g_amax``; the report adds B_min/B_max, the fractions
-   of blocks that go subnormal / saturate at that g_amax, and the SNR on the held sample.
+4. Compute (:func:`fp4pass.calib.compute.scale_for`, shared with the fx and checkpoint runs): the calibrator
+   turns the statistics into ``g_amax``; the report adds B_min/B_max, the fractions of blocks that go
+   subnormal / saturate at that g_amax, and the SNR on the held sample.
 
 Data (``data``):
 
@@ -39,25 +40,21 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from fp4pass.calib.calibrators import HeadroomCalibrator, make_calibrator, quantization_error
-from fp4pass.calib.scales import ActivationScale, ActivationScales, input_scale_from_g_amax
+from fp4pass.calib.calibrators import make_calibrator
+from fp4pass.calib.compute import scale_for
+from fp4pass.calib.errors import CalibrationDataError
+from fp4pass.calib.scales import ActivationScales
 from fp4pass.calib.stats import ActivationStats
-from fp4pass.errors import FP4PassError, ModelError, NonFiniteError
-from fp4pass.formats.constants import E4M3_NORMAL_WINDOW
-from fp4pass.metrics import snr_db
+from fp4pass.errors import ModelError, NonFiniteError
 from fp4pass.npz import npz_files, read_npz
 from fp4pass.onnx.activations import activation_axis_reason, einsum_contracts_last
 from fp4pass.onnx.feeds import dims_mismatch
 from fp4pass.progress import progress
 
 __all__ = ["calibrate_model", "calibration_targets", "activation_axis_reason", "einsum_contracts_last", "iter_feeds",
-           "scale_for", "CalibrationTarget", "CalibrationDataError"]
+           "scale_for", "CalibrationTarget", "CalibrationDataError"]  # scale_for, the error: fp4pass.calib's, for all
 
 log = logging.getLogger(__name__)
-
-
-class CalibrationDataError(FP4PassError):
-    """Calibration data that does not fit the model: a missing input, a wrong dtype, NaN/Inf, no files."""
 
 
 @dataclass
@@ -71,7 +68,7 @@ class CalibrationTarget:
 def calibration_targets(model: ir.Model) -> tuple[list[CalibrationTarget], list[dict]]:
     """(targets, declined): the activations to calibrate, in graph order, and those declined with a reason."""
     from fp4pass.onnx.passes import function_graphs, function_label, function_of
-    from fp4pass.onnx.patterns import find_fp4_consumers
+    from fp4pass.onnx.matching import find_fp4_consumers
 
     targets: dict[str, CalibrationTarget] = {}
     declined: list[dict] = []
@@ -369,23 +366,3 @@ def _collect(outputs, stats, names, graph_inputs, feeds, show_progress) -> int:
                 raise NonFiniteError(f"{where}: {exc}") from None
         batches += 1
     return batches
-
-
-def scale_for(stats: ActivationStats, method) -> ActivationScale:
-    """The calibrated scale of one activation and its report fields (B_min/B_max, fractions, SNR)."""
-    g_amax, note = method.compute(stats)
-    bounds = method if isinstance(method, HeadroomCalibrator) else HeadroomCalibrator()
-    b_min, b_max = bounds.bounds(stats)
-    nonzero = stats.block_histogram.total
-    subnormal = saturated = snr = None
-    if nonzero and g_amax > 0:
-        subnormal = stats.block_histogram.fraction_below(g_amax / E4M3_NORMAL_WINDOW)
-        saturated = 0.0 if g_amax >= stats.amax_value else 1.0 - stats.block_histogram.fraction_below(g_amax)
-        blocks, weights = stats.sample.weighted()
-        signal, error = quantization_error(blocks, weights, g_amax)
-        snr = snr_db(float(signal), float(error))
-    return ActivationScale(
-        amax=stats.amax_value, g_amax=float(g_amax), input_scale=input_scale_from_g_amax(g_amax),
-        b_min=float(b_min or 0.0), b_max=float(b_max or 0.0), blocks=stats.blocks,
-        zero_blocks=int(stats.zero_blocks), subnormal_fraction=subnormal, saturated_fraction=saturated,
-        snr_db=snr, note=note)
