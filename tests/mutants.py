@@ -1103,8 +1103,8 @@ MUTANTS = [
     # -- checkpoint calibration (the layer runner: weights, layer inputs, numerics) -------------------------
     Mutant("ckpt-calib-hf-gate-up-swapped", "Hugging Face expert names fill the up half with gate_proj and the "
            "gate half with up_proj (w1/w3 still right)", [
-        ("fp4pass/checkpoint/layerwise/model.py", '"gate_proj": 0, "w3": 1, "up_proj": 1}',
-         '"gate_proj": 1, "w3": 1, "up_proj": 0}'),
+        ("fp4pass/checkpoint/layerwise/model.py", "[1 if proj in UP_NAMES else 0] = source",
+         '[1 if proj in ("w3", "gate_proj") else 0] = source'),
     ], CKPT_CALIBRATE_TESTS),
     Mutant("ckpt-calib-hash-routing-stale-ids", "a layer's cached inputs keep the first batch's input_ids, so "
            "DeepSeek-V4's hash routing routes every later batch by them", [
@@ -1146,7 +1146,8 @@ MUTANTS = [
         ("fp4pass/checkpoint/calibration.py", "mask.reshape(-1).bool().to(self.dev)", "mask.reshape(-1).to(self.dev)"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-expert-index-one-digit", "an expert's index is read as its last digit (10 -> 0)", [
-        ("fp4pass/checkpoint/layerwise/model.py", 'int(match.group("e"))', 'int(match.group("e")[-1])'),
+        ("fp4pass/checkpoint/layerwise/model.py", "                stack, e, proj = part\n",
+         "                stack, e, proj = part\n                e = int(str(e)[-1])\n"),
     ], CKPT_RUNNER_TESTS),
     Mutant("ckpt-runner-experts-sorted-as-text", "expert slot e gets the e-th expert in text order (0, 1, 10, 100, "
            "101, 102, 11, 2, ...)", [
