@@ -734,7 +734,7 @@ MUTANTS = [
         ("fp4pass/formats/byte_tables.py", "[lut[codes & 0x0F], lut[codes >> 4]]", "[lut[codes >> 4], lut[codes & 0x0F]]"),
     ], ["tests/test_byte_tables.py"]),
     Mutant("byte-table-word-bytes-swapped", "a little-endian word's second byte decoded first", [
-        ("fp4pass/formats/byte_tables.py", "[pairs[word & 0xFF], pairs[word >> 8]]", "[pairs[word >> 8], pairs[word & 0xFF]]"),
+        ("fp4pass/formats/byte_tables.py", "[pairs[low], pairs[high]]", "[pairs[high], pairs[low]]"),
     ], ["tests/test_byte_tables.py"]),
     Mutant("byte-table-cache-ignores-dtype", "the word table cached per device only: bf16 asked, float32 given", [
         ("fp4pass/formats/byte_tables.py", '("words", device, dtype)', '("words", device)'),

@@ -77,7 +77,7 @@ def test_one_table_per_device_and_dtype_however_many_threads_ask():
 
 def test_every_byte_table_decoder_reads_the_one_cache():
     """The fx dequant, the checkpoint loader's MXFP4 decode and the NVFP4 reader take their tables from here."""
-    from fp4pass.checkpoint.layerwise import mx_dequantize
+    from fp4pass.checkpoint.layerwise.decode import mx_dequantize
     from fp4pass.checkpoint.nvfp4_weights import MULTIPLIER, decode_nvfp4
     from fp4pass.fx.dequant import dequantize_mxfp4
 

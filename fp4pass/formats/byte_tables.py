@@ -62,7 +62,8 @@ def word_values(device: torch.device | str = "cpu", dtype: torch.dtype = torch.f
     def build() -> torch.Tensor:
         pairs = _byte_values_cpu()
         word = torch.arange(65536)
-        return torch.cat([pairs[word & 0xFF], pairs[word >> 8]], dim=1).to(dtype).to(device)
+        low, high = word % 256, word // 256  # byte 0, byte 1 of the little-endian pair
+        return torch.cat([pairs[low], pairs[high]], dim=1).to(dtype).to(device)
 
     return _cached(("words", device, dtype), build)
 
