@@ -440,11 +440,11 @@ MUTANTS = [
         ("fp4pass/safetensors/hub.py", '(f" --revision {revision}" if revision else "")', '""'),
     ], ROUND5_TESTS),
     Mutant("json-without-provenance", "a JSON file fp4pass writes does not say which fp4pass and command wrote it", [
-        ("fp4pass/commands/_provenance.py", "    return {KEY: provenance(args, with_source), **data}",
+        ("fp4pass/commands/provenance.py", "    return {KEY: provenance(args, with_source), **data}",
          "    return data"),
     ], ROUND5_TESTS),
     Mutant("provenance-local-revision", "a local folder is given its folder name as a Hub revision", [
-        ("fp4pass/commands/_provenance.py", "resolved.name if from_hub else None", "resolved.name"),
+        ("fp4pass/commands/provenance.py", "resolved.name if from_hub else None", "resolved.name"),
     ], ROUND5_TESTS),
     Mutant("ckpt-table-without-header", "the folder convert table has no header", [
         ("fp4pass/checkpoint/run.py", 'SNR vs MXFP4"] if report["tensors"] else []', 'SNR vs MXFP4"] if False else []'),
@@ -470,10 +470,10 @@ MUTANTS = [
         ("fp4pass/commands/diff.py", "    if not result.passed and messages.quiet():", "    if False:"),
     ], ROUND5_TESTS),
     Mutant("calibrator-flag-without-data", "a calibrator flag without --calib is ignored", [
-        ("fp4pass/commands/_calibrator_flags.py", "    if given and not data_given:", "    if False:"),
+        ("fp4pass/commands/calibrator_flags.py", "    if given and not data_given:", "    if False:"),
     ], USER_PATH_TESTS),
     Mutant("calibrator-option-of-another", "an option of another calibrator than the chosen one is ignored", [
-        ("fp4pass/commands/_calibrator_flags.py", "if owner != chosen and getattr(args, dest, None) is not None:",
+        ("fp4pass/commands/calibrator_flags.py", "if owner != chosen and getattr(args, dest, None) is not None:",
          "if False:"),
     ], USER_PATH_TESTS),
     Mutant("common-flag-before-command", "fp4pass --quiet convert gets argparse's bare unrecognized arguments", [
@@ -487,10 +487,10 @@ MUTANTS = [
          'self.print_usage(sys.stderr)\n        self.exit(2, f"{self.prog}'),
     ], USER_PATH_TESTS),
     Mutant("shard-file-taken", "a .safetensors shard given for its folder is read as an ONNX file", [
-        ("fp4pass/commands/_safety.py", "    if name.endswith(CHECKPOINT_FILE_SUFFIXES):", "    if False:"),
+        ("fp4pass/commands/safety.py", "    if name.endswith(CHECKPOINT_FILE_SUFFIXES):", "    if False:"),
     ], INPUT_TESTS),
     Mutant("text-data-for-onnx", "text calibration data given to an ONNX model is read as an .npz", [
-        ("fp4pass/commands/_safety.py", "    if path is None or not os.fspath(path).endswith(TEXT_DATA_SUFFIXES):",
+        ("fp4pass/commands/safety.py", "    if path is None or not os.fspath(path).endswith(TEXT_DATA_SUFFIXES):",
          "    if True:"),
     ], INPUT_TESTS),
     Mutant("npz-arrays-unnamed", "an .npz naming no graph input says only which input is missing", [
@@ -816,7 +816,7 @@ MUTANTS = [
     ], ["tests/test_io.py"]),
     Mutant("finish-trusts-the-first-look", "the rename does not ask again what stands at the output's name (the "
            "API's save has no earlier check)", [
-        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    _fsync_path(tmp)\n", "    _fsync_path(tmp)\n"),
+        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    fsync_path(tmp)\n", "    fsync_path(tmp)\n"),
     ], ["tests/test_loading_external.py"]),
     Mutant("save-model-before-data", "save renames the model in before the data file it names", [
         ("fp4pass/onnx/loading.py", "        if use_external:\n            # The data lands first; the model that "
@@ -850,7 +850,7 @@ MUTANTS = [
          "        if False and any("),
     ], ["tests/test_loading_external.py"]),
     Mutant("rename-over-symlink", "an output that is a symlink out of its folder is renamed over", [
-        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    _fsync_path(tmp)", "    _fsync_path(tmp)"),
+        ("fp4pass/io/outputs.py", "    target = output_target(target)\n    fsync_path(tmp)", "    fsync_path(tmp)"),
         ("fp4pass/io/outputs.py", "        output_target(out, label)\n", ""),
         ("fp4pass/io/outputs.py", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
     ], ["tests/test_io.py", "tests/test_loading_external.py"]),
@@ -861,10 +861,10 @@ MUTANTS = [
         ("fp4pass/io/stale.py", "    here = marker[\"host\"] == token\n", "    here = True\n"),
     ], ["tests/test_io.py"]),
     Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
-        ("fp4pass/io/outputs.py", "    _fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~_umask())\n",
-         "    os.chmod(tmp, 0o666 & ~_umask())\n"),
+        ("fp4pass/io/outputs.py", "    fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~current_umask())\n",
+         "    os.chmod(tmp, 0o666 & ~current_umask())\n"),
         ("fp4pass/io/outputs.py", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
-         "    os.replace(tmp, target)\n    _fsync_path(target)\n    fsync_folder(target.parent)\n"),
+         "    os.replace(tmp, target)\n    fsync_path(target)\n    fsync_folder(target.parent)\n"),
     ], ["tests/test_io.py"]),
     Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
         ("fp4pass/io/outputs.py", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
@@ -908,7 +908,7 @@ MUTANTS = [
     ], ["tests/test_io.py"]),
     Mutant("folder-rename-not-recorded", "the output folder's rename is not recorded: a signal once the command "
            "has returned leaves OUT_DIR", [
-        ("fp4pass/io/folders.py", "            outputs._session.record(target, RESULT, identity)\n", "            pass\n"),
+        ("fp4pass/io/folders.py", "                session.record(target, RESULT, identity)\n", "                pass\n"),
     ], ["tests/test_fuzz_checkpoint.py"]),
     Mutant("folder-kept-when-its-fsync-fails", "a failure right after the folder's rename leaves it in place "
            "(outside the CLI's session)", [

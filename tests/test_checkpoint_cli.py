@@ -63,10 +63,10 @@ def test_convert_and_report(ckpt, tmp_path, capsys):
     assert {"blocks16_total", "blocks16_verbatim", "mse", "snr_db", "global_scale"} <= set(data["tensors"][0])
     assert "lossless" in out and "weights converted" in err
     mode = os.stat(tmp_path / "o" / "model.safetensors").st_mode & 0o777
-    assert mode == 0o666 & ~_umask()
+    assert mode == 0o666 & ~current_umask()
 
 
-def _umask():
+def current_umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

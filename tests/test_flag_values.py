@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from fp4pass.commands._safety import PLOT_FORMATS, finite_float, plot_path, positive_int, seed
+from fp4pass.commands.safety import PLOT_FORMATS, finite_float, plot_path, positive_int, seed
 
 
 def _refusal(parse, text: str) -> str:

@@ -167,7 +167,7 @@ def test_read_regular_file_names_what_it_found_instead(tmp_path):
     import socket
     import stat
 
-    from fp4pass.io import _file_kind
+    from fp4pass.io import file_kind
 
     (tmp_path / "d").mkdir()
     os.mkfifo(tmp_path / "p")
@@ -187,8 +187,8 @@ def test_read_regular_file_names_what_it_found_instead(tmp_path):
     finally:
         sock.close()
     # no block device or unknown kind can be made without privileges: their names from the mode bits
-    assert _file_kind(stat.S_IFBLK | 0o600) == "a block device"
-    assert _file_kind(0o600) == "not a regular file"
+    assert file_kind(stat.S_IFBLK | 0o600) == "a block device"
+    assert file_kind(0o600) == "not a regular file"
 
 
 def test_read_regular_file_reports_a_path_it_cannot_stat(tmp_path):

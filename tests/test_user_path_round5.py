@@ -353,7 +353,7 @@ def test_the_offline_hub_hint_keeps_the_revision(work, capsys, monkeypatch, give
     assert code == 2 and fetch in one_line(err)
 
 
-def _provenance(path: Path) -> dict:
+def provenance(path: Path) -> dict:
     import json
     from importlib.metadata import version
 
@@ -374,21 +374,21 @@ def test_every_json_written_names_fp4pass_the_command_and_the_source(work, capsy
     for argv, files, source in runs:
         assert cli(capsys, *argv, "--quiet")[0] == 0, argv
         for name in files:
-            who = _provenance(work / name)
+            who = provenance(work / name)
             assert who["command"] == "fp4pass " + " ".join(map(str, argv)) + " --quiet"
             assert (who.get("source"), who.get("revision")) == (source, None), name
     from fp4pass.commands import study
 
     monkeypatch.setattr(study, "run_study", lambda device, show_progress=None: {"device": "cpu", "scenarios": []})
     assert cli(capsys, "study", "--json", "st.json", "--device", "cpu")[0] == 0
-    assert _provenance(work / "st.json")["command"] == "fp4pass study --json st.json --device cpu"
+    assert provenance(work / "st.json")["command"] == "fp4pass study --json st.json --device cpu"
 
 
 def test_a_hub_snapshot_is_named_by_its_id_and_commit():
     """The source as given (``org/name@rev``) and the commit of the snapshot folder it resolved to."""
     import argparse
 
-    from fp4pass.commands._provenance import provenance
+    from fp4pass.commands.provenance import provenance
 
     args = argparse.Namespace(argv=["inspect", "acme/kimi@v2"], given_model="acme/kimi@v2",
                               model="/cache/models--acme--kimi/snapshots/0123abcd")

@@ -7,7 +7,7 @@ import argparse
 from fp4pass import messages
 from fp4pass.bench import AREAS, HEADER, RATIO_NOTE, format_row, run_benchmarks
 from fp4pass.choices import Device, values
-from fp4pass.commands._provenance import KEY, provenance
+from fp4pass.commands.provenance import KEY, provenance
 from fp4pass.errors import FP4PassError
 from fp4pass.io import check_outputs, write_json
 

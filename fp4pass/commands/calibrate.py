@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from fp4pass import messages
-from fp4pass.commands import _checkpoint_calib, _safety, doors
-from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
-from fp4pass.commands._provenance import KEY, provenance, stamped
+from fp4pass.commands import checkpoint_calib, safety, doors
+from fp4pass.commands.calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
+from fp4pass.commands.provenance import KEY, provenance, stamped
 from fp4pass.io import RESULT, write_json
 
 EPILOG = """examples:
@@ -39,14 +39,14 @@ def register(sub, common) -> None:
     p.add_argument("-o", "--output", required=True, metavar="SCALES.json",
                    help="where the activation scales go (the file convert --scales reads)")
     add_calibrator_arguments(p)
-    _safety.add_provider_arguments(p)
-    _safety.add_allow_invalid(p)
-    p.add_argument("--batch-size", type=_safety.positive_int,
+    safety.add_provider_arguments(p)
+    safety.add_allow_invalid(p)
+    p.add_argument("--batch-size", type=safety.positive_int,
                    help="cut each array along its first axis into batches of this size (>= 1)")
     p.add_argument("--activation", action="append", metavar="NAME",
                    help="calibrate this tensor (repeatable) instead of the inputs of FP4 consumers")
     p.add_argument("--report", metavar="REPORT.json", help="write the per-activation calibration report")
-    _checkpoint_calib.add_arguments(p.add_argument_group("checkpoint folders (IN is a folder: CKPT_DIR)"))
+    checkpoint_calib.add_arguments(p.add_argument_group("checkpoint folders (IN is a folder: CKPT_DIR)"))
     p.set_defaults(run=run)
     doors.open_doors(p, doors.CALIBRATE)
 
@@ -56,15 +56,15 @@ def run(args) -> int:
     door = doors.enter(args, doors.CALIBRATE)
     doors.refuse_foreign(args, doors.CALIBRATE, door)
     if door is doors.CHECKPOINT_FOLDER:
-        return _checkpoint_calib.calibrate_folder(args)
+        return checkpoint_calib.calibrate_folder(args)
     from fp4pass.onnx.calibrate import calibrate_model
     from fp4pass.onnx.loading import load
 
-    inputs = {**_safety.model_inputs("the input model", args.model), "--data": args.data}
-    _safety.check_files({"-o": args.output, "--report": args.report}, inputs)
-    _safety.check_model(args, args.model)
-    _safety.refuse_text_data("--data", args.data, args.model)
-    _safety.check_provider(args)
+    inputs = {**safety.model_inputs("the input model", args.model), "--data": args.data}
+    safety.check_files({"-o": args.output, "--report": args.report}, inputs)
+    safety.check_model(args, args.model)
+    safety.refuse_text_data("--data", args.data, args.model)
+    safety.check_provider(args)
     options = calibrator_options(args)
     model = load(args.model).model
     scales = calibrate_model(model, args.data, calibrator=args.calibrator, provider=args.provider,

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from fp4pass import messages
-from fp4pass.commands import _checkpoint_calib, _safety, doors
-from fp4pass.commands._calibrator_flags import check_calibrator_flags
-from fp4pass.commands._provenance import stamped
+from fp4pass.commands import checkpoint_calib, safety, doors
+from fp4pass.commands.calibrator_flags import check_calibrator_flags
+from fp4pass.commands.provenance import stamped
 from fp4pass.errors import UsageError
 from fp4pass.io import json_text
 
@@ -60,7 +60,7 @@ def add_convert_arguments(p) -> None:
     g.add_argument("--format", choices=FORMATS, default=None,
                    help="modelopt (vLLM modelopt_fp4, TensorRT-LLM; default) or compressed-tensors "
                         "(nvfp4-pack-quantized)")
-    g.add_argument("--input-scale", type=_safety.finite_float, metavar="X",
+    g.add_argument("--input-scale", type=safety.finite_float, metavar="X",
                    help="one activation input_scale (amax/2688, a multiplier) for every converted module")
     g.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="output shards of at most SIZE (default 5GB)")
@@ -74,7 +74,7 @@ def add_convert_arguments(p) -> None:
                    help="replace OUT_DIR when fp4pass wrote it (it holds .fp4pass-output.json), once the new one is "
                         "complete; any other existing folder is refused")
     add_folder_arguments(g)
-    _checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
+    checkpoint_calib.add_arguments(g, batch_size=True)  # --calib DATA on a folder: calibrate, then convert
     p.epilog = (p.epilog or "") + CONVERT_EPILOG
 
 
@@ -112,7 +112,7 @@ def _check_flags(args) -> None:
             if report in (out, real_out) or out in report.parents or real_out in report.parents:
                 raise UsageError(f"--report {args.report}: is or lies inside OUT_DIR {args.output} (through a "
                                  "symlink or not), which must be new or empty")
-    _safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
+    safety.check_files({"--report": args.report}, {"CKPT_DIR": args.model, "--scales": args.scales})
 
 
 def refuse_nvfp4_folder(folder, follow_symlinks: bool = False) -> None:
@@ -141,7 +141,7 @@ def convert_folder(args) -> int:
 
     try:
         report = convert(args.model, args.output, format=args.format or "modelopt", input_scale=args.input_scale,
-                         scales=_checkpoint_calib.scales_for_convert(args), method=args.method, check=args.check,
+                         scales=checkpoint_calib.scales_for_convert(args), method=args.method, check=args.check,
                          max_shard_bytes=args.max_shard_size or DEFAULT_SHARD_BYTES, effort=args.effort,
                          threads=args.threads, allow_partial=bool(args.allow_partial),
                          follow_symlinks=bool(args.follow_symlinks), engine=getattr(args, "engine", None),
@@ -254,12 +254,12 @@ def _problems_when_quiet(result: dict) -> None:
     is hidden: ``inspect NVFP4_DIR --quiet`` exits 1 naming what is wrong, and shows every warning it counts."""
     if not messages.quiet():
         return  # the report, shown, holds these lines already
-    from fp4pass.checkpoint.validate import _problem_line
+    from fp4pass.checkpoint.validate import problem_line
 
     errors = [p for p in result["problems"] if p.get("severity") != "warning"]
     warnings = [p for p in result["problems"] if p.get("severity") == "warning"]
     if errors:
-        messages.error("\n".join([f"{len(errors)} problem(s):", *map(_problem_line, errors)]), file=sys.stdout)
+        messages.error("\n".join([f"{len(errors)} problem(s):", *map(problem_line, errors)]), file=sys.stdout)
     if warnings:
         messages.warning("\n".join([f"{len(warnings)} warning(s) (exit 0 unless --strict):",
-                                    *map(_problem_line, warnings)]), file=sys.stdout)
+                                    *map(problem_line, warnings)]), file=sys.stdout)

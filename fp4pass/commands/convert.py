@@ -9,10 +9,10 @@ from pathlib import Path
 
 from fp4pass import messages
 from fp4pass.choices import Effort, ExternalData, Method, ScaleForm, Target, values
-from fp4pass.commands import _safety, checkpoint, doors
-from fp4pass.commands._calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
+from fp4pass.commands import safety, checkpoint, doors
+from fp4pass.commands.calibrator_flags import add_calibrator_arguments, calibrator_options, check_calibrator_flags
 from fp4pass.commands.diff import add_input_arguments, parse_shape, print_notes
-from fp4pass.commands._provenance import stamped
+from fp4pass.commands.provenance import stamped
 from fp4pass.errors import UsageError
 
 # --check thresholds, in dB, when --snr-min is not given (docs/bad-input.md has the measurements behind them).
@@ -63,7 +63,7 @@ def register(sub, common) -> None:
                         "the model is over 2 GB), always, never")
     p.add_argument("--effort", choices=values(Effort), default=Effort.BEST.value,
                    help="auto's search on lossy groups: best (wide) or fast (narrow)")
-    p.add_argument("--threads", type=_safety.thread_count, default=1, metavar="N",
+    p.add_argument("--threads", type=safety.thread_count, default=1, metavar="N",
                    help="torch intra-op threads for the weight conversion (default 1: fastest on 2 shared cores)")
     _add_safety_arguments(p)
     checkpoint.add_convert_arguments(p)  # IN a folder: a safetensors checkpoint (fp4pass.commands.checkpoint)
@@ -72,9 +72,9 @@ def register(sub, common) -> None:
 
 
 def _add_safety_arguments(p) -> None:
-    _safety.add_provider_arguments(p, reference=True)
-    _safety.add_allow_invalid(p)
-    p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB",
+    safety.add_provider_arguments(p, reference=True)
+    safety.add_allow_invalid(p)
+    p.add_argument("--snr-min", type=safety.finite_float, metavar="DB",
                    help="--check fails (exit 1) when an output's SNR is below DB (default: 15 for weight-only "
                         "conversions, none with --calib/--scales)")
     add_input_arguments(p, "--check (default: the --calib file when it is one)")
@@ -85,21 +85,21 @@ def _add_safety_arguments(p) -> None:
 def _check_before_work(args) -> float | None:
     """Everything that can be refused before converting; returns the --check threshold."""
     _refuse_folder_output(args.output, args.model)
-    inputs = {**_safety.model_inputs("the input model", args.model), "--calib": args.calib, "--scales": args.scales,
+    inputs = {**safety.model_inputs("the input model", args.model), "--calib": args.calib, "--scales": args.scales,
               "--inputs": args.inputs}
     outputs = {"-o": args.output, "--report": args.report}
     if args.external_data != "never":
         outputs["-o's external data"] = args.output + ".data"
-    _safety.check_files(outputs, inputs)
+    safety.check_files(outputs, inputs)
     for flag, given in (("--snr-min", args.snr_min is not None), ("--inputs", args.inputs),
                         ("--shape", args.shape), ("--past-length", args.past_length)):
         if given and not args.check:
             raise UsageError(f"{flag} applies to --check; add --check")
-    _safety.check_model(args, args.model)
-    _safety.refuse_text_data("--calib", args.calib, args.model)
-    _safety.refuse_text_data("--inputs", args.inputs, args.model)
+    safety.check_model(args, args.model)
+    safety.refuse_text_data("--calib", args.calib, args.model)
+    safety.refuse_text_data("--inputs", args.inputs, args.model)
     _refuse_nvfp4_model(args)
-    _safety.check_provider(args)
+    safety.check_provider(args)
     if args.scales:
         _check_scales(args.scales, args.model)
     if args.snr_min is not None:

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from fp4pass import messages
-from fp4pass.commands import _safety, doors
-from fp4pass.commands._provenance import stamped
+from fp4pass.commands import safety, doors
+from fp4pass.commands.provenance import stamped
 from fp4pass.extras import require
 from fp4pass.errors import UsageError
 from fp4pass.io import REPORT, atomic_output, write_json
@@ -102,23 +102,23 @@ def register(sub, common) -> None:
     p.add_argument("original", metavar="A", help="the reference: A.onnx, or the source checkpoint folder SRC_DIR")
     p.add_argument("rewritten", metavar="B", help="the model to check against A: B.onnx, or NVFP4_DIR")
     add_input_arguments(p, "both models")
-    p.add_argument("--seed", type=_safety.seed, default=0, help="seed of the random inputs (default 0, >= 0)")
-    _safety.add_provider_arguments(p, reference=True)
-    _safety.add_allow_invalid(p)
+    p.add_argument("--seed", type=safety.seed, default=0, help="seed of the random inputs (default 0, >= 0)")
+    safety.add_provider_arguments(p, reference=True)
+    safety.add_allow_invalid(p)
     p.add_argument("--intermediates", action="store_true", help="also compare tensors both graphs name alike")
     p.add_argument("--json", metavar="REPORT.json", help="write the result as JSON")
-    p.add_argument("--snr-min", type=_safety.finite_float, metavar="DB",
+    p.add_argument("--snr-min", type=safety.finite_float, metavar="DB",
                    help="fail (exit 1) when an output's SNR is below DB (folders: a layer's local SNR)")
-    p.add_argument("--plot", metavar="OUT.png", type=_safety.plot_path,
+    p.add_argument("--plot", metavar="OUT.png", type=safety.plot_path,
                    help="per-tensor SNR and the worst output's error histogram; for folders, each layer's "
                         "SNR and its experts' spread (.png, or .pdf/.svg/...)")
     g = p.add_argument_group("checkpoint folders (A and B are folders)")
     g.add_argument("--data", metavar="DATA", help="token ids or text to run: what calibrate --data takes")
-    g.add_argument("--seq-len", type=_safety.positive_int, metavar="T",
+    g.add_argument("--seq-len", type=safety.positive_int, metavar="T",
                    help="tokens per sequence (text is cut into sequences of T; default 512)")
-    g.add_argument("--num-samples", type=_safety.positive_int, metavar="N", help="at most N sequences")
-    g.add_argument("--batch-size", type=_safety.positive_int, metavar="B", help="sequences per batch (default 8)")
-    g.add_argument("--kl-max", type=_safety.finite_float, metavar="X",
+    g.add_argument("--num-samples", type=safety.positive_int, metavar="N", help="at most N sequences")
+    g.add_argument("--batch-size", type=safety.positive_int, metavar="B", help="sequences per batch (default 8)")
+    g.add_argument("--kl-max", type=safety.finite_float, metavar="X",
                    help="fail (exit 1) when the mean KL(source || nvfp4) of the logits is above X (nats)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="where each layer runs (auto: CUDA when torch has a GPU)")
@@ -143,7 +143,7 @@ def _run_folders(args) -> int:
         raise UsageError("checkpoint folders need --data: the token ids or text to run (what calibrate --data "
                          "takes, e.g. models/checkpoints/calib_tokens.npz)")
     args.original, args.rewritten = doors.resolve(args.original, args), doors.resolve(args.rewritten, args)
-    _safety.check_files({"--json": args.json, "--plot": args.plot},
+    safety.check_files({"--json": args.json, "--plot": args.plot},
                         {"SRC_DIR": args.original, "NVFP4_DIR": args.rewritten, "--data": args.data})
     if args.plot:
         require("matplotlib", "plot", "--plot")
@@ -190,13 +190,13 @@ def run(args) -> int:
     from fp4pass.onnx.numerics import diff, plot_diff
 
     shapes = dict(parse_shape(s) for s in args.shape)
-    inputs = {**_safety.model_inputs("A", args.original), **_safety.model_inputs("B", args.rewritten),
+    inputs = {**safety.model_inputs("A", args.original), **safety.model_inputs("B", args.rewritten),
               "--inputs": args.inputs}
-    _safety.check_files({"--json": args.json, "--plot": args.plot}, inputs)
+    safety.check_files({"--json": args.json, "--plot": args.plot}, inputs)
     if args.plot:
         require("matplotlib", "plot", "--plot")  # before any work
-    _safety.check_model(args, args.original, args.rewritten)
-    _safety.check_provider(args)
+    safety.check_model(args, args.original, args.rewritten)
+    safety.check_provider(args)
     result = diff(
         args.original, args.rewritten, args.inputs, args.provider, intermediates=args.intermediates,
         snr_min=args.snr_min, seed=args.seed, shapes=shapes, past_length=args.past_length,

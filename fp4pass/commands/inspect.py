@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fp4pass import messages
-from fp4pass.commands import _safety, checkpoint, doors
+from fp4pass.commands import safety, checkpoint, doors
 from fp4pass.io import json_text
 
 EPILOG = """examples:
@@ -23,7 +23,7 @@ def register(sub, common) -> None:
     p.add_argument("model", metavar="IN", help="an ONNX file, or a checkpoint folder (config.json + *.safetensors) "
                                                 "or Hugging Face Hub model ID (org/name[@revision])")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    _safety.add_allow_invalid(p)
+    safety.add_allow_invalid(p)
     checkpoint.add_folder_arguments(p)  # IN a checkpoint folder
     p.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default=None,
                    help="an NVFP4 checkpoint folder: only this engine's verdict and the problems that concern it "
@@ -46,11 +46,11 @@ def run(args) -> int:
     door = doors.enter(args, doors.INSPECT)
     if door is doors.CHECKPOINT_FOLDER:  # a safetensors checkpoint folder
         return checkpoint.inspect_folder(args)
-    _safety.refuse_checkpoint_file(args.model)
+    safety.refuse_checkpoint_file(args.model)
     doors.refuse_foreign(args, doors.INSPECT, door)
     from fp4pass.onnx.inspection import format_inspection, inspect
 
-    _safety.check_model(args, args.model)
+    safety.check_model(args, args.model)
     info = inspect(args.model)
     if args.json:
         messages.result(json_text(info))

@@ -6,7 +6,7 @@ import argparse
 
 from fp4pass import messages
 from fp4pass.choices import Device, values
-from fp4pass.commands._provenance import stamped
+from fp4pass.commands.provenance import stamped
 from fp4pass.io import check_outputs, write_json
 
 EPILOG = """examples:

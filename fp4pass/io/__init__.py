@@ -52,7 +52,7 @@ one strict JSON reader for every file handed in). Every public name is importabl
 
 from fp4pass.errors import UsageError  # noqa: F401  (raised by everything here; importable from here as before)
 from fp4pass.io.folders import (OUTPUT_MARKER, atomic_folder, check_output_folder, written_by_fp4pass)
-from fp4pass.io.inputs import (PSEUDO_FILESYSTEMS, _file_kind, copy_regular_file, open_regular, pseudo_filesystem,
+from fp4pass.io.inputs import (PSEUDO_FILESYSTEMS, file_kind, copy_regular_file, open_regular, pseudo_filesystem,
                                read_exact, read_regular_file, regular_file_status)
 from fp4pass.io.jsonio import JSON_MAX_DEPTH, NON_FINITE_NOTE, finite_json, json_text, strict_json
 from fp4pass.io.outputs import (REPORT, RESULT, OutputSession, atomic_output, check_outputs, finish, fsync_folder,

@@ -13,7 +13,7 @@ from typing import Iterator
 
 from fp4pass.errors import UsageError
 from fp4pass.io import outputs
-from fp4pass.io.outputs import RESULT, _inside, _umask, _fsync_path, fsync_folder, same_file
+from fp4pass.io.outputs import RESULT, inside, current_umask, fsync_path, fsync_folder, same_file
 from fp4pass.io.stale import TMP_PREFIX, make_temp_folder, remove_stale
 from fp4pass.io.swap import recover, swap
 
@@ -23,11 +23,11 @@ OUTPUT_MARKER = ".fp4pass-output.json"
 
 def _fsync_tree(folder: Path) -> None:
     """Give every file the umask's mode and fsync it, then every folder (the deepest first, the top last)."""
-    mode = 0o666 & ~_umask()
+    mode = 0o666 & ~current_umask()
     for root, dirs, files in os.walk(folder):
         for name in files:
             os.chmod(Path(root) / name, mode)
-            _fsync_path(Path(root) / name)
+            fsync_path(Path(root) / name)
         for name in dirs:
             fsync_folder(Path(root) / name)
     fsync_folder(folder)
@@ -163,7 +163,7 @@ def refuse_inputs(target: Path, path, inputs) -> None:
             continue
         what = f" ({label})" if label else ""
         for place in input_places(given):
-            if same_file(target, place) or _inside(target, place) or _inside(place, target):
+            if same_file(target, place) or inside(target, place) or inside(place, target):
                 where = "" if place == os.fspath(given) else f" (at {place}, where its files are stored)"
                 kind = "input folder" if os.path.isdir(given) else "input"
                 raise UsageError(f"{path}: is, is inside, or holds the {kind} {given}{what}{where}; an output "
@@ -221,7 +221,7 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = (), overwrite: bool =
         os.mkdir(tmp, stat.S_IRWXU)  # private while it is written
         yield tmp
         _write_output_marker(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~current_umask())
         _fsync_tree(tmp)
         st = os.lstat(tmp)
         identity = (st.st_dev, st.st_ino)
@@ -230,10 +230,11 @@ def atomic_folder(path: str | os.PathLike, inputs: tuple = (), overwrite: bool =
         if replacing:
             swap(staging, tmp, target)
         else:
-            if outputs._session is not None:
-                outputs._session.record(target, RESULT, identity)
+            session = outputs.current_session()
+            if session is not None:
+                session.record(target, RESULT, identity)
                 if was_empty_folder:
-                    outputs._session.emptied.add(target)
+                    session.emptied.add(target)
             try:
                 os.replace(tmp, target)
                 fsync_folder(parent)

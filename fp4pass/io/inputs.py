@@ -13,7 +13,7 @@ import stat
 
 from fp4pass.errors import UsageError
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
@@ -32,7 +32,7 @@ def regular_file_status(path: str | os.PathLike, error: type[Exception] = UsageE
     except OSError as exc:
         raise error(f"{path}: cannot be read ({exc.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
-        raise error(f"{path}: {_file_kind(info.st_mode)}; only regular {what} are read")
+        raise error(f"{path}: {file_kind(info.st_mode)}; only regular {what} are read")
     return info
 
 
@@ -99,7 +99,7 @@ def open_regular(path: str | os.PathLike, error: type[Exception], what: str = "f
     try:
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode):
-            raise error(f"{path}: {_file_kind(opened.st_mode)}; only regular {what} are read")
+            raise error(f"{path}: {file_kind(opened.st_mode)}; only regular {what} are read")
         kind = pseudo_filesystem(opened)  # the file opened decides (it may have been swapped since the stat)
         if kind is not None:
             raise error(f"{path}: lies on {kind}, a pseudo file system whose files are made up as they are "

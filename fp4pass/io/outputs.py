@@ -40,7 +40,7 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return sa is not None and sb is not None and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def _inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+def inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     real, base = os.path.realpath(path), os.path.realpath(folder)
     if real != base and os.path.commonpath([real, base]) == base:
         return True
@@ -94,7 +94,7 @@ def input_places(given: str | os.PathLike) -> list[str]:
                 if not entry.is_symlink():
                     continue
                 real = os.path.realpath(entry.path)
-                if _inside(real, own):
+                if inside(real, own):
                     continue
                 where = blobs if hub and os.path.dirname(real) == blobs else real
                 if where not in seen:
@@ -139,10 +139,10 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None],
         for in_label, given in inputs.items():
             if same_file(out, given):
                 raise UsageError(f"{label} {out}: refusing to write over the input {given} ({in_label})")
-            if Path(given).is_dir() and _inside(out, given):
+            if Path(given).is_dir() and inside(out, given):
                 raise UsageError(f"{label} {out}: is inside the input folder {given} ({in_label})")
             for place in input_places(given)[1:]:
-                if same_file(out, place) or (os.path.isdir(place) and _inside(out, place)):
+                if same_file(out, place) or (os.path.isdir(place) and inside(out, place)):
                     raise UsageError(f"{label} {out}: lies in {place}, where the files of the input {given} "
                                      f"({in_label}) are stored (its links lead there); refusing to write there")
         for other_label, other in seen:
@@ -242,6 +242,11 @@ class OutputSession:
 _session: OutputSession | None = None
 
 
+def current_session() -> OutputSession | None:
+    """The :func:`output_session` the caller runs in, or None outside one."""
+    return _session
+
+
 @contextlib.contextmanager
 def output_session() -> Iterator[OutputSession]:
     """Record every :func:`atomic_output` rename made inside the block (the CLI wraps each command in one)."""
@@ -256,13 +261,13 @@ def output_session() -> Iterator[OutputSession]:
 # -- atomic writes ----------------------------------------------------------------------------------------
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -273,7 +278,7 @@ def _fsync_path(path: Path) -> None:
 def fsync_folder(folder: str | os.PathLike) -> None:
     """Make a rename in ``folder`` durable (a no-op where folders cannot be opened)."""
     with contextlib.suppress(OSError):
-        _fsync_path(Path(folder))
+        fsync_path(Path(folder))
 
 
 def finish(tmp: Path, target: Path, kind: str = RESULT) -> None:
@@ -283,8 +288,8 @@ def finish(tmp: Path, target: Path, kind: str = RESULT) -> None:
     The rename is recorded before it is made (module docstring, rule 7).
     """
     target = output_target(target)
-    _fsync_path(tmp)
-    os.chmod(tmp, 0o666 & ~_umask())
+    fsync_path(tmp)
+    os.chmod(tmp, 0o666 & ~current_umask())
     if _session is not None:
         st = os.lstat(tmp)
         _session.record(target, kind, (st.st_dev, st.st_ino))

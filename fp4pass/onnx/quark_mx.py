@@ -18,7 +18,7 @@ __all__ = ["QUARK_SCALE_RULE", "quark_mxfp4", "quark_fake_quant", "quantize_weig
 QUARK_SCALE_RULE = ScaleRule.FLOOR
 
 
-def _float32(value: ir.Value) -> np.ndarray:
+def float32_constant(value: ir.Value) -> np.ndarray:
     return np.asarray(value.const_value.numpy()).astype(np.float32)
 
 
@@ -49,7 +49,7 @@ def quantize_weight(weight: ir.Value, perm: list[int] | None) -> tuple[ir.Value,
     ``perm`` (an axis swap) moves Quark's block axis last first. The codes value takes the weight's name (the
     float initializer is removed when the weight is rewritten); the scales are ``{W}_scale_e8m0``.
     """
-    x = _float32(weight)
+    x = float32_constant(weight)
     if perm is not None:
         x = x.transpose(perm)
     mx = quark_mxfp4(x, name=weight.name)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fp4pass.formats import MX_BLOCK_SIZE
-from fp4pass.onnx.quark_mx import QUARK_SCALE_RULE, _float32, quantize_weight, quark_fake_quant, quark_mxfp4  # noqa: F401
+from fp4pass.onnx.quark_mx import QUARK_SCALE_RULE, float32_constant, quantize_weight, quark_fake_quant, quark_mxfp4  # noqa: F401
 from fp4pass.formats.constants import QUARK_DOMAIN
 from fp4pass.onnx.patterns import Declined, node_label, op_label, trace_consumers
 from fp4pass.onnx.patterns_float import QuarkWeight, quark_fp4, quark_constant
@@ -133,7 +133,7 @@ def fold_constants(model: ir.Model, declined: list[Declined] | None = None) -> l
                 continue
             axis = _attr(node, "axis", 1)
             block = _attr(node, "block_size", MX_BLOCK_SIZE)
-            values = quark_fake_quant(_float32(x), axis, block, name=x.name)
+            values = quark_fake_quant(float32_constant(x), axis, block, name=x.name)
             dtype = x.const_value.dtype
             out = node.outputs[0]
             name = out.name

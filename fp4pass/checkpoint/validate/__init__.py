@@ -22,7 +22,6 @@ from fp4pass.checkpoint.validate.tensors import BLOCK_SAMPLE_BYTES
 from fp4pass.checkpoint.validate.validation import (Validation, is_nvfp4_folder, validate, validate_own_output,
                                                     validation)
 
-_problem_line = problem_line  # the name fp4pass.commands imports
 
 __all__ = ["validate", "validation", "Validation", "format_validation", "exit_status", "is_nvfp4_folder", "Problem",
            "ProblemKind", "PROBLEM_KINDS", "KINDS", "OUTCOMES", "WRITER_BUGS", "BLOCK_SAMPLE_BYTES",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 
 from fp4pass import messages
-from fp4pass.commands._calibrator_flags import calibrator_options
-from fp4pass.commands._provenance import stamped
-from fp4pass.commands._safety import positive_int
+from fp4pass.commands.calibrator_flags import calibrator_options
+from fp4pass.commands.provenance import stamped
+from fp4pass.commands.safety import positive_int
 from fp4pass.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -52,10 +52,10 @@ def print_summary(scales, output: str) -> None:
 
 def calibrate_folder(args) -> int:
     """``fp4pass calibrate CKPT_DIR --data DATA -o SCALES.json`` (its ONNX models' flags refused already)."""
-    from fp4pass.commands import _safety
+    from fp4pass.commands import safety
     from fp4pass.io import RESULT, write_json
 
-    _safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
+    safety.check_files({"-o": args.output, "--report": args.report}, {"CKPT_DIR": args.model, "--data": args.data})
     scales = run_calibration(args, args.data, args.batch_size, detail=bool(args.report))
     write_json(args.output, stamped(scales.to_json(), args), kind=RESULT)
     if args.report:
