@@ -45,39 +45,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CONVERT_TESTS = ["tests/test_onnx_convert.py", "tests/test_cmd_inspect.py", "tests/test_convert.py",
-                 "tests/test_cmd_convert.py"]
-CHECKPOINT_TESTS = ["tests/test_checkpoint_shard_writer.py", "tests/test_checkpoint_convert.py",
-                    "tests/test_checkpoint_cli.py", "tests/test_checkpoint_configs.py"]
-CKPT_CALIB_TESTS = ["tests/test_checkpoint_calib_data.py"]
-CKPT_CALIBRATE_TESTS = ["tests/test_checkpoint_calibrate.py"]
-CKPT_RUNNER_TESTS = ["tests/test_checkpoint_runner_bugs.py"]
-CKPT_HOSTILE_TESTS = ["tests/test_checkpoint_calib_hostile.py"]
-LOOP_TESTS = ["tests/test_checkpoint_layer_loop.py"]
-DIFF_TESTS = ["tests/test_checkpoint_diff.py"]
-DIFF_ORACLE_TESTS = ["tests/test_checkpoint_diff_oracle.py"]
-DIFF_REPORT_TESTS = ["tests/test_checkpoint_diff_report.py"]
-DIFF_CHECKS_TESTS = ["tests/test_checkpoint_diff_checks.py"]
-ORT_CUDA_TESTS = ["tests/test_ort_placement.py"]
-GPU_CHECK_TESTS = ["tests/test_gpu_check.py"]
-VALIDATE_TRUST_TESTS = ["tests/test_validate_trust.py"]
-HOSTILE_RULES_TESTS = ["tests/test_exclusion_patterns.py", "tests/test_validate_hostile.py"]
-CALIB_TESTS = ["tests/test_calib_scales.py", "tests/test_calib_stats.py", "tests/test_calib_calibrators.py",
-               "tests/test_calib_runner.py", "tests/test_calib_perf.py", "tests/test_calib_command.py"]
+CONVERT_TESTS = ["tests/onnx/test_onnx_convert.py", "tests/cli/test_cmd_inspect.py", "tests/convert/test_convert.py",
+                 "tests/cli/test_cmd_convert.py"]
+CHECKPOINT_TESTS = ["tests/checkpoint/test_checkpoint_shard_writer.py", "tests/checkpoint/test_checkpoint_convert.py",
+                    "tests/checkpoint/test_checkpoint_cli.py", "tests/checkpoint/test_checkpoint_configs.py"]
+CKPT_CALIB_TESTS = ["tests/checkpoint/test_checkpoint_calib_data.py"]
+CKPT_CALIBRATE_TESTS = ["tests/checkpoint/test_checkpoint_calibrate.py"]
+CKPT_RUNNER_TESTS = ["tests/checkpoint/test_checkpoint_runner_bugs.py"]
+CKPT_HOSTILE_TESTS = ["tests/campaigns/test_checkpoint_calib_hostile.py"]
+LOOP_TESTS = ["tests/checkpoint/test_checkpoint_layer_loop.py"]
+DIFF_TESTS = ["tests/checkpoint/test_checkpoint_diff.py"]
+DIFF_ORACLE_TESTS = ["tests/checkpoint/test_checkpoint_diff_oracle.py"]
+DIFF_REPORT_TESTS = ["tests/checkpoint/test_checkpoint_diff_report.py"]
+DIFF_CHECKS_TESTS = ["tests/checkpoint/test_checkpoint_diff_checks.py"]
+ORT_CUDA_TESTS = ["tests/onnx/test_ort_placement.py"]
+GPU_CHECK_TESTS = ["tests/project/test_gpu_check.py"]
+VALIDATE_TRUST_TESTS = ["tests/checkpoint/test_validate_trust.py"]
+HOSTILE_RULES_TESTS = ["tests/checkpoint/test_exclusion_patterns.py", "tests/campaigns/test_validate_hostile.py"]
+CALIB_TESTS = ["tests/calib/test_calib_scales.py", "tests/calib/test_calib_stats.py", "tests/calib/test_calib_calibrators.py",
+               "tests/onnx/test_calib_runner.py", "tests/calib/test_calib_perf.py", "tests/cli/test_calib_command.py"]
 
 
-USER_PATH_TESTS = ["tests/test_user_path_round4.py"]
-ROUND5_TESTS = ["tests/test_user_path_round5.py"]
-DOORS_TESTS = ["tests/test_cmd_doors.py"]
-FORMS_USED_TESTS = ["tests/test_checkpoint_forms_used.py"]
-INPUT_TESTS = ["tests/test_user_path_inputs.py"]
-OVERWRITE_TESTS = ["tests/test_output_overwrite.py"]
-KIMI_K3_TESTS = ["tests/test_checkpoint_kimi_k3.py"]
-REMOTE_CODE_TESTS = ["tests/test_checkpoint_remote_code.py"]
-SWAP_TESTS = ["tests/test_overwrite_swap.py"]
-HUB_TESTS = ["tests/test_hub.py"]
-BOUNDS_TESTS = ["tests/test_patterns_bounds.py"]
-CALIB_BOUNDS_TESTS = ["tests/test_calib_data_bounds.py"]
+USER_PATH_TESTS = ["tests/campaigns/test_user_path_round4.py"]
+ROUND5_TESTS = ["tests/campaigns/test_user_path_round5.py"]
+DOORS_TESTS = ["tests/cli/test_cmd_doors.py"]
+FORMS_USED_TESTS = ["tests/checkpoint/test_checkpoint_forms_used.py"]
+INPUT_TESTS = ["tests/campaigns/test_user_path_inputs.py"]
+OVERWRITE_TESTS = ["tests/base/test_output_overwrite.py"]
+KIMI_K3_TESTS = ["tests/checkpoint/test_checkpoint_kimi_k3.py"]
+REMOTE_CODE_TESTS = ["tests/checkpoint/test_checkpoint_remote_code.py"]
+SWAP_TESTS = ["tests/base/test_overwrite_swap.py"]
+HUB_TESTS = ["tests/checkpoint/test_hub.py"]
+BOUNDS_TESTS = ["tests/checkpoint/test_patterns_bounds.py"]
+CALIB_BOUNDS_TESTS = ["tests/checkpoint/test_calib_data_bounds.py"]
 
 
 @dataclass
@@ -97,28 +97,28 @@ MUTANTS = [
     # -- inspect of a Hub ID that is not cached: headers only -------------------------------------------------
     Mutant("hub-inspect-downloads-shards", "inspect of an uncached Hub ID downloads every shard", [
         ("fp4pass/commands/inspect.py", "    remote = uncached_hub_id(args.model)\n", "    remote = None\n"),
-    ], ["tests/test_hub_headers.py"]),
+    ], ["tests/checkpoint/test_hub_headers.py"]),
     Mutant("hub-partial-snapshot-as-local", "a cached snapshot that lacks shards taken for a local copy", [
         ("def uncached_hub_id", "    return None if folder is not None and not missing else parsed",
          "    return None if folder is not None else parsed"),
-    ], ["tests/test_hub_headers.py"]),
+    ], ["tests/checkpoint/test_hub_headers.py"]),
     Mutant("hub-headers-nvfp4-as-mxfp4", "an NVFP4 repository's E4M3 block scales not told from MXFP4", [
         ("def inspect_hub_headers", '    if any(block_precision(e.dtype) == "nvfp4"',
          '    if False and any(block_precision(e.dtype) == "nvfp4"'),
-    ], ["tests/test_hub_headers.py"]),
+    ], ["tests/checkpoint/test_hub_headers.py"]),
     Mutant("hub-headers-engine-exit", "inspect ORG/NAME --engine E exits 0 where E does not load it", [
         ("def inspect_from_headers", '    return 1 if engine and not info["engines"][engine]["loads"] else 0',
          "    return 0"),
-    ], ["tests/test_hub_headers.py"]),
+    ], ["tests/checkpoint/test_hub_headers.py"]),
     # -- forms, families and Kimi-K3 ------------------------------------------------------------------------
     Mutant("deepseek-v4-weight-only-fp8-form-written", "DeepSeek-V4's W4A4-only FP8 config form written without "
            "input scales", [
         ("def _refuse_weight_only_fp8_form", '    if with_input or output_style(fmt, config) != "deepseek-v4-fp8":',
          "    if True:"),
-    ], ["tests/test_checkpoint_engines.py"]),
+    ], ["tests/checkpoint/test_checkpoint_engines.py"]),
     Mutant("deepseek-v4-refusal-ignores-input-scales", "DeepSeek-V4's FP8 config form refused even with input scales",
            [("def _refuse_weight_only_fp8_form", '    if with_input or output_style(fmt, config) != "deepseek-v4-fp8":',
-             '    if output_style(fmt, config) != "deepseek-v4-fp8":')], ["tests/test_checkpoint_engines.py"]),
+             '    if output_style(fmt, config) != "deepseek-v4-fp8":')], ["tests/checkpoint/test_checkpoint_engines.py"]),
     Mutant("kimi-sglang-aliases-dropped", "the exclusion list without SGLang's run-time spelling of each entry", [
         ("def exclude_list",
          "    return list(out) + _sglang_aliases(list(out), kept_modules, converted_modules, architecture, style)",
@@ -127,7 +127,7 @@ MUTANTS = [
     Mutant("kimi-sglang-alias-unchecked", "an alias written even where it is a substring of a converted module", [
         ("def _sglang_aliases.safe", "        return alias not in have and not any(stem in t for t in targets)",
          "        return alias not in have"),
-    ], KIMI_K3_TESTS + ["tests/test_checkpoint_engines.py"]),
+    ], KIMI_K3_TESTS + ["tests/checkpoint/test_checkpoint_engines.py"]),
     Mutant("mxfp4-block-read-as-nvfp4", "an E8M0 (U8) block scale beside weight_packed taken for NVFP4 by its name", [
         ("def find_modules", "        if (fp8_weight or mxfp4_block) and mod.global_ is None:",
          "        if fp8_weight and mod.global_ is None:"),
@@ -163,7 +163,7 @@ MUTANTS = [
     Mutant("examples-cli-not-runnable", "python -m fp4pass.examples.checkpoints writes what calibrate refuses", [
         ("def _build", "                         runnable=not args.names_only)",
          "                         runnable=False)"),
-    ], ["tests/test_examples_checkpoints.py"]),
+    ], ["tests/checkpoint/test_examples_checkpoints.py"]),
     Mutant("remote-code-without-the-flag", "a folder's own modeling code run without --trust-remote-code", [
         ("def resolve_architecture", "    if trust_remote_code and auto_map:", "    if auto_map:"),
     ], REMOTE_CODE_TESTS),
@@ -572,30 +572,30 @@ MUTANTS = [
          "codes[:, 0::2] = packed[i] >> 4\n        codes[:, 1::2] = packed[i] & 0x0F"),
         ("def _repack", "out[i] = t[:, 0::2] | (t[:, 1::2] << 4)",
          "out[i] = t[:, 1::2] | (t[:, 0::2] << 4)"),
-    ], ["tests/test_onnx_convert.py", "tests/test_qmoe_layout.py"]),
+    ], ["tests/onnx/test_onnx_convert.py", "tests/onnx/test_qmoe_layout.py"]),
     Mutant("auto-without-mantissas", "auto (best) drops its 2^(k_max-8)/c candidates with c != 1", [
         ("def auto_candidates", "columns += [hybrid / c for c in MANTISSAS]\n", "columns += []\n"),
-    ], ["tests/test_convert.py"]),
+    ], ["tests/convert/test_convert.py"]),
     Mutant("auto-without-amax", "auto drops requant's candidate amax/(6*448)", [
         ("def auto_candidates", "columns.append(global_scale_from_amax(amax))", "pass"),
-    ], ["tests/test_convert.py"]),
+    ], ["tests/convert/test_convert.py"]),
     Mutant("auto-without-amax-codes", "auto (best) drops its candidates amax/(6*s), s = 256..416", [
         ("def auto_candidates",
          "columns += [(amax.double() / (6 * s)).float().clamp(min=GLOBAL_SCALE_MIN) for s in AMAX_CODES]",
          "pass"),
-    ], ["tests/test_convert.py"]),
+    ], ["tests/convert/test_convert.py"]),
     Mutant("auto-without-code-steps-2", "auto (best) drops the per-half codes s0 -+ 2", [
         ("fp4pass/convert/methods.py", 'AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1, -2, 2)}',
          'AUTO_STEPS = {"fast": (0, -1, 1), "best": (0, -1, 1)}'),
-    ], ["tests/test_convert.py"]),
+    ], ["tests/convert/test_convert.py"]),
     Mutant("verbatim-count-ignores-nibbles", "blocks16_verbatim counts exact halves whether or not the nibbles "
            "were kept (converter statistics measured against a reference)", [
         ("def measure_stats", "verbatim += int((same & exact).sum())", "verbatim += int(exact.sum())"),
-    ], ["tests/test_convert.py"]),
+    ], ["tests/convert/test_convert.py"]),
     Mutant("engine-verbatim-count-ignores-nibbles", "the same in the pattern search's statistics", [
         ("def choose", "exact_p = verbatim_p | (same & (sse_p == 0))",
          "exact_p = verbatim_p | (sse_p == 0)"),
-    ], ["tests/test_convert.py", "tests/test_onnx_convert.py"]),
+    ], ["tests/convert/test_convert.py", "tests/onnx/test_onnx_convert.py"]),
     Mutant("expert-verbatim-count-ignores-nibbles", "the same in the report's per-expert statistics", [
         ("def group_stats", "verbatim += int((kept & exact).sum())", "verbatim += int(exact.sum())"),
     ]),
@@ -610,109 +610,109 @@ MUTANTS = [
     Mutant("global-scale-axis", "the per-expert global scale's DequantizeLinear runs along axis 1, not 0", [
         ("def _scale_chain", 'attrs = {"axis": ir.AttrInt64("axis", 0)} if with_global',
          'attrs = {"axis": ir.AttrInt64("axis", 1)} if with_global'),
-    ], ["tests/test_onnx_convert.py"]),
+    ], ["tests/onnx/test_onnx_convert.py"]),
     Mutant("qmoe-kernel-pairs-along-k", "QMoE kernel-layout bytes are read and written as if paired along K "
            "(no repacking between [E, K, N/2] and [E, N, K/2])", [
         ("def kernel_to_schema", "return _repack(packed, k, n)",
          "return np.asarray(packed, np.uint8).reshape(-1, n, k // 2)"),
         ("def schema_to_kernel", "return _repack(packed, n, k)",
          "return np.asarray(packed, np.uint8).reshape(-1, k, n // 2)"),
-    ], ["tests/test_qmoe_layout.py"]),
+    ], ["tests/onnx/test_qmoe_layout.py"]),
     Mutant("float-scale-any-is-pow2", "float-scale FP4 DQ takes any scale in range for a power of two "
            "(E8M0 code of floor(log2 s))", [
         ("def float_scales_to_e8m0", "pow2 = (mantissa == 0.5) & (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP)",
          "pow2 = (k >= E8M0_MIN_EXP) & (k <= E8M0_MAX_EXP)"),
-    ], ["tests/test_onnx_patterns.py", "tests/test_rewrite_common.py"]),
+    ], ["tests/onnx/test_onnx_patterns.py", "tests/onnx/test_rewrite_common.py"]),
     Mutant("quark-scale-rule-ceil", "Quark's fake-quantized weights are read with the CEIL scale rule, not FLOOR", [
         ("fp4pass/onnx/quark_mx.py", "QUARK_SCALE_RULE = ScaleRule.FLOOR", "QUARK_SCALE_RULE = ScaleRule.CEIL"),
-    ], ["tests/test_rewrite_quark.py"]),
+    ], ["tests/onnx/test_rewrite_quark.py"]),
     Mutant("fp16-alpha-cast-float", "the 16-bit alpha form casts the product back to FLOAT16 whatever the "
            "graph's type (BFLOAT16 graphs)", [
         ("def _multiply_output", '{"to": ir.AttrInt64("to", dtype)}, outputs=[scaled]',
          '{"to": ir.AttrInt64("to", ir.DataType.FLOAT16)}, outputs=[scaled]'),
-    ], ["tests/test_onnx_dtypes.py"]),
+    ], ["tests/onnx/test_onnx_dtypes.py"]),
     Mutant("shared-weight-first-reader-only", "a weight read by several dequantize nodes gets its new scales "
            "on the first reader only", [
         ("def _scale_chain", "    for reader in reader_nodes(record):\n",
          "    for reader in reader_nodes(record)[:1]:\n"),
-    ], ["tests/test_onnx_sharing.py"]),
+    ], ["tests/onnx/test_onnx_sharing.py"]),
     Mutant("ort-external-data-folder", "onnxruntime sessions of in-memory models are not told where their "
            "external data lives", [
         ("def make_session", "options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, folder)",
          "folder"),
-    ], ["tests/test_numerics.py"]),
+    ], ["tests/onnx/test_numerics.py"]),
     Mutant("ort-small-external-left-external", "small external tensors (shape constants) are not read into the "
            "model before onnxruntime resolves its graph", [
         ("def _inline_small_external", "if 0 <= length <= _SMALL_EXTERNAL_BYTES:", "if False:"),
-    ], ["tests/test_cmd_bad_input.py"]),
+    ], ["tests/cli/test_cmd_bad_input.py"]),
     Mutant("quark-fold-any-attributes", "a Quark fake-quant on a constant is folded whatever its axis and block", [
         ("def fold_constants", "    reason = fold_reason(node)\n", "    reason = None\n"),
-    ], ["tests/test_rewrite_quark.py"]),
+    ], ["tests/onnx/test_rewrite_quark.py"]),
     Mutant("fx-per-expert-stats-dropped", "fx.convert's report has no per-expert statistics for expert weights", [
         ("def MXFP4ToNVFP4FxPass._convert", "group_stats(mx, nv, group_dims, stats)", "group_stats(mx, nv, 0, stats)"),
-    ], ["tests/test_gpt_oss_e2e.py"]),
+    ], ["tests/fx/test_gpt_oss_e2e.py"]),
     Mutant("fx-export-bf16-rms-norm", "fx.export leaves RMSNormalization's bfloat16 input beside its FP32 scale", [
         ("def export", "    _widen_rms_norm_inputs(onnx_model)\n", "\n"),
-    ], ["tests/test_gpt_oss_e2e.py"]),
+    ], ["tests/fx/test_gpt_oss_e2e.py"]),
     Mutant("fx-copy-renames-builtin-input", "a copied fx graph keeps torch.fx's new names (nn.Sequential's "
            "placeholder input becomes input_1, which the program's signature does not name)", [
         ("def copy_graph_module", "            node.name = original.name  #", "            node.name = node.name  #"),
-    ], ["tests/test_fx_input_names.py"]),
+    ], ["tests/fx/test_fx_input_names.py"]),
     Mutant("fx-module-renames-builtin-input", "calibration runs program.module() as torch names it (input -> "
            "input_1), so the activation the program names input is not found", [
         ("def program_module", "        node.name = name\n", "        pass\n"),
-    ], ["tests/test_fx_input_names.py"]),
+    ], ["tests/fx/test_fx_input_names.py"]),
     # -- Hugging Face Hub model IDs ---------------------------------------------------------------------------
     Mutant("hub-id-beats-local-path", "a Hub ID is resolved even where a local folder of that name exists", [
         ("fp4pass/safetensors/hub.py", "if parsed is None or os.path.lexists(path_or_id):", "if parsed is None:"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-revision-ignored", "name@rev resolves to the default branch", [
         ("def _snapshot", "snapshot_download(repo_id, revision=revision,", "snapshot_download(repo_id, revision=None,"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-index-shards-not-checked", "a cached snapshot missing a shard its index names is taken as complete", [
         ("def missing_files", "        missing += [s for s in shards", "        missing + [s for s in shards"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-subfolders-fetched", "downloads take sub-folders too (gpt-oss's original/ and metal/ weights)", [
         ("fp4pass/safetensors/hub.py", 'HUB_IGNORED = ("*/*",)', 'HUB_IGNORED = ()'),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-cache-not-first", "a complete cached snapshot is downloaded again (the Hub asked first)", [
         ("def resolve_checkpoint", "    if folder is not None and not missing:\n", "    if folder is not None and False:\n"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-offline-ignored", "HF_HUB_OFFLINE set in the environment after import is not honoured", [
         ("def _offline", "    return env or bool(constants.HF_HUB_OFFLINE)", "    return bool(constants.HF_HUB_OFFLINE)"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-cli-convert-unresolved", "fp4pass convert takes a Hub ID for an ONNX file", [
         ("def enter",
          "        setattr(args, entrance.model, resolve(getattr(args, entrance.model), args))\n", "        pass\n"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("hub-quiet-bars-shown", "--quiet leaves huggingface_hub's download bars on", [
         ("def _snapshot", "    hide = show_progress is False and", "    hide = show_progress is None and"),
-    ], ["tests/test_hub.py"]),
+    ], ["tests/checkpoint/test_hub.py"]),
     Mutant("checkpoint-counts-call-weights-experts", "inspect's and convert's summaries call every MXFP4 weight an "
            "expert (the DeepSeek-V3-architecture example's attention o_proj too)", [
         ("fp4pass/checkpoint/inspection.py", "/{s['experts_total']} forecast lossless\"",
          "/{s['experts_total']} experts forecast lossless\""),
         ("fp4pass/checkpoint/run.py", "/{s['experts_total']} lossless, ", "/{s['experts_total']} experts lossless, "),
-    ], ["tests/test_docs_examples.py"]),
+    ], ["tests/project/test_docs_examples.py"]),
     Mutant("emulate-clamp-normal", "the activation quantizer clamps E4M3 block scales at 2^-6 instead of 2^-9", [
         ("def nvfp4_fake_quant", 'f"{p}/e4m3_min_subnormal", E4M3_MIN_SUBNORMAL, f32)',
          'f"{p}/e4m3_min_subnormal", 2.0**-6, f32)'),
-    ], ["tests/test_emulate.py", "tests/test_act_quant.py", "tests/test_lower.py"]),
+    ], ["tests/onnx/test_emulate.py", "tests/onnx/test_act_quant.py", "tests/onnx/test_lower.py"]),
     Mutant("alpha-applied-twice", "the alpha form multiplies the consumer's alpha by the input scale twice", [
         ("def _scale_alpha", "values = alpha.const_value.numpy().astype(np.float32) * np.float32(input_scale)",
          "values = alpha.const_value.numpy().astype(np.float32) * np.float32(input_scale) * np.float32(input_scale)"),
-    ], ["tests/test_act_quant.py"]),
+    ], ["tests/onnx/test_act_quant.py"]),
     Mutant("lowering-quantize-axis", "the lowering's GatherBlockQuantized quantizes along axis 0", [
         ("def _dequant_gbq", '"quantize_axis": rank - 1,', '"quantize_axis": 0,'),
-    ], ["tests/test_lower.py", "tests/test_numerics.py", "tests/test_cmd_diff.py"]),
+    ], ["tests/onnx/test_lower.py", "tests/onnx/test_numerics.py", "tests/cli/test_cmd_diff.py"]),
     Mutant("check-default-threshold-ignored", "convert --check without --snr-min applies no threshold", [
         ("def _check_before_work",
          "return SNR_MIN_WITH_ACTIVATIONS if (args.calib or args.scales) else SNR_MIN_WEIGHT_ONLY", "return None"),
-    ], ["tests/test_cmd_outputs.py"]),
+    ], ["tests/cli/test_cmd_outputs.py"]),
     # -- calibration --------------------------------------------------------------------------------------
     Mutant("input-scale-formula", "the NVFP4 global scale (and input_scale) = amax / 448 instead of amax / (6 * 448)", [
         ("def global_scale_from_amax", "(amax / NVFP4_AMAX_PER_GLOBAL_SCALE)", "(amax / 448.0)"),
-    ], CALIB_TESTS + ["tests/test_act_quant.py"]),
+    ], CALIB_TESTS + ["tests/onnx/test_act_quant.py"]),
     Mutant("histogram-percentile-off-by-one", "the log histogram's percentile reads the next bin", [
         ("def LogHistogram.percentile",
          "index = int(torch.searchsorted(cum, torch.tensor([rank], dtype=torch.float64)).clamp(max=self.bins - 1))",
@@ -720,155 +720,155 @@ MUTANTS = [
     ], CALIB_TESTS),
     Mutant("headroom-rho-ignored", "the headroom calibrator uses its default rho whatever it is given", [
         ("def HeadroomCalibrator.compute", 'return self.rho * b_min, "rho*B_min"', 'return 16384.0 * b_min, "rho*B_min"'),
-    ], ["tests/test_calib_calibrators.py"]),
+    ], ["tests/calib/test_calib_calibrators.py"]),
     Mutant("distributed-amax-sum", "the distributed reduction adds the ranks' amax instead of taking their max", [
         ("def all_reduce_stats", "for s in stats]), dist.ReduceOp.MAX, device, group)",
          "for s in stats]), dist.ReduceOp.SUM, device, group)"),
-    ], ["tests/test_calib_distributed.py"]),
+    ], ["tests/calib/test_calib_distributed.py"]),
     Mutant("calib-loads-onnx", "the neutral fp4pass.calib loads onnx_ir, so a checkpoint calibration does too", [
         ("fp4pass/calib/__init__.py", "from fp4pass.calib.compute import scale_for\n",
          "from fp4pass.calib.compute import scale_for\nimport onnx_ir  # noqa: F401\n"),
-    ], ["tests/test_layering.py"]),
+    ], ["tests/project/test_layering.py"]),
     # -- the E2M1 byte tables (fp4pass.formats.byte_tables) ----------------------------------------------------
     Mutant("byte-table-nibbles-swapped", "a byte's high nibble decoded as its first element", [
         ("def _byte_values_cpu", "[lut[codes & 0x0F], lut[codes >> 4]]", "[lut[codes >> 4], lut[codes & 0x0F]]"),
-    ], ["tests/test_byte_tables.py"]),
+    ], ["tests/formats/test_byte_tables.py"]),
     Mutant("byte-table-word-bytes-swapped", "a little-endian word's second byte decoded first", [
         ("def word_values.build", "[pairs[low], pairs[high]]", "[pairs[high], pairs[low]]"),
-    ], ["tests/test_byte_tables.py"]),
+    ], ["tests/formats/test_byte_tables.py"]),
     Mutant("byte-table-cache-ignores-dtype", "the word table cached per device only: bf16 asked, float32 given", [
         ("def word_values", '("words", device, dtype)', '("words", device)'),
-    ], ["tests/test_byte_tables.py"]),
+    ], ["tests/formats/test_byte_tables.py"]),
     Mutant("byte-table-scale-rows-shifted", "the scaled pairs of scale code s multiplied by code s+1's multiplier", [
         ("def scaled_pairs", "multipliers.reshape(256, 1, 1)", "multipliers.roll(-1).reshape(256, 1, 1)"),
-    ], ["tests/test_byte_tables.py"]),
+    ], ["tests/formats/test_byte_tables.py"]),
     Mutant("byte-table-private-cache", "the NVFP4 reader keeps a word table of its own", [
         ("fp4pass/checkpoint/nvfp4_weights.py", "from fp4pass.formats.byte_tables import word_values\n",
          "_OWN = {}\n\n\ndef word_values(device):\n    if device not in _OWN:\n"
          "        w = torch.arange(65536, dtype=torch.int32, device=device)\n        _OWN[device] = torch.stack("
          "[decode_e2m1(((w >> s) & 15).to(torch.uint8)) for s in (0, 4, 8, 12)], -1)\n    return _OWN[device]\n"),
-    ], ["tests/test_byte_tables.py"]),
+    ], ["tests/formats/test_byte_tables.py"]),
     Mutant("lossless-range-strict", "a spread of exactly 17 (18 exponents, E4M3's whole exact window) taken as lossy", [
         ("def lossless_range", "return k_max - k_min <= LOSSLESS_SPREAD", "return k_max - k_min < LOSSLESS_SPREAD"),
-    ], ["tests/test_scale_checks.py"]),
+    ], ["tests/formats/test_scale_checks.py"]),
     Mutant("scale-check-ff-not-nan", "E4M3FN 0xFF (negative NaN) not taken for NaN", [
         ("def block_scale_problems", "nan = magnitude == E4M3_NAN_MAGNITUDE", "nan = codes == E4M3_NAN_MAGNITUDE"),
-    ], ["tests/test_scale_checks.py"]),
+    ], ["tests/formats/test_scale_checks.py"]),
     Mutant("scale-check-minus-zero-negative", "an E4M3 block scale of -0 (0x80) called negative", [
         ("def block_scale_problems", "(codes >= E4M3_SIGN) & (magnitude != 0) & ~nan", "(codes >= E4M3_SIGN) & ~nan"),
-    ], ["tests/test_scale_checks.py"]),
+    ], ["tests/formats/test_scale_checks.py"]),
     Mutant("json-integer-digits-unbounded", "a JSON integer of any length parsed (SCALES.json's 300-digit count)", [
         ("def strict_json", "                      parse_int=_bounded_int)", "                      )"),
-    ], ["tests/test_input_files.py"]),
+    ], ["tests/campaigns/test_input_files.py"]),
     Mutant("scale-check-minus-inf-negative", "a global scale of -inf also called negative", [
         ("def scale_value_problems", "finite & (values < 0)", "(values < 0)"),
-    ], ["tests/test_scale_checks.py"]),
+    ], ["tests/formats/test_scale_checks.py"]),
     Mutant("fx-own-header-check", "the fx door's gpt-oss loader opens shards without the shared header check", [
         ("def _open", "        SafetensorsFile(file)\n", "        pass\n"),
-    ], ["tests/test_gpt_oss_load_errors.py"]),
+    ], ["tests/fx/test_gpt_oss_load_errors.py"]),
     Mutant("opset-pass-not-told-of-dq", "the opset pass configured without the rewrite's result: no FP4 DQ seen", [
         ("def run_weight_passes", "SetOpsetAndIR(rewrite.wrote_dq)", "SetOpsetAndIR(False)"),
-    ], ["tests/test_onnx_passes.py"] + CONVERT_TESTS),
+    ], ["tests/onnx/test_onnx_passes.py"] + CONVERT_TESTS),
     Mutant("pass-results-out-of-order", "run_passes hands back the passes' results last first", [
         ("def _Kept.call", "        self.results.append(result)\n", "        self.results.insert(0, result)\n"),
-    ], ["tests/test_onnx_passes.py"]),
+    ], ["tests/onnx/test_onnx_passes.py"]),
     Mutant("ort-versions-not-told-of-emulation", "SetOrtVersions configured as if no quantizer was emulated", [
         ("def lower", "SetOrtVersions(emulated=bool(results[0].lowered),", "SetOrtVersions(emulated=False,"),
-    ], ["tests/test_onnx_passes.py", "tests/test_lower.py"]),
+    ], ["tests/onnx/test_onnx_passes.py", "tests/onnx/test_lower.py"]),
     Mutant("ort-versions-emulated-functions-dropped", "a function whose quantizer was emulated keeps its opset", [
         ("def lower", "emulated_functions=results[0].functions)", "emulated_functions=[])"),
-    ], ["tests/test_onnx_passes.py", "tests/test_lower.py"]),
+    ], ["tests/onnx/test_onnx_passes.py", "tests/onnx/test_lower.py"]),
     # -- slots that could be confused (mutation tools change operators and constants, not which slot is read) --
     Mutant("qmoe-fc2-prior-from-fc1", "fc2's prior global scale is read from fc1's fc1_global_scale input", [
         ("def prior_global_scale", "gi = QMOE_WEIGHTS[record.slot][2]", 'gi = QMOE_WEIGHTS["fc1"][2]'),
-    ], ["tests/test_node_declines.py"]),
+    ], ["tests/onnx/test_node_declines.py"]),
     Mutant("gbq-any-float-scale", "GatherBlockQuantized float scales are not checked for powers of two", [
         ("def GatherBlockQuantizedFp4.check", "        return _power_of_two_reason(s)\n", "        return None\n"),
         ("def e8m0_codes_from_float", "if not (np.all(mantissa == 0.5) and np.all((codes >= 0) & (codes < E8M0_NAN))):",
          "if not np.all((codes >= 0) & (codes < E8M0_NAN)):"),
-    ], ["tests/test_node_declines.py"]),
+    ], ["tests/onnx/test_node_declines.py"]),
     Mutant("qmoe-model-metadata-first", "the model's layout metadata overrides the node's", [
         ("def _hint", "    value = node.metadata_props.get(LAYOUT_KEY)\n    if value in LAYOUT_SHAPES:\n"
          "        return value, f\"node metadata {LAYOUT_KEY}={value}\"\n    value = hints.metadata.get(LAYOUT_KEY)\n",
          "    value = hints.metadata.get(LAYOUT_KEY)\n    if value in LAYOUT_SHAPES:\n"
          "        return value, f\"model metadata {LAYOUT_KEY}={value}\"\n    value = node.metadata_props.get(LAYOUT_KEY)\n"),
-    ], ["tests/test_qmoe_layout.py"]),
+    ], ["tests/onnx/test_qmoe_layout.py"]),
     Mutant("qmoe-global-scale-unchecked", "QMoE fc*_global_scale inputs are not validated", [
         ("def QMoEFp4.check", "        reason = _qmoe_global_scales_reason(node)\n", "        reason = None\n"),
-    ], ["tests/test_node_declines.py"]),
+    ], ["tests/onnx/test_node_declines.py"]),
     Mutant("npz-header-unchecked", "calibration arrays are read whole before their rank is checked", [
         ("def _member", "        if check is not None:\n            check(name, shape, dtype)\n", ""),
-    ], ["tests/test_calib_data_files.py"]),
+    ], ["tests/checkpoint/test_calib_data_files.py"]),
     Mutant("scales-json-duplicates-kept", "SCALES.json keeps the last of two equal keys", [
         ("def strict_json", "object_pairs_hook=no_duplicate_keys, parse_constant=constant,",
          "parse_constant=constant,"),
-    ], ["tests/test_input_files.py"]),
+    ], ["tests/campaigns/test_input_files.py"]),
     # -- writing outputs (fp4pass.io's context managers are decorated: mutmut leaves them alone) ------------
     Mutant("atomic-output-renames-a-failed-writer", "atomic_output renames the temporary in even when the "
            "block raised", [
         ("def atomic_output", "        yield tmp\n        if tmp.exists():\n            finish(tmp, target, kind)\n",
          "        try:\n            yield tmp\n        finally:\n            if tmp.exists():\n"
          "                finish(tmp, target, kind)\n"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("atomic-output-leaves-stale-temporaries", "atomic_output no longer removes dead runs' temporaries", [
         ("def atomic_output", "    target = output_target(path)\n    remove_stale(folder)\n",
          "    target = output_target(path)\n"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("finish-trusts-the-first-look", "the rename does not ask again what stands at the output's name (the "
            "API's save has no earlier check)", [
         ("def finish", "    target = output_target(target)\n    fsync_path(tmp)\n", "    fsync_path(tmp)\n"),
-    ], ["tests/test_loading_external.py"]),
+    ], ["tests/onnx/test_loading_external.py"]),
     Mutant("save-model-before-data", "save renames the model in before the data file it names", [
         ("def save", "        if use_external:\n            # The data lands first; the model that "
          "names it is renamed in last.\n            fio.finish(staging / data_name, path.parent / data_name)\n"
          "        fio.finish(staged, path)\n",
          "        fio.finish(staged, path)\n        if use_external:\n"
          "            fio.finish(staging / data_name, path.parent / data_name)\n"),
-    ], ["tests/test_loading_external.py"]),
+    ], ["tests/onnx/test_loading_external.py"]),
     Mutant("random-inputs-float64", "random float inputs are drawn in float64 and then copied", [
         ("def make_inputs", "rng.standard_normal(dims, dtype=np.float32).astype(dtype, copy=False)",
          "rng.standard_normal(dims).astype(np.float32).astype(dtype)"),
-    ], ["tests/test_random_inputs.py"]),
+    ], ["tests/campaigns/test_random_inputs.py"]),
     # -- reading only inside a model's folder, writing only what is ours ----------------------------------
     Mutant("external-data-prefix-check", "external data is inside the folder when its path starts with it", [
         ("fp4pass/onnx/loading.py", "    return os.path.commonpath([real, base_real]) == base_real",
          "    return real.startswith(base_real)"),
-    ], ["tests/test_loading_external.py"]),
+    ], ["tests/onnx/test_loading_external.py"]),
     Mutant("proto-external-data-unchecked", "a ModelProto's external data is read without a location check", [
         ("def load", "        check_external_data(loaded.model, tensor.base_dir, where, only=tensor)",
          "        pass"),
-    ], ["tests/test_loading_external.py"]),
+    ], ["tests/onnx/test_loading_external.py"]),
     Mutant("function-constants-unwalked", "Constant values in local functions are not among the external tensors", [
         ("def external_tensors",
          '    scopes = [("", model.graph)] + [(f"function {f.name!r} ", f) for f in model.functions.values()]',
          '    scopes = [("", model.graph)]'),
-    ], ["tests/test_loading_external.py"]),
+    ], ["tests/onnx/test_loading_external.py"]),
     Mutant("output-data-file-not-an-input-check", "the output's .data file is not checked against the input's", [
         ("fp4pass/pipeline.py",
          '        refuse_overwrite(Path(output).with_name(Path(output).name + ".data"), *input_files)', ""),
         ("def save", "        if os.path.realpath(data_path) in external_data_files(model) or any(",
          "        if False and any("),
-    ], ["tests/test_loading_external.py"]),
+    ], ["tests/onnx/test_loading_external.py"]),
     Mutant("rename-over-symlink", "an output that is a symlink out of its folder is renamed over", [
         ("def finish", "    target = output_target(target)\n    fsync_path(tmp)", "    fsync_path(tmp)"),
         ("def check_outputs", "        output_target(out, label)\n", ""),
         ("def atomic_output", "    target = output_target(path)\n    remove_stale(folder)", "    target = Path(path)\n    remove_stale(folder)"),
-    ], ["tests/test_io.py", "tests/test_loading_external.py"]),
+    ], ["tests/base/test_io.py", "tests/onnx/test_loading_external.py"]),
     Mutant("rollback-by-name", "a failed run removes whatever file now has its output's name", [
         ("def OutputSession.rollback", "            if identity is None or (st.st_dev, st.st_ino) != identity:", "            if False:"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("stale-by-pid-only", "temporaries of another host or pid namespace are judged by their pid here", [
         ("def _is_stale", "    here = marker[\"host\"] == token\n", "    here = True\n"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("rename-before-fsync", "the temporary is renamed onto the target before it is fsynced", [
         ("def finish", "    fsync_path(tmp)\n    os.chmod(tmp, 0o666 & ~current_umask())\n",
          "    os.chmod(tmp, 0o666 & ~current_umask())\n"),
         ("def finish", "    os.replace(tmp, target)\n    fsync_folder(target.parent)\n",
          "    os.replace(tmp, target)\n    fsync_path(target)\n    fsync_folder(target.parent)\n"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("reports-kept-on-any-failure", "a failed run keeps its reports whatever the exit code", [
         ("def OutputSession.rollback", "            if kind == REPORT and code == 1:", "            if kind == REPORT:"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     # -- checkpoints ----------------------------------------------------------------------------------------
     Mutant("checkpoint-folder-renamed-before-fsync", "an output folder is renamed into place before its files "
            "are fsynced", [
@@ -881,85 +881,85 @@ MUTANTS = [
     Mutant("symlink-rule-follows-any-link", "a symlink out of a checkpoint folder is read like a file of it", [
         ("def member_path", "    if not stat.S_ISLNK(info.st_mode) or follow_symlinks:\n",
          "    if True:\n"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("hf-blob-of-any-repository", "any folder named blobs counts as the snapshot's own blob store", [
         ("def _hf_blob", "            and real.parent.parent == base.parent.parent)", "            )"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("pseudo-files-read", "files of procfs and sysfs are read like any regular file", [
         ("def pseudo_filesystem", "        return kind if kind in PSEUDO_FILESYSTEMS else None", "        return None"),
         ("def pseudo_filesystem", "            if os.stat(root).st_dev == info.st_dev:", "            if False:"),
-    ], ["tests/test_fuzz_checkpoint.py", "tests/test_io.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py", "tests/base/test_io.py"]),
     Mutant("size-not-checked-at-eof", "a file that goes on past its st_size is read or copied without a word", [
         ("def copy_regular_file", "            if extra:\n", "            if False:\n"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("sweep-ignores-the-marker-inode", "a copy of a dead run's temporary (another inode) is swept too", [
         ("def _marker", "    if (data.get(\"dev\"), data.get(\"ino\")) != (st.st_dev, st.st_ino):\n        return None\n",
          ""),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("sweep-trusts-a-reused-pid", "a live pid counts as the run that wrote the marker, whatever its start time",
            [("def _alive_here", "    return now is None or marker.get(\"start\") is None or now == marker.get(\"start\")",
-             "    return True")], ["tests/test_io.py"]),
+             "    return True")], ["tests/base/test_io.py"]),
     Mutant("clean-older-than-removes-live-runs", "--older-than removes a run alive here", [
         ("def _is_stale", "    if here and _alive_here(marker):\n        return False\n    if here:\n        return True\n",
          "    if here and not _alive_here(marker):\n        return True\n"),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("sweep-removes-the-input", "the sweep before a checkpoint conversion may remove the run's own input", [
         ("def remove_stale", "            if (st.st_dev, st.st_ino) in kept:\n                continue\n", ""),
-    ], ["tests/test_io.py"]),
+    ], ["tests/base/test_io.py"]),
     Mutant("folder-rename-not-recorded", "the output folder's rename is not recorded: a signal once the command "
            "has returned leaves OUT_DIR", [
         ("def atomic_folder", "                session.record(target, RESULT, identity)\n", "                pass\n"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("folder-kept-when-its-fsync-fails", "a failure right after the folder's rename leaves it in place "
            "(outside the CLI's session)", [
         ("def atomic_folder", "            _remove_folder_if(target, identity, was_empty_folder)\n", "            pass\n"),
-    ], ["tests/test_io.py", "tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/base/test_io.py", "tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("report-after-the-rename", "--report is written once OUT_DIR is in place", [
         ("fp4pass/checkpoint/run.py", "                    if before_rename is not None:\n"
          "                        before_rename(report)  # the rename of out_dir comes after it, as the last step\n", ""),
         ("fp4pass/checkpoint/run.py", "            break\n    return report", "            break\n"
          "    if before_rename is not None:\n        before_rename(report)\n    return report"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("shards-held-open", "every shard stays open from the catalog's opening on", [
         ("def SafetensorsFile", "        finally:\n            os.close(fd)\n\n    def _fail",
          "        except BaseException:\n            os.close(fd)\n            raise\n\n    def _fail"),
-    ], ["tests/test_fuzz_checkpoint.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py"]),
     Mutant("tensor-count-not-capped", "a header may list any number of tensors", [
         ("def SafetensorsFile._parse", "        if raw.count(b\"{\") > 2 * limit + 2:", "        if False:"),
         ("def SafetensorsFile._parse", "        if len(header) > limit:", "        if False:"),
-    ], ["tests/test_checkpoint_reader.py"]),
+    ], ["tests/checkpoint/test_checkpoint_reader.py"]),
     Mutant("nan-in-config-taken", "NaN and Infinity in config.json or a header are read as numbers", [
         ("def strict_json", "    if constants:\n        raise ValueError(", "    if False:\n        raise ValueError("),
-    ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_reader.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py", "tests/checkpoint/test_checkpoint_reader.py"]),
     Mutant("check-trusts-the-reader-everywhere", "--check never decodes in float64", [
         ("fp4pass/checkpoint/check.py", "        why = _why_float64(x, y)\n", "        why = None\n"),
         ("def _compare_bound", "    whys = [_why_float64(x, y) for x, y in zip(xs, ys)]",
          "    whys = [None for x, y in zip(xs, ys)]"),
-    ], ["tests/test_fuzz_checkpoint.py", "tests/test_checkpoint_check_mutants.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py", "tests/campaigns/test_checkpoint_check_mutants.py"]),
     Mutant("check-pair-bound-per-tensor", "--check holds each half of a w1/w3 pair to its own plain requantization, "
            "not the pair to requantization under the scale it shares", [
         ("fp4pass/checkpoint/check.py", "        _compare_bound(names, xs, ys, reader, result, owns, stack_amax)\n",
          "        for one in zip(names, xs, ys, owns):\n"
          "            _compare_bound([one[0]], [one[1]], [one[2]], reader, result, [one[3]], stack_amax)\n"),
-    ], ["tests/test_checkpoint_check_pairs.py"]),
+    ], ["tests/checkpoint/test_checkpoint_check_pairs.py"]),
     Mutant("check-pair-scale-from-w1", "--check's bound for a pair takes the shared global scale from w1's amax "
            "alone", [
         ("def _group_amax", "    return max(float(np.abs(x).max()) for x in xs)",
          "    return float(np.abs(xs[0]).max())"),
-    ], ["tests/test_checkpoint_check_pairs.py"]),
+    ], ["tests/checkpoint/test_checkpoint_check_pairs.py"]),
     Mutant("check-pair-sum-over-w1-only", "--check sums a pair's squared error over w1 only", [
         ("def _compare_bound", "    sse = sum(errors)\n", "    sse = errors[0]\n"),
-    ], ["tests/test_checkpoint_check_pairs.py"]),
+    ], ["tests/checkpoint/test_checkpoint_check_pairs.py"]),
     Mutant("check-pair-two-global-scales-taken", "--check passes a pair written with two different global scales", [
         ("def _unequal_global_scales", "    if all(torch.equal(w, written[0]) for w in written[1:]):", "    if True:"),
-    ], ["tests/test_checkpoint_check_pairs.py"]),
+    ], ["tests/checkpoint/test_checkpoint_check_pairs.py"]),
     Mutant("check-stack-expert-own-scale", "--check holds each expert of a gpt-oss stack to requantization under "
            "its own amax, not the stack's one global scale", [
         ("def _check_fused", "multiplier)], stack_amax)", "multiplier)])"),
-    ], ["tests/test_checkpoint_check_pairs.py"]),
+    ], ["tests/checkpoint/test_checkpoint_check_pairs.py"]),
     Mutant("check-stack-amax-low-nibbles", "--check's stack amax reads only the low nibble of each byte", [
         ("def _mxfp4_amax", "np.maximum(codes & 0x07, (codes >> 4) & 0x07)", "(codes & 0x07)"),
-    ], ["tests/test_checkpoint_check_pairs.py"]),
+    ], ["tests/checkpoint/test_checkpoint_check_pairs.py"]),
     Mutant("checkpoint-pair-input-scale-from-one-half", "gate and up keep their own calibrated input scales "
            "instead of sharing the larger", [
         ("def resolve_input_scales", "                    found[n] = max(known)",
@@ -1188,7 +1188,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/calibration.py",
          "from fp4pass.checkpoint.layerwise.model import experts_modules, resolve_architecture",
          "from fp4pass.checkpoint.layerwise.model import _rename, experts_modules, resolve_architecture"),
-    ], ["tests/test_private_names.py"]),
+    ], ["tests/project/test_private_names.py"]),
     Mutant("ckpt-partial-earlier-declines-lost", "--allow-partial: a unit failing drops the declines made before it", [
         ("def _decline_unit", 'declined = found.declined + [{"tensor"', 'declined = [{"tensor"'),
     ], CKPT_RUNNER_TESTS),
@@ -1274,13 +1274,13 @@ MUTANTS = [
     ], GPU_CHECK_TESTS),
     Mutant("bench-gpu-floor-scales-not-copied", "the GPU floor copies the MXFP4 codes but not their scales", [
         ("def mxfp4_bytes", 'name.endswith(("_blocks", "_scales"))', 'name.endswith("_blocks")'),
-    ], ["tests/test_bench_calibrate_gpu.py"]),
+    ], ["tests/project/test_bench_calibrate_gpu.py"]),
     Mutant("bench-gpu-floor-smaller-binds", "the GPU floor takes the smaller of the copy and the matmuls", [
         ("def gpu_floor", "    if h2d_s >= bf16_matmul_s:", "    if h2d_s <= bf16_matmul_s:"),
-    ], ["tests/test_bench_calibrate_gpu.py"]),
+    ], ["tests/project/test_bench_calibrate_gpu.py"]),
     Mutant("qmoe-check-schema-not-repacked", "the QMoE check hands the kernel a schema-layout weight as it is", [
         ("tests/qmoe_cuda_check.py", "            packed = qmoe_layout.schema_to_kernel(packed, rows, k)\n", ""),
-    ], ["tests/test_qmoe_cuda.py"]),
+    ], ["tests/onnx/test_qmoe_cuda.py"]),
     Mutant("gpu-check-no-preload", "the carried onnxruntime-gpu is imported without preload_dlls()", [
         ("tests/gpu_check.sh", "ort.preload_dlls()  # the CUDA", "pass  # the CUDA"),
     ], GPU_CHECK_TESTS),
@@ -1413,11 +1413,11 @@ MUTANTS = [
         ("def _input_name", '    return mod.form.tensor(mod.name, "input_scale")',
          '    return f"{mod.name}.input_scale" if mod.convention == MULTIPLIER else mod.form.tensor(mod.name, '
          '"input_scale")'),
-    ], ["tests/test_records_spelled_once.py"]),
+    ], ["tests/project/test_records_spelled_once.py"]),
     Mutant("records-engine-named-in-verdicts", "a verdict branches on an engine's name, not on its record", [
         ("def _modelopt_verdict", "        if not engine_record(engine).mixed_precision:",
          '        if engine != "vllm":'),
-    ], ["tests/test_records_spelled_once.py"]),
+    ], ["tests/project/test_records_spelled_once.py"]),
     Mutant("engine-record-outcome-ignored", "an engine's own outcome of a problem kind ignored (TensorRT-LLM's "
            "refusal of a w1/w3 mismatch)", [
         ("def Problem.outcome_for", "self.outcome or engine_record(engine).outcomes.get(self.kind) or ",
@@ -1427,7 +1427,7 @@ MUTANTS = [
         ("def Engine.fused_modules",
          "        return dict(family_of(architecture).vllm_fused) if self.fused is None else dict(self.fused)",
          "        return dict(family_of(architecture).vllm_fused)"),
-    ], ["tests/test_checkpoint_engines.py"]),
+    ], ["tests/checkpoint/test_checkpoint_engines.py"]),
     Mutant("engine-held-to-every-form", "every engine held to every form (TensorRT-LLM to compressed-tensors)", [
         ("def engines_held_to", "if cfg.form not in e.not_held_to and e.name in claimed]",
          "if e.name in claimed]"),
@@ -1493,11 +1493,11 @@ MUTANTS = [
     Mutant("kv-present-uninitialised", "a ring-buffer present left to onnxruntime's allocator (rows unwritten)", [
         ("def _Runner._run_feeds", "        if not self.past_buffers:\n            return session.run(",
          "        if True:\n            return session.run("),
-    ], ["tests/test_check_inputs.py"]),
+    ], ["tests/campaigns/test_check_inputs.py"]),
     Mutant("kv-present-past-slot", "the past/present pairs read from the wrong GroupQueryAttention slots", [
         ("fp4pass/onnx/feeds.py", '_PAST_PRESENT = {"GroupQueryAttention": ((3, 1), (4, 2))',
          '_PAST_PRESENT = {"GroupQueryAttention": ((3, 2), (4, 1))'),
-    ], ["tests/test_check_inputs.py"]),
+    ], ["tests/campaigns/test_check_inputs.py"]),
 ]
 
 

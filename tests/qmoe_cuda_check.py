@@ -17,7 +17,7 @@ For every QMoE node of each source model (the onnxruntime-genai builder's gpt-os
    against ``float32_nvfp4``, and of ``cuda_fp4`` against ``float32_fp4`` (the kernel's own accuracy, for scale).
 
 A kernel that refuses a model (attribute, layout, swizzle) is reported with onnxruntime's words under
-``error``. Steps 1 and 3 run anywhere (tests/test_qmoe_cuda.py checks them on the CPU); step 2 needs the CUDA EP.
+``error``. Steps 1 and 3 run anywhere (tests/onnx/test_qmoe_cuda.py checks them on the CPU); step 2 needs the CUDA EP.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "tests" / "support"):  # fp4pass, and the test builders (run as a script on the GPU)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 FIXTURES = ROOT / "tests" / "fixtures"
 SOURCES = {"ortgenai_gptoss": FIXTURES / "ortgenai_gptoss" / "model.onnx",
@@ -45,8 +46,8 @@ _FC = {"fc1": (2, 3, 4, 15), "fc2": (5, 6, 7, 16)}  # QMoE input indices: weight
 
 
 def bundled_qmoe(experts: int = 16, hidden: int = 64, inter: int = 64) -> onnx.ModelProto:
-    """A QMoE 'fp4' of ``experts`` experts (tests/onnx_models.py: random codes, E8M0 scales, float biases)."""
-    from tests.onnx_models import qmoe_model
+    """A QMoE 'fp4' of ``experts`` experts (tests/support/onnx_models.py: random codes, E8M0 scales, float biases)."""
+    from onnx_models import qmoe_model
 
     model = qmoe_model(np.random.default_rng(11), "fp4", experts=experts, hidden=hidden, inter=inter, tokens=8)[0]
     model.graph.node[0].name = "bundled/QMoE"

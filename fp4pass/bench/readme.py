@@ -1,7 +1,7 @@
 """The deterministic results tables of docs/results.md, computed by the code: ``python -m fp4pass.bench.readme``.
 
 Three tables, printed as markdown, each to be pasted under its heading in docs/results.md
-(``tests/test_readme_tables.py`` checks that the committed file holds what this module computes):
+(``tests/project/test_readme_tables.py`` checks that the committed file holds what this module computes):
 
 - ``main`` (under the heading starting "The main job"): the README's first command, ``fp4pass convert
   models/tiny_gpt_oss.onnx --calib models/tiny_gpt_oss_calib.npz --check``, in the example table's columns,

@@ -16,7 +16,7 @@ refused). Every other flag is shared by the doors of its command.
 
 Why one record per command: the doors' flags were hand lists in each command module (five of them), each with
 its own refusal loop, so a flag added to one door could be forgotten in another command's list and then be
-ignored without a word. ``tests/test_cmd_doors.py`` checks that every flag named here is a flag of its command
+ignored without a word. ``tests/cli/test_cmd_doors.py`` checks that every flag named here is a flag of its command
 and belongs to one door only.
 
 A Hub ID is resolved once per command (:func:`resolve`), into its snapshot folder, before the door is refined

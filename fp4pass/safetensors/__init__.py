@@ -8,5 +8,5 @@
 
 ``fp4pass.checkpoint`` (conversion, calibration, validation, diff) and ``fp4pass.fx.gpt_oss`` (the torch.fx
 door's gpt-oss loader) both read through it, so a header that lies is refused the same way whichever door it
-came in by. It imports nothing of the doors (tests/test_layering.py).
+came in by. It imports nothing of the doors (tests/project/test_layering.py).
 """
