@@ -246,14 +246,15 @@ class _Lockstep:
             self.dropped.append(oldest)
 
 
-def diff(a, b, example_inputs, *, intermediates: bool = True, weights: bool = False, snr_min: float | None = None,
+def diff(reference, candidate, example_inputs, *, intermediates: bool = True, weights: bool = False, snr_min: float | None = None,
          show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30) -> DiffResult:
-    """Compare ``b`` against ``a`` node by node, each model run once (module docstring for every step)."""
+    """Compare ``candidate`` against ``reference`` node by node, each model run once (module docstring for every
+    step)."""
     args, kwargs = _split_inputs(example_inputs)
-    for label, model in (("a", a), ("b", b)):
+    for label, model in (("a", reference), ("b", candidate)):
         check_inputs(model, args, kwargs, f"fx diff: {label}")  # before either model runs
-    runner_a = _Runner(_graph_module(a, args, kwargs, "a"), args, kwargs, "a")
-    runner_b = _Runner(_graph_module(b, args, kwargs, "b"), args, kwargs, "b")
+    runner_a = _Runner(_graph_module(reference, args, kwargs, "a"), args, kwargs, "a")
+    runner_b = _Runner(_graph_module(candidate, args, kwargs, "b"), args, kwargs, "b")
     notes: list[str] = []
 
     out_nodes = runner_a.output_nodes()

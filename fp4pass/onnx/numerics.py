@@ -364,11 +364,12 @@ class _NoKernel(ModelError):
     """onnxruntime has no kernel for a node of the model (bfloat16 MatMul on CPU, for one)."""
 
 
-def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermediates: bool = False,
+def diff(reference, candidate, inputs=None, provider: str = "auto", *, intermediates: bool = False,
          snr_min: float | None = None, seed: int = 0, shapes: dict | None = None,
          show_progress: bool | None = None, intermediate_budget_bytes: int = 1 << 30,
          past_length: int = 0, base_dir: str | os.PathLike | None = None) -> DiffResult:
-    """Compare ``rewritten`` against ``original`` under onnxruntime (module docstring for every step).
+    """Compare ``candidate`` (the rewritten model) against ``reference`` (the original) under onnxruntime (module
+    docstring for every step).
 
     ``base_dir``: the folder the external data of a model given as a proto or ``onnx_ir.Model`` resolves
     against (:func:`fp4pass.onnx.loading.load`); a path's own folder always wins.
@@ -377,7 +378,7 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
                    show_progress=show_progress, intermediate_budget_bytes=intermediate_budget_bytes,
                    past_length=past_length, base_dir=base_dir)
     try:
-        return _diff(original, rewritten, inputs, provider, **options)
+        return _diff(reference, candidate, inputs, provider, **options)
     except _NoKernel as exc:
         if provider == REFERENCE:
             raise
@@ -385,7 +386,7 @@ def diff(original, rewritten, inputs=None, provider: str = "auto", *, intermedia
         found = re.search(r"Could not find an implementation for (.*)", reason)
         reason = found.group(1).strip() if found else reason
     logger.debug("diff: onnxruntime cannot run it (%s); running onnx.reference instead", reason)
-    result = _diff(original, rewritten, inputs, REFERENCE, **options)
+    result = _diff(reference, candidate, inputs, REFERENCE, **options)
     result.notes.insert(0, f"onnxruntime has no kernel for {reason}: both models ran under onnx.reference "
                            "instead (as with --provider reference: numpy, slow on big models)")
     return result
