@@ -66,11 +66,11 @@ CALIB_TESTS = ["tests/calib/test_calib_scales.py", "tests/calib/test_calib_stats
                "tests/onnx/test_calib_runner.py", "tests/calib/test_calib_perf.py", "tests/cli/test_calib_command.py"]
 
 
-USER_PATH_TESTS = ["tests/campaigns/test_user_path_round4.py"]
-ROUND5_TESTS = ["tests/campaigns/test_user_path_round5.py"]
+USER_PATH_TESTS = ["tests/campaigns/test_flags_usage_and_quiet.py"]
+ROUND5_TESTS = ["tests/campaigns/test_quiet_progress_and_startup.py"]
 DOORS_TESTS = ["tests/cli/test_cmd_doors.py"]
 FORMS_USED_TESTS = ["tests/checkpoint/test_checkpoint_forms_used.py"]
-INPUT_TESTS = ["tests/campaigns/test_user_path_inputs.py"]
+INPUT_TESTS = ["tests/campaigns/test_wrong_inputs_redirect.py"]
 OVERWRITE_TESTS = ["tests/base/test_output_overwrite.py"]
 KIMI_K3_TESTS = ["tests/checkpoint/test_checkpoint_kimi_k3.py"]
 REMOTE_CODE_TESTS = ["tests/checkpoint/test_checkpoint_remote_code.py"]
@@ -935,7 +935,7 @@ MUTANTS = [
         ("fp4pass/checkpoint/check.py", "        why = _why_float64(x, y)\n", "        why = None\n"),
         ("def _compare_bound", "    whys = [_why_float64(x, y) for x, y in zip(xs, ys)]",
          "    whys = [None for x, y in zip(xs, ys)]"),
-    ], ["tests/campaigns/test_fuzz_checkpoint.py", "tests/campaigns/test_checkpoint_check_mutants.py"]),
+    ], ["tests/campaigns/test_fuzz_checkpoint.py", "tests/campaigns/test_check_damaged_outputs.py"]),
     Mutant("check-pair-bound-per-tensor", "--check holds each half of a w1/w3 pair to its own plain requantization, "
            "not the pair to requantization under the scale it shares", [
         ("fp4pass/checkpoint/check.py", "        _compare_bound(names, xs, ys, reader, result, owns, stack_amax)\n",
