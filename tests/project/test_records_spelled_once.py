@@ -19,6 +19,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+from fp4pass.checkpoint import forms
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = ROOT / "fp4pass" / "checkpoint"
 
@@ -111,3 +115,36 @@ def f(mod, engine):
     assert found == [("tensor suffix", ".weight_scale_2"), ("tensor suffix", "_weight_scale"),
                      ("tensor suffix", "experts.gate_up_proj_weight_scale"), ("tensor suffix", "gate_up_proj_blocks"),
                      ("expert pattern", r"^(?P<p>.+\.experts)\.(\d+)$"), ("engine name", "trtllm")]
+
+
+# -- the writer's and reader's modules: no constant starts with any suffix of the forms at all ------------------
+
+#: held to more than the rule above: ``.weight`` and ``.scale`` count too (error prose and docstrings aside)
+STRICT = ["run.py", "plan.py", "shards.py", "inspection.py", "output_forms.py", "detect.py", "input_scales.py"]
+#: every suffix of the checkpoint forms, written out (MXFP4 inputs, NVFP4 outputs, the tensors beside them), as well
+#: as taken from the records, so that a suffix missing from the records is still caught
+BY_HAND = ("_blocks", "_scales", ".weight_packed", ".weight_scale", ".scale", ".weight", "_weight_scale",
+           "_weight_scale_2", "_input_scale", ".weight_scale_2", ".input_scale", ".weight_global_scale",
+           ".input_global_scale", ".weight_shape", ".weight_scale_inv")
+SUFFIXES = set(BY_HAND) | {r.suffix for f in forms.MXFP4_FORMS + forms.NVFP4_FORMS for r in f.roles if r.suffix}
+
+
+def strict_spellings(source: str) -> list[tuple[int, str]]:
+    """(line, constant) of every string constant that starts with a suffix or holds an expert-name regex."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+            and (any(node.value.startswith(s) for s in SUFFIXES) or r"\.experts" in node.value
+                 or node.value.endswith(".experts"))]
+
+
+@pytest.mark.parametrize("name", STRICT)
+def test_the_writer_and_reader_modules_spell_no_suffix_at_all(name):
+    assert strict_spellings((CHECKPOINT / name).read_text()) == []
+
+
+@pytest.mark.parametrize("source", ['x = name.endswith(".weight")', 'f"{module}.scale"', 'p + "_weight_scale"',
+                                    r're.compile(r"^(.*)\.experts\.(\d+)$")', 'k.endswith(".experts")'])
+def test_the_strict_check_sees_a_suffix_or_pattern_wherever_it_is_spelled(source):
+    assert strict_spellings(source)
